@@ -1,0 +1,250 @@
+"""Cache collections (they own the memory) and per-layer views (the MAX `KVCacheT` surface).
+
+A collection owns one `blocks` pool for all layers plus the per-step tensors `cache_lengths`,
+`lookup_table` and `input_row_offsets`, preallocated for `max_batch_size` rows so that a step
+only ever updates them in place (CUDA graphs keep their addresses). A step with `batch` active
+sequences uses the first `batch` rows: `collection.step_tensors(batch)`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import layout
+from .params import KVCacheParams
+
+
+class StepTensors(NamedTuple):
+    """The metadata of one step: the first `batch` rows of a collection's preallocated tensors."""
+
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    input_row_offsets: torch.Tensor
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return value
+
+
+class _Collection:
+    """Storage shared by the paged and continuous-batching collections."""
+
+    params: KVCacheParams
+    blocks: torch.Tensor
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    input_row_offsets: torch.Tensor
+    max_batch_size: int
+    max_seq_len: int
+
+    def _allocate(self, params: KVCacheParams, physical_pages: int, table_shape: tuple[int, ...],
+                  device: torch.device | str | None) -> None:
+        if not isinstance(params, KVCacheParams):
+            raise ValueError(f"params: expected KVCacheParams, got {type(params).__name__}")
+        self.params = params
+        device = torch.device(device if device is not None else "cpu")
+        p = params
+        self.blocks = torch.zeros(physical_pages, p.num_planes, p.num_layers, p.page_size,
+                                  p.num_kv_heads, p.head_dim, dtype=p.dtype, device=device)
+        self.cache_lengths = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
+        self.lookup_table = torch.full(table_shape, layout.NULL_PAGE, dtype=torch.int32, device=device)
+        self.input_row_offsets = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def num_physical_pages(self) -> int:
+        """Pages in `blocks`, the null page included."""
+        return self.blocks.shape[0]
+
+    def memory_bytes(self) -> int:
+        """Bytes held by the pool and the step tensors."""
+        tensors = (self.blocks, self.cache_lengths, self.lookup_table, self.input_row_offsets)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def step_tensors(self, batch: int) -> StepTensors:
+        """Views of the first `batch` rows of the step tensors (no copy)."""
+        if not 0 < batch <= self.max_batch_size:
+            raise ValueError(f"batch: expected 1..{self.max_batch_size}, got {batch}")
+        return StepTensors(self.cache_lengths[:batch], self.lookup_table[:batch],
+                           self.input_row_offsets[: batch + 1])
+
+    def get_key_cache(self, layer_idx: int) -> PagedKVCache:
+        """Per-layer view of the keys (the latent plane of an MLA cache)."""
+        return self._view(layer_idx, 0)
+
+    def get_value_cache(self, layer_idx: int) -> PagedKVCache:
+        """Per-layer view of the values; an MLA cache has none."""
+        if self.params.is_mla:
+            raise ValueError("get_value_cache: an MLA cache has a single latent plane; use get_key_cache")
+        return self._view(layer_idx, 1)
+
+    def _view(self, layer_idx: int, plane: int) -> PagedKVCache:
+        view_type = ContinuousBatchingKVCache if self.lookup_table.dim() == 1 else PagedKVCache
+        return view_type(self.blocks, self.cache_lengths, self.lookup_table, layer_idx, plane,
+                         self.input_row_offsets)
+
+
+class PagedKVCacheCollection(_Collection):
+    """A paged KV cache: `num_pages` usable pages of `params.page_size` tokens, plus the null page.
+
+    `blocks` is `[num_pages + 1, 2|1, num_layers, page_size, num_kv_heads, head_dim]`; page
+    `NULL_PAGE` (0) is reserved and pads every `lookup_table` row, whose width is a multiple of 8
+    with 8 slack entries beyond the `max_seq_len` a sequence may reach.
+    """
+
+    def __init__(self, params: KVCacheParams, num_pages: int, max_batch_size: int, max_seq_len: int,
+                 device: torch.device | str | None = None) -> None:
+        self.num_pages = _positive_int("num_pages", num_pages)
+        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
+        width = layout.table_width(self.max_seq_len, params.page_size)
+        self._allocate(params, num_pages + 1, (self.max_batch_size, width), device)
+
+    @property
+    def max_pages_per_sequence(self) -> int:
+        """Pages a sequence of `max_seq_len` tokens needs."""
+        return -(-self.max_seq_len // self.params.page_size)
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCacheCollection({self.params}, num_pages={self.num_pages}, "
+                f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
+                f"device={self.device})")
+
+
+class ContinuousBatchingKVCacheCollection(_Collection):
+    """One slot (a page of `max_seq_len` tokens) per sequence; `lookup_table` is 1-D `[batch]`.
+
+    `params.page_size` must equal `max_seq_len`. Slot `NULL_PAGE` (0) is reserved; row b of the
+    table starts out pointing at slot b + 1.
+    """
+
+    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
+                 device: torch.device | str | None = None) -> None:
+        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
+        if params.page_size != max_seq_len:
+            raise ValueError(f"params.page_size: a continuous-batching slot holds max_seq_len tokens, "
+                             f"so page_size must equal max_seq_len={max_seq_len}, got {params.page_size}")
+        self.num_pages = self.max_batch_size
+        self._allocate(params, self.max_batch_size + 1, (self.max_batch_size,), device)
+        self.lookup_table.copy_(torch.arange(1, self.max_batch_size + 1, dtype=torch.int32))
+
+    def __repr__(self) -> str:
+        return (f"ContinuousBatchingKVCacheCollection({self.params}, max_batch_size={self.max_batch_size}, "
+                f"max_seq_len={self.max_seq_len}, device={self.device})")
+
+
+class PagedKVCache:
+    """One layer's K (plane 0) or V (plane 1) of a paged cache, with MAX's `KVCacheT` surface.
+
+    Built from the step tensors, so it can wrap a collection's buffers or any slice of them.
+    Host-side helpers (`cache_length`, `load`, `store`, ...) read tensors and may synchronise;
+    kernels use the same arithmetic (`layout.tma_row`) on device.
+    """
+
+    def __init__(self, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+                 layer_idx: int, plane: int = 0, input_row_offsets: torch.Tensor | None = None) -> None:
+        if blocks.dim() != 6:
+            raise ValueError(f"blocks: expected 6 dims, got shape {tuple(blocks.shape)}")
+        num_planes, num_layers = blocks.shape[1], blocks.shape[2]
+        if not 0 <= layer_idx < num_layers:
+            raise ValueError(f"layer_idx: expected 0..{num_layers - 1}, got {layer_idx}")
+        if not 0 <= plane < num_planes:
+            raise ValueError(f"plane: expected 0..{num_planes - 1}, got {plane}")
+        self.blocks = blocks
+        self.cache_lengths = cache_lengths
+        self.lookup_table = lookup_table
+        self.input_row_offsets = input_row_offsets
+        self.layer_idx = layer_idx
+        self.plane = plane
+        self.page_size = blocks.shape[3]
+        self.num_kv_heads = blocks.shape[4]
+        self.head_dim = blocks.shape[5]
+        self.page_stride = layout.page_stride_rows(num_planes, num_layers, self.page_size)
+        self.plane_offset = layout.plane_row_offset(layer_idx, plane, num_layers, self.page_size)
+
+    # -- lengths ---------------------------------------------------------------------------
+    def cache_length(self, batch_idx: int) -> int:
+        """Tokens already cached for sequence `batch_idx` before this step."""
+        return int(self.cache_lengths[batch_idx])
+
+    def cache_lengths_nd(self) -> torch.Tensor:
+        """The `[batch]` int32 tensor of cached lengths."""
+        return self.cache_lengths
+
+    def empty_cache(self) -> bool:
+        """True when no sequence has cached tokens (a pure prefill step)."""
+        return not bool(self.cache_lengths.any())
+
+    def _new_tokens(self) -> torch.Tensor:
+        if self.input_row_offsets is None:
+            return torch.zeros_like(self.cache_lengths)
+        return self.input_row_offsets[1:] - self.input_row_offsets[:-1]
+
+    def max_prompt_length(self) -> int:
+        """Most new tokens any sequence brings this step (0 without `input_row_offsets`)."""
+        return int(self._new_tokens().max()) if self.cache_lengths.numel() else 0
+
+    def max_context_length(self) -> int:
+        """Longest `cache_length + new tokens` over the batch."""
+        if not self.cache_lengths.numel():
+            return 0
+        return int((self.cache_lengths + self._new_tokens()).max())
+
+    # -- row view --------------------------------------------------------------------------
+    def row_view(self) -> torch.Tensor:
+        """`blocks` as a 2-D matrix of rows of width `num_kv_heads * head_dim` (no copy)."""
+        return self.blocks.view(-1, self.num_kv_heads * self.head_dim)
+
+    def num_kv_rows(self) -> int:
+        """Height of the row view (what a TMA descriptor bounds)."""
+        return self.row_view().shape[0]
+
+    def get_tma_row(self, encoded: layout.IntLike) -> layout.IntLike:
+        """Row-view row of `encoded = page * page_size + offset` for this layer and plane."""
+        return layout.tma_row(encoded, self.page_size, self.page_stride, self.plane_offset)
+
+    def _page(self, batch_idx: int | torch.Tensor, tok: int | torch.Tensor) -> torch.Tensor:
+        return self.lookup_table[batch_idx, tok // self.page_size]
+
+    def _encode(self, batch_idx: int | torch.Tensor, tok: int | torch.Tensor) -> torch.Tensor:
+        return self._page(batch_idx, tok).to(torch.int64) * self.page_size + tok % self.page_size
+
+    def row_idx(self, batch_idx: int, tok: int) -> int:
+        """Row-view row of token `tok` of sequence `batch_idx`."""
+        return int(self.get_tma_row(self._encode(batch_idx, tok)))
+
+    def col_idx(self, head_idx: int) -> int:
+        """First column of KV head `head_idx` in the row view."""
+        return head_idx * self.head_dim
+
+    def populate(self, batch_idx: int, base_row: int, num_rows: int) -> torch.Tensor:
+        """Row-view rows (int64 `[num_rows]`) of tokens `base_row .. base_row+num_rows-1`."""
+        toks = torch.arange(base_row, base_row + num_rows, device=self.lookup_table.device)
+        return self.get_tma_row(self._encode(batch_idx, toks))
+
+    # -- element access (host-side) --------------------------------------------------------
+    def load(self, batch_idx: int, head_idx: int, tok: int, dim: int = 0, width: int | None = None) -> torch.Tensor:
+        """`width` elements (default: to the end of the head) of one cached token's head vector."""
+        width = self.head_dim - dim if width is None else width
+        col = self.col_idx(head_idx) + dim
+        return self.row_view()[self.row_idx(batch_idx, tok), col: col + width]
+
+    def store(self, batch_idx: int, head_idx: int, tok: int, dim: int, values: torch.Tensor) -> None:
+        """Write `values` into one cached token's head vector starting at `dim`."""
+        col = self.col_idx(head_idx) + dim
+        self.row_view()[self.row_idx(batch_idx, tok), col: col + values.numel()] = values.reshape(-1)
+
+
+class ContinuousBatchingKVCache(PagedKVCache):
+    """`PagedKVCache` over the slot layout: a 1-D `lookup_table` maps each row to its slot."""
+
+    def _page(self, batch_idx: int | torch.Tensor, tok: int | torch.Tensor) -> torch.Tensor:
+        return self.lookup_table[batch_idx]

@@ -1,0 +1,95 @@
+"""Which backend runs an op: registry, default order, `TORCH_PAGED_KV_BACKEND`, `backend_info`.
+
+Backends register kernels with `register_kernel(backend, op, fn, supports)`; `fn` takes the op's
+arguments in schema order and may assume they passed validation. `supports(*args)` says whether the
+kernel covers a particular call (shapes, dtypes, arch); without it every call is covered.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
+BACKENDS = ("cute", "triton", "reference")  # preference order
+ENV_VAR = "TORCH_PAGED_KV_BACKEND"
+
+Kernel = Callable[..., Any]
+Supports = Callable[..., bool]
+
+
+class BackendUnavailableError(RuntimeError):
+    """`TORCH_PAGED_KV_BACKEND` forces a backend that cannot run this call."""
+
+
+_kernels: dict[tuple[str, str], tuple[Kernel, Supports | None]] = {}
+_availability: dict[str, Callable[[torch.device], str | None]] = {}
+
+
+def register_backend(name: str, unavailable_reason: Callable[[torch.device], str | None]) -> None:
+    """Declare a backend; `unavailable_reason(device)` returns None when it can run there."""
+    if name not in BACKENDS:
+        raise ValueError(f"name: unknown backend {name!r}; expected one of {BACKENDS}")
+    _availability[name] = unavailable_reason
+
+
+def register_kernel(backend: str, op: str, fn: Kernel, supports: Supports | None = None) -> None:
+    """Register `fn` as `backend`'s implementation of `op`."""
+    if op not in OPS:
+        raise ValueError(f"op: unknown op {op!r}; expected one of {OPS}")
+    if backend not in _availability:
+        raise ValueError(f"backend: {backend!r} is not registered; call register_backend first")
+    _kernels[(backend, op)] = (fn, supports)
+
+
+def _reason(backend: str, op: str, device: torch.device, args: tuple | None) -> str | None:
+    """Why `backend` cannot run `op` on `device` (for `args`, when given); None if it can."""
+    if backend not in _availability:
+        return f"backend {backend!r} is not installed"
+    reason = _availability[backend](device)
+    if reason is not None:
+        return reason
+    entry = _kernels.get((backend, op))
+    if entry is None:
+        return f"backend {backend!r} has no {op} kernel"
+    supports = entry[1]
+    if args is not None and supports is not None and not supports(*args):
+        return f"backend {backend!r} does not cover this {op} call (shapes/dtypes)"
+    return None
+
+
+def forced_backend() -> str | None:
+    """The backend named by `TORCH_PAGED_KV_BACKEND`, or None."""
+    name = os.environ.get(ENV_VAR) or None
+    if name is not None and name not in BACKENDS:
+        raise BackendUnavailableError(f"{ENV_VAR}={name!r}: expected one of {BACKENDS}")
+    return name
+
+
+def select(op: str, device: torch.device, args: tuple) -> Kernel:
+    """The kernel that runs this call of `op` on `device`."""
+    forced = forced_backend()
+    if forced is not None:
+        reason = _reason(forced, op, device, args)
+        if reason is not None:
+            raise BackendUnavailableError(f"{ENV_VAR}={forced}: cannot run {op} on {device}: {reason}")
+        return _kernels[(forced, op)][0]
+    for backend in BACKENDS:
+        if _reason(backend, op, device, args) is None:
+            return _kernels[(backend, op)][0]
+    raise BackendUnavailableError(f"no backend can run {op} on {device}")
+
+
+def backend_info(device: torch.device | str = "cpu") -> dict[str, str]:
+    """For each op, the backend a typical call on `device` would use (or why none can)."""
+    device = torch.device(device)
+    forced = forced_backend()
+    info = {}
+    for op in OPS:
+        candidates = (forced,) if forced else BACKENDS
+        reasons = {b: _reason(b, op, device, None) for b in candidates}
+        chosen = next((b for b, r in reasons.items() if r is None), None)
+        info[op] = chosen if chosen else "unavailable: " + "; ".join(f"{b}: {r}" for b, r in reasons.items())
+    return info

@@ -1,0 +1,190 @@
+"""Validation every op runs before it writes. A rejected call raises `ValueError` naming the argument.
+
+`check_*_meta` looks at shapes, dtypes and devices only: the fakes run it while tracing. The real
+implementations add `check_*_data`, which reads the index tensors (page ids, lengths, offsets).
+On CUDA that is a host sync, so data checks are skipped while a CUDA graph is being captured and
+can be switched off with `TORCH_PAGED_KV_VALIDATE=shapes` (default `full`); kernels still clamp
+out-of-range pages so that an unchecked bad call cannot write outside `blocks`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INDEX_DTYPE = torch.int32
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def data_checks_enabled(device: torch.device) -> bool:
+    """Whether the value checks run for tensors on `device` right now."""
+    if os.environ.get("TORCH_PAGED_KV_VALIDATE", "full") == "shapes":
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _fail(name: str, message: str) -> None:
+    raise ValueError(f"{name}: {message}")
+
+
+def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(name, f"expected a tensor, got {type(t).__name__}")
+    if t.dtype != INDEX_DTYPE:
+        _fail(name, f"expected dtype int32, got {t.dtype}")
+    if t.dim() not in dims:
+        _fail(name, f"expected {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}")
+    if t.device != device:
+        _fail(name, f"expected device {device} (that of blocks), got {t.device}")
+
+
+def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)) -> None:
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 6:
+        _fail("blocks", "expected a 6-D tensor [num_pages, 2|1, num_layers, page_size, num_kv_heads, head_dim]")
+    if blocks.dtype not in FLOAT_DTYPES:
+        _fail("blocks", f"expected dtype float32/float16/bfloat16, got {blocks.dtype}")
+    if blocks.shape[1] not in planes:
+        _fail("blocks", f"dim 1 must be {' or '.join(map(str, planes))} for this op, got {blocks.shape[1]}")
+    if not blocks.is_contiguous():
+        _fail("blocks", "expected a contiguous tensor (kernels address it as rows)")
+    if not isinstance(layer_idx, int) or not 0 <= layer_idx < blocks.shape[2]:
+        _fail("layer_idx", f"expected 0..{blocks.shape[2] - 1}, got {layer_idx!r}")
+
+
+def _check_step(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+                input_row_offsets: torch.Tensor) -> None:
+    device = blocks.device
+    _check_index("cache_lengths", cache_lengths, (1,), device)
+    _check_index("lookup_table", lookup_table, (1, 2), device)
+    _check_index("input_row_offsets", input_row_offsets, (1,), device)
+    batch = cache_lengths.shape[0]
+    if lookup_table.shape[0] != batch:
+        _fail("lookup_table", f"expected {batch} rows (one per cache_lengths entry), got {lookup_table.shape[0]}")
+    if input_row_offsets.shape[0] != batch + 1:
+        _fail("input_row_offsets", f"expected batch + 1 = {batch + 1} entries, got {input_row_offsets.shape[0]}")
+
+
+def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 3:
+        _fail(name, "expected a 3-D tensor [total_new, heads, head_dim]")
+    if t.dtype != blocks.dtype:
+        _fail(name, f"expected dtype {blocks.dtype} (that of blocks), got {t.dtype}")
+    if t.device != blocks.device:
+        _fail(name, f"expected device {blocks.device} (that of blocks), got {t.device}")
+    if t.shape[2] != blocks.shape[5]:
+        _fail(name, f"expected head_dim {blocks.shape[5]}, got {t.shape[2]}")
+    if heads is not None and t.shape[1] != heads:
+        _fail(name, f"expected {heads} kv heads, got {t.shape[1]}")
+
+
+def check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx) -> None:
+    _check_blocks(blocks, layer_idx)
+    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    _check_rows("key", key, blocks, blocks.shape[4])
+    _check_rows("value", value, blocks, blocks.shape[4])
+    if value.shape[0] != key.shape[0]:
+        _fail("value", f"expected {key.shape[0]} rows like key, got {value.shape[0]}")
+
+
+def check_flash_attention_meta(q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx,
+                               softmax_scale, causal, sliding_window, softcap) -> None:
+    _check_blocks(blocks, layer_idx)
+    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    _check_rows("q", q, blocks)
+    if q.shape[1] % blocks.shape[4] != 0:
+        _fail("q", f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {blocks.shape[4]}")
+    if not softmax_scale > 0 or softmax_scale == float("inf"):
+        _fail("softmax_scale", f"expected a finite positive float, got {softmax_scale!r}")
+    if not softcap >= 0 or softcap == float("inf"):
+        _fail("softcap", f"expected a finite float >= 0 (0 disables it), got {softcap!r}")
+
+
+def check_gather_kv_meta(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len) -> None:
+    _check_blocks(blocks, layer_idx)
+    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    if max_kv_len < 0:
+        _fail("max_kv_len", f"expected >= 0, got {max_kv_len}")
+
+
+def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
+    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 6 or not blocks.is_contiguous():
+        _fail("blocks", "expected a contiguous 6-D tensor")
+    _check_index("src_pages", src_pages, (1,), blocks.device)
+    _check_index("dst_pages", dst_pages, (1,), blocks.device)
+    if src_pages.shape[0] != dst_pages.shape[0]:
+        _fail("dst_pages", f"expected {src_pages.shape[0]} entries like src_pages, got {dst_pages.shape[0]}")
+
+
+# -- value checks (real tensors only) ---------------------------------------------------------
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
+def _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None,
+                   rows_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks offsets and lengths; returns (cache_lengths, kv_len) as int64."""
+    offsets = input_row_offsets.long()
+    new = offsets[1:] - offsets[:-1]
+    lengths = cache_lengths.long()
+    kv_len = lengths + new
+    capacity = blocks.shape[3] * (lookup_table.shape[1] if lookup_table.dim() == 2 else 1)
+    flags = torch.stack([offsets[0] != 0, (new < 0).any(), (lengths < 0).any(), (kv_len > capacity).any()])
+    bad_first, bad_order, bad_len, too_long = flags.tolist()
+    if bad_first:
+        _fail("input_row_offsets", f"must start at 0, got {int(offsets[0])}")
+    if bad_order:
+        _fail("input_row_offsets", f"must be non-decreasing; entry {_first(new < 0) + 1} goes down")
+    if bad_len:
+        b = _first(lengths < 0)
+        _fail("cache_lengths", f"sequence {b} has negative length {int(lengths[b])}")
+    if too_long:
+        b = _first(kv_len > capacity)
+        _fail("cache_lengths", f"sequence {b} would reach {int(kv_len[b])} tokens, past the "
+                               f"{capacity} its lookup_table row can address")
+    if total_rows is not None and int(offsets[-1]) != total_rows:
+        _fail("input_row_offsets", f"last entry {int(offsets[-1])} must equal the {total_rows} rows of {rows_name}")
+    return lengths, kv_len
+
+
+def _check_pages(blocks, lookup_table, first_tok: torch.Tensor, end_tok: torch.Tensor) -> None:
+    """Every page holding tokens [first_tok[b], end_tok[b]) of each sequence is inside `blocks`."""
+    page_size = blocks.shape[3]
+    table = lookup_table.long() if lookup_table.dim() == 2 else lookup_table.long()[:, None]
+    cols = torch.arange(table.shape[1], device=table.device)
+    if lookup_table.dim() == 2:
+        used = (cols[None] >= first_tok[:, None] // page_size) & (cols[None] * page_size < end_tok[:, None])
+    else:
+        used = torch.ones_like(table, dtype=torch.bool)
+    used &= (end_tok > first_tok)[:, None]
+    bad = used & ((table < 0) | (table >= blocks.shape[0]))
+    if bool(bad.any()):
+        b, col = bad.nonzero()[0].tolist()
+        _fail("lookup_table", f"sequence {b} uses page id {int(table[b, col])} (entry {col}), "
+                              f"outside blocks' {blocks.shape[0]} pages")
+
+
+def check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets) -> None:
+    lengths, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], "key")
+    _check_pages(blocks, lookup_table, lengths, kv_len)
+
+
+def check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None,
+                    max_kv_len: int | None = None) -> None:
+    """Checks for the ops that read every cached token (flash_attention, gather_kv)."""
+    _, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
+    if max_kv_len is not None and kv_len.numel() and int(kv_len.max()) > max_kv_len:
+        b = int(kv_len.argmax())
+        _fail("max_kv_len", f"sequence {b} holds {int(kv_len[b])} tokens, more than max_kv_len={max_kv_len}")
+    _check_pages(blocks, lookup_table, torch.zeros_like(kv_len), kv_len)
+
+
+def check_copy_pages_data(blocks, src_pages, dst_pages) -> None:
+    num_pages = blocks.shape[0]
+    for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
+        bad = (pages < 0) | (pages >= num_pages)
+        if bool(bad.any()):
+            _fail(name, f"page id {int(pages[_first(bad)])} is outside blocks' {num_pages} pages")
+    if dst_pages.numel() and torch.unique(dst_pages).numel() != dst_pages.numel():
+        _fail("dst_pages", "lists a page more than once; the result would be ambiguous")
