@@ -13,7 +13,11 @@ from typing import Any, Callable
 import torch
 
 OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
-BACKENDS = ("cute", "triton", "reference")  # preference order
+BACKENDS = ("cute", "triton", "reference")
+# What runs when nothing is forced, best first. CUDA joins "cute" here once tests/gpu has verified
+# its kernels on a real GPU; until then it runs only when forced. Other devices: the reference.
+DEFAULT_ORDER = {"cuda": ("triton", "reference")}
+FALLBACK_ORDER = ("reference",)
 ENV_VAR = "TORCH_PAGED_KV_BACKEND"
 
 Kernel = Callable[..., Any]
@@ -76,7 +80,7 @@ def select(op: str, device: torch.device, args: tuple) -> Kernel:
         if reason is not None:
             raise BackendUnavailableError(f"{ENV_VAR}={forced}: cannot run {op} on {device}: {reason}")
         return _kernels[(forced, op)][0]
-    for backend in BACKENDS:
+    for backend in DEFAULT_ORDER.get(device.type, FALLBACK_ORDER):
         if _reason(backend, op, device, args) is None:
             return _kernels[(backend, op)][0]
     raise BackendUnavailableError(f"no backend can run {op} on {device}")
@@ -88,7 +92,7 @@ def backend_info(device: torch.device | str = "cpu") -> dict[str, str]:
     forced = forced_backend()
     info = {}
     for op in OPS:
-        candidates = (forced,) if forced else BACKENDS
+        candidates = (forced,) if forced else DEFAULT_ORDER.get(device.type, FALLBACK_ORDER)
         reasons = {b: _reason(b, op, device, None) for b in candidates}
         chosen = next((b for b, r in reasons.items() if r is None), None)
         info[op] = chosen if chosen else "unavailable: " + "; ".join(f"{b}: {r}" for b, r in reasons.items())
