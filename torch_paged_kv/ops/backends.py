@@ -7,3 +7,7 @@ from . import dispatch, reference
 dispatch.register_backend("reference", lambda device: None)
 for _op in dispatch.OPS:
     dispatch.register_kernel("reference", _op, getattr(reference, _op))
+
+from .triton import register as _register_triton  # noqa: E402  (declares "triton"; imports no kernels)
+
+_register_triton()

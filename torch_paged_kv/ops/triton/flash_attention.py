@@ -1,0 +1,185 @@
+"""`flash_attention`: one kernel for ragged prefill, chunked prefill and decode, with split-KV.
+
+Grid `(query tiles, kv heads, splits)`. A query tile packs `BLOCK_Q` tokens of one sequence times
+the `GROUP` query heads that share a KV head, so every K/V tile is loaded once per group. Sequence
+b's tiles start at `input_row_offsets[b] // BLOCK_Q + b`, which bounds the tile count by
+`total // BLOCK_Q + batch` (shapes only); tiles past a sequence's new tokens exit at once.
+Keys are gathered per token (`lookup_table[b, j // page_size]`), so any page size works; each
+program walks `BLOCK_N`-key tiles from the first tile inside the sliding window (tiles before
+it are never visited) up to the causal limit. Decode splits that range into `splits` parts
+(flash-decoding) whose partial results `flash_merge` combines by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, blocks_strides, find_sequence, search_steps
+from .flash_merge import merge_splits
+
+MIN_SPLIT_TOKENS = 256
+"""Fewest keys a decode split covers: below this the merge costs more than the parallelism gains."""
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
+                      batch, total, num_q_heads, num_pages, table_width, table_stride, page_size, layer_idx,
+                      q_stride_row, q_stride_head, out_stride_row, out_stride_head,
+                      stride_page, stride_plane, stride_layer, stride_token,
+                      split_len, softmax_scale, softcap, sliding_window,
+                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, STEPS: tl.constexpr):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = find_sequence(input_row_offsets, tile, batch, BLOCK_Q, 1, STEPS)
+    row0 = tl.load(input_row_offsets + seq)
+    new = tl.load(input_row_offsets + seq + 1) - row0
+    q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q
+    if q_start >= new:
+        return
+    cache_len = tl.load(cache_lengths + seq)
+    kv_len = cache_len + new
+
+    m = tl.arange(0, BLOCK_M)
+    tok = q_start + m // GROUP_P
+    head = kv_head * GROUP + m % GROUP_P
+    row_ok = (tok < new) & (m % GROUP_P < GROUP)
+    pos = cache_len + tok
+    dim = tl.arange(0, HEAD_DIM)
+    q_rows = (row0 + tok).to(tl.int64)
+    qt = tl.load(q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        qt = qt.to(tl.float32)
+
+    # Keys this tile can see: [k_lo, k_hi), walked from the tile holding k_lo.
+    if CAUSAL:
+        k_hi = cache_len + tl.minimum(q_start + BLOCK_Q, new)
+    else:
+        k_hi = kv_len
+    if WINDOW:
+        k_lo = tl.maximum(cache_len + q_start - sliding_window + 1, 0)
+    else:
+        k_lo = 0
+    start = (k_lo // BLOCK_N) * BLOCK_N + split * split_len
+    stop = tl.minimum(start + split_len, k_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table_row = lookup_table + seq.to(tl.int64) * table_stride
+    plane0 = blocks + layer_idx * stride_layer + kv_head * HEAD_DIM
+    for j0 in range(start, stop, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        col = j // page_size
+        key_ok = (j < stop) & (col < table_width)
+        page = tl.load(table_row + col, mask=key_ok, other=0)
+        key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
+        kv_off = (page.to(tl.int64) * stride_page + (j % page_size) * stride_token)[:, None] + dim[None, :]
+        k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0.0)
+        v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(qt, tl.trans(k), input_precision="ieee") * softmax_scale
+        if SOFTCAP:
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
+        allowed = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (j[None, :] <= pos[:, None])
+        if WINDOW:
+            allowed = allowed & (pos[:, None] - j[None, :] < sliding_window)
+        s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # base-2 softmax: times log2(e)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SPLIT:
+        part_row = (split * total + row0 + tok).to(tl.int64) * num_q_heads + head
+        tl.store(part_out + part_row[:, None] * HEAD_DIM + dim[None, :], o, mask=row_ok[:, None])
+        tl.store(part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")),
+                 mask=row_ok)
+    else:
+        out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
+        tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _target_programs(device: torch.device) -> int:
+    """Programs that keep `device` busy: a few per SM on CUDA, a handful under the interpreter."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 16
+
+
+def _blocks_for(head_dim: int, group: int, decode: bool) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_N, num_warps): decode packs >= 16 rows; prefill ~64 rows x 64 keys."""
+    group_p = triton.next_power_of_2(group)
+    if INTERPRET:
+        return max(1, 16 // group_p), 16, 4
+    block_n = 64 if head_dim <= 128 else 32
+    rows = 16 if decode else 64
+    return max(1, rows // group_p), block_n, 4 if decode or head_dim <= 64 else 8
+
+
+def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, device: torch.device) -> int:
+    """Decode splits, from shapes alone: enough programs to fill the device, >= MIN_SPLIT_TOKENS keys each."""
+    wanted = triton.cdiv(_target_programs(device), max(1, batch * num_kv_heads))
+    return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
+
+
+def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
+                    lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
+                    softmax_scale: float, causal: bool = True, sliding_window: int = -1,
+                    softcap: float = 0.0) -> torch.Tensor:
+    total, num_q_heads, head_dim = q.shape
+    batch, num_kv_heads, page_size = cache_lengths.shape[0], blocks.shape[4], blocks.shape[3]
+    out = torch.empty((total, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if total == 0 or batch == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    group = num_q_heads // num_kv_heads
+    block_q, block_n, num_warps = _blocks_for(head_dim, group, decode=total <= batch)
+    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
+    max_context = width * page_size  # upper bound of every kv_len: no lengths are read on the host
+    window = sliding_window > 0
+    key_bound = min(max_context, sliding_window + block_q + block_n) if causal and window else max_context
+
+    splits = num_splits(batch, num_kv_heads, key_bound, block_n, q.device) if total <= batch else 1
+    if splits > 1:
+        split_len = triton.cdiv(triton.cdiv(key_bound, splits), block_n) * block_n
+        splits = triton.cdiv(key_bound, split_len)
+    if splits == 1:
+        split_len = triton.cdiv(max_context, block_n) * block_n
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty((splits, total, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, total, num_q_heads), dtype=torch.float32, device=q.device)
+
+    grid = (total // block_q + batch, num_kv_heads, splits)
+    _attention_kernel[grid](
+        q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
+        batch, total, num_q_heads, blocks.shape[0], width, table_stride, page_size, layer_idx,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *blocks_strides(blocks),
+        split_len, float(softmax_scale), float(softcap), int(sliding_window),
+        GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window, SOFTCAP=softcap > 0,
+        SPLIT=splits > 1, UPCAST=INTERPRET, STEPS=search_steps(batch), num_warps=num_warps,
+    )
+    if splits > 1:
+        merge_splits(part_out, part_lse, out)
+    return out

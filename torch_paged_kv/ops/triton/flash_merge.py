@@ -1,0 +1,34 @@
+"""Merge of flash-decoding splits: out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_kernel(part_out, part_lse, out, total, num_q_heads, out_stride_row, out_stride_head,
+                  SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS_P)
+    dim = tl.arange(0, HEAD_DIM)
+    part_row = (s * total + row).to(tl.int64) * num_q_heads + head
+    lse = tl.load(part_lse + part_row, mask=s < SPLITS, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # empty splits weigh 0
+    o = tl.load(part_out + part_row[:, None] * HEAD_DIM + dim[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    norm = tl.sum(weight, 0)
+    merged = tl.sum(o * weight[:, None], 0) / tl.where(norm > 0, norm, 1.0)
+    tl.store(out + row.to(tl.int64) * out_stride_row + head * out_stride_head + dim, merged.to(out.dtype.element_ty))
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Combine `part_out [splits, total, heads, head_dim]` (normalized, fp32) with log2-sum-exp
+    `part_lse [splits, total, heads]` into `out [total, heads, head_dim]`."""
+    splits, total, num_q_heads, head_dim = part_out.shape
+    _merge_kernel[(total, num_q_heads)](
+        part_out, part_lse, out, total, num_q_heads, out.stride(0), out.stride(1),
+        SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+    )

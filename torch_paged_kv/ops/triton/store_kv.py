@@ -1,0 +1,53 @@
+"""`store_kv`: one program per (new row, chunk of heads x head_dim) writes K and V into its page slot."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import blocks_strides, find_sequence, search_steps
+
+
+@triton.jit
+def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_offsets,
+                     batch, num_pages, table_width, table_stride, page_size, layer_idx,
+                     key_stride_row, key_stride_head, value_stride_row, value_stride_head,
+                     stride_page, stride_plane, stride_layer, stride_token,
+                     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    row = tl.program_id(0)
+    seq = find_sequence(input_row_offsets, row, batch, 1, 0, STEPS)
+    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
+    col = pos // page_size
+    page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(col, table_width - 1))
+    # A page id outside `blocks` (possible only if data checks were off) writes nothing.
+    in_range = (col < table_width) & (page >= 0) & (page < num_pages)
+
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < tl.where(in_range, ROW, 0)  # (scalar & block masks break the interpreter)
+    head = idx // HEAD_DIM
+    dim = idx % HEAD_DIM
+    k = tl.load(key + row.to(tl.int64) * key_stride_row + head * key_stride_head + dim, mask=mask)
+    v = tl.load(value + row.to(tl.int64) * value_stride_row + head * value_stride_head + dim, mask=mask)
+    slot = (page.to(tl.int64) * stride_page + layer_idx * stride_layer + (pos % page_size) * stride_token + idx)
+    tl.store(blocks + slot, k, mask=mask)
+    tl.store(blocks + slot + stride_plane, v, mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
+             lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> None:
+    total, num_kv_heads, head_dim = key.shape
+    batch = cache_lengths.shape[0]
+    if total == 0 or batch == 0:
+        return
+    key = key if key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 else value.contiguous()
+    row = num_kv_heads * head_dim
+    block = min(triton.next_power_of_2(row), 4096)
+    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
+    _store_kv_kernel[(total, triton.cdiv(row, block))](
+        key, value, blocks, cache_lengths, lookup_table, input_row_offsets,
+        batch, blocks.shape[0], width, table_stride, blocks.shape[3], layer_idx,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *blocks_strides(blocks),
+        HEAD_DIM=head_dim, ROW=row, BLOCK=block, STEPS=search_steps(batch),
+    )
