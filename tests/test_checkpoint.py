@@ -1,0 +1,283 @@
+"""KV-state checkpoints: bit-exact round trips, compaction, sharding, atomic writes, bad files, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from torch_paged_kv import ContinuousBatchingKVCacheCollection, KVCacheParams, PagedKVCacheCollection
+from torch_paged_kv import checkpoint
+from torch_paged_kv.checkpoint import CheckpointError, load_cache, read_info, save_cache, verify
+from torch_paged_kv.safetensors_stream import SafetensorsWriter
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _random_blocks(collection, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randn(collection.blocks.shape, generator=g) + 3.0  # never zero
+    collection.blocks.copy_(data.to(collection.blocks.dtype))
+
+
+def make_paged(dtype=torch.bfloat16, seed: int = 0, mla: bool = False) -> PagedKVCacheCollection:
+    """4 rows over shuffled pages; row 2 forks row 0's first two pages; row 3 is empty."""
+    params = KVCacheParams(dtype, num_layers=2, num_kv_heads=1 if mla else 2, head_dim=8, page_size=4, is_mla=mla)
+    c = PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=30)
+    _random_blocks(c, seed)
+    pages = (torch.randperm(24, generator=torch.Generator().manual_seed(seed)) + 1).to(torch.int32)
+    c.cache_lengths.copy_(torch.tensor([10, 29, 13, 0], dtype=torch.int32))
+    c.lookup_table[0, :3] = pages[0:3]
+    c.lookup_table[1, :8] = pages[3:11]
+    c.lookup_table[2, :4] = torch.cat([pages[0:2], pages[11:13]])
+    c.lookup_table[3, :2] = pages[13:15]  # stale entries beyond length 0: not saved
+    return c
+
+
+def make_continuous(dtype=torch.bfloat16, seed: int = 0) -> ContinuousBatchingKVCacheCollection:
+    params = KVCacheParams(dtype, num_layers=2, num_kv_heads=2, head_dim=8, page_size=16)
+    c = ContinuousBatchingKVCacheCollection(params, max_batch_size=4, max_seq_len=16)
+    _random_blocks(c, seed)
+    c.lookup_table.copy_(torch.tensor([3, 1, 4, 2], dtype=torch.int32))
+    c.cache_lengths.copy_(torch.tensor([7, 0, 11, 3], dtype=torch.int32))
+    return c
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_rows_equal(src, loaded, rows: list[int]) -> None:
+    """Loaded row i holds exactly the tokens of source row rows[i], with the same page sharing."""
+    ps = src.params.page_size
+    assert loaded.params == src.params and loaded.max_seq_len == src.max_seq_len
+    assert loaded.max_batch_size == len(rows)
+    assert loaded.cache_lengths.tolist() == [int(src.cache_lengths[b]) for b in rows]
+    src_pages, new_pages = [], []
+    for i, b in enumerate(rows):
+        n = int(src.cache_lengths[b])
+        if loaded.lookup_table.dim() == 1:
+            if n:
+                assert torch.equal(bits(loaded.blocks[int(loaded.lookup_table[i]), :, :, :n]),
+                                   bits(src.blocks[int(src.lookup_table[b]), :, :, :n]))
+                src_pages.append(int(src.lookup_table[b]))
+                new_pages.append(int(loaded.lookup_table[i]))
+            continue
+        used = -(-n // ps)
+        assert (loaded.lookup_table[i, used:] == 0).all()
+        for j in range(used):
+            s, d = int(src.lookup_table[b, j]), int(loaded.lookup_table[i, j])
+            assert d != 0 and torch.equal(bits(loaded.blocks[d]), bits(src.blocks[s]))  # whole page
+            src_pages.append(s)
+            new_pages.append(d)
+    pairs = set(zip(src_pages, new_pages))
+    assert len(pairs) == len(set(src_pages)) == len(set(new_pages))  # sharing preserved, nothing extra
+    if loaded.lookup_table.dim() == 2:
+        assert loaded.num_pages == max(1, len(set(new_pages)))
+        assert sorted(set(new_pages)) == list(range(1, len(set(new_pages)) + 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    src = make_paged(dtype)
+    save_cache(src, tmp_path / "kv.safetensors", metadata={"model": "tiny"})
+    loaded = load_cache(tmp_path / "kv.safetensors")
+    assert isinstance(loaded, PagedKVCacheCollection)
+    assert_rows_equal(src, loaded, [0, 1, 2, 3])
+    assert loaded.num_pages == 3 + 8 + 2  # row 2 shares two pages of row 0
+    assert (loaded.blocks[0] == 0).all()
+    assert read_info(tmp_path / "kv.safetensors").user_metadata == {"model": "tiny"}
+
+
+def test_mla_round_trip(tmp_path: Path) -> None:
+    src = make_paged(torch.float16, seed=3, mla=True)
+    save_cache(src, tmp_path / "mla.safetensors")
+    assert_rows_equal(src, load_cache(tmp_path / "mla.safetensors"), [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_continuous_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    src = make_continuous(dtype)
+    save_cache(src, tmp_path / "cb.safetensors")
+    loaded = load_cache(tmp_path / "cb.safetensors")
+    assert isinstance(loaded, ContinuousBatchingKVCacheCollection)
+    assert_rows_equal(src, loaded, [0, 1, 2, 3])
+    assert sorted(loaded.lookup_table.tolist()) == [1, 2, 3, 4]  # every row owns a slot
+    assert read_info(tmp_path / "cb.safetensors").page_tokens == 11  # slots stored up to the longest row
+
+
+def test_partial_reordered_save(tmp_path: Path) -> None:
+    src = make_paged(torch.float32, seed=1)
+    save_cache(src, tmp_path / "part.safetensors", batch_indices=[2, 0])
+    loaded = load_cache(tmp_path / "part.safetensors")
+    assert_rows_equal(src, loaded, [2, 0])
+    assert loaded.num_pages == 5  # rows 2 and 0 share two pages
+    assert loaded.lookup_table[0, :2].tolist() == loaded.lookup_table[1, :2].tolist()
+    cb = make_continuous(torch.float16, seed=2)
+    save_cache(cb, tmp_path / "cb.safetensors", batch_indices=[3, 1])
+    assert_rows_equal(cb, load_cache(tmp_path / "cb.safetensors"), [3, 1])
+
+
+def test_empty_rows_save_no_pages(tmp_path: Path) -> None:
+    src = make_paged()
+    save_cache(src, tmp_path / "empty.safetensors", batch_indices=[3])
+    loaded = load_cache(tmp_path / "empty.safetensors")
+    assert loaded.num_pages == 1 and loaded.cache_lengths.tolist() == [0]
+    assert (loaded.lookup_table == 0).all()
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    src = make_paged()
+    for rows in ([], [0, 0], [4]):
+        with pytest.raises(CheckpointError, match="batch_indices"):
+            save_cache(src, tmp_path / "x.safetensors", batch_indices=rows)
+    src.lookup_table[0, 1] = 0  # a row within its length on the null page
+    with pytest.raises(CheckpointError, match="page ids outside"):
+        save_cache(src, tmp_path / "x.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
+def test_readable_by_safetensors(tmp_path: Path) -> None:
+    src = make_paged(torch.bfloat16, seed=4)
+    save_cache(src, tmp_path / "kv.safetensors")
+    loaded = load_cache(tmp_path / "kv.safetensors")
+    with safe_open(tmp_path / "kv.safetensors", framework="pt") as f:
+        assert set(f.keys()) == {"cache_lengths", "lookup_table", "blocks.00000"}
+        meta = f.metadata()
+        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "1"
+        assert KVCacheParams.from_dict(json.loads(meta["params"])) == src.params
+        assert torch.equal(bits(f.get_tensor("blocks.00000")), bits(loaded.blocks[1:]))
+        assert torch.equal(f.get_tensor("lookup_table"), loaded.lookup_table)
+
+
+def test_sharded_round_trip_and_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_paged(torch.float16, seed=5)
+    page_bytes = src.blocks[0].numel() * 2
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", page_bytes // 3)  # chunks of layer ranges within a page
+    save_cache(src, tmp_path / "kv.safetensors", shard_bytes=3 * page_bytes)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 5  # 13 pages, 3 per file: the main file and 4 shards
+    for name in files:
+        with safe_open(tmp_path / name, framework="pt") as f:
+            assert all(f.get_tensor(k).numel() for k in f.keys())
+    assert_rows_equal(src, load_cache(tmp_path / "kv.safetensors"), [0, 1, 2, 3])
+    save_cache(src, tmp_path / "kv.safetensors")  # re-save unsharded: the old shards go away
+    assert [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]
+    assert_rows_equal(src, load_cache(tmp_path / "kv.safetensors"), [0, 1, 2, 3])
+
+
+def _flip(path: Path, offset_from_end: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-offset_from_end] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
+    src = make_paged(seed=6)
+    good = tmp_path / "good.safetensors"
+    save_cache(src, good)
+    raw = good.read_bytes()
+
+    cases = {
+        "truncated": (raw[:-100], "truncated"),
+        "garbage": (b"definitely not a checkpoint" * 3, "not a safetensors file"),
+        "tiny": (b"abc", "not a safetensors file"),
+        "version": (raw.replace(b'"format_version":"1"', b'"format_version":"7"'), "unknown format version '7'"),
+        "foreign": (raw.replace(b'"format":"torch_paged_kv.kv_cache"', b'"format":"torch_paged_kv.other___"'),
+                    "not a torch_paged_kv checkpoint"),
+    }
+    for name, (content, message) in cases.items():
+        bad = tmp_path / f"{name}.safetensors"
+        bad.write_bytes(content)
+        with pytest.raises(CheckpointError, match=message):
+            load_cache(bad)
+    flipped = tmp_path / "flipped.safetensors"
+    flipped.write_bytes(raw)
+    _flip(flipped, 1000)
+    with pytest.raises(CheckpointError, match="checksum mismatch in tensor 'blocks.00000'"):
+        load_cache(flipped)
+    with pytest.raises(CheckpointError, match="missing checkpoint file"):
+        load_cache(tmp_path / "nope.safetensors")
+    other = KVCacheParams(torch.float16, 2, 2, 8, 4)
+    with pytest.raises(CheckpointError, match="do not fit the target"):
+        load_cache(good, expected_params=other)
+    assert load_cache(good, expected_params=src.params).num_pages == 13
+
+
+def test_bad_shards(tmp_path: Path) -> None:
+    src = make_paged(seed=7)
+    page_bytes = src.blocks[0].numel() * 2
+    save_cache(src, tmp_path / "a.safetensors", shard_bytes=4 * page_bytes)
+    save_cache(src, tmp_path / "b.safetensors", shard_bytes=4 * page_bytes)
+    shards = sorted(tmp_path.glob("a-*"))
+    assert len(shards) == 3
+    _flip(shards[1], 10)
+    with pytest.raises(CheckpointError, match="checksum mismatch in tensor 'blocks.00002'"):
+        verify(tmp_path / "a.safetensors")
+    other = sorted(tmp_path.glob("b-*"))[1]
+    os.replace(other, shards[1])  # a shard of a different save, same content
+    with pytest.raises(CheckpointError, match="does not belong"):
+        load_cache(tmp_path / "a.safetensors")
+    shards[1].unlink()
+    with pytest.raises(CheckpointError, match=f"missing shard {shards[1].name}"):
+        load_cache(tmp_path / "a.safetensors")
+
+
+@pytest.mark.parametrize("shard_pages, fail_after", [(None, 2), (2, 4), (2, 8)])
+def test_interrupted_save_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_pages,
+                                         fail_after: int) -> None:
+    """Fail in the single file's pages; after 4 of 6 shards are in place; in the main file's pages."""
+    old, new = make_paged(seed=8), make_paged(seed=9)
+    shard_bytes = shard_pages * old.blocks[0].numel() * 2 if shard_pages else checkpoint.DEFAULT_SHARD_BYTES
+    path = tmp_path / "kv.safetensors"
+    save_cache(old, path, shard_bytes=shard_bytes)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    calls = {"n": 0}
+    original = SafetensorsWriter._write_bytes
+
+    def failing(self, data):
+        calls["n"] += 1
+        if calls["n"] > fail_after:
+            raise OSError("disk full (simulated)")
+        original(self, data)
+
+    monkeypatch.setattr(SafetensorsWriter, "_write_bytes", failing)
+    with pytest.raises(OSError, match="disk full"):
+        save_cache(new, path, shard_bytes=shard_bytes)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no temp files, old intact
+    assert_rows_equal(old, load_cache(path), [0, 1, 2, 3])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch_paged_kv", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+
+
+def test_cli_inspect(tmp_path: Path) -> None:
+    src = make_paged(seed=10)
+    good = tmp_path / "kv.safetensors"
+    save_cache(src, good, batch_indices=[1, 0], metadata={"model": "tiny"})
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(good.read_bytes())
+    _flip(bad, 5)
+    out = _cli("inspect", str(good))
+    assert out.returncode == 0, out.stderr
+    for text in ("dtype=bfloat16", "pages stored=11", "checksums:  OK", "'model': 'tiny'", "rows:       2"):
+        assert text in out.stdout
+    assert "   0            29      8" in out.stdout
+    out = _cli("inspect", str(bad))
+    assert out.returncode == 1 and "checksum mismatch in tensor 'blocks.00000'" in out.stderr
+
+
+def test_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    src = make_paged(seed=11)
+    save_cache(src, tmp_path / "kv.safetensors", progress=True)
+    load_cache(tmp_path / "kv.safetensors", progress=True)
+    err = capsys.readouterr().err
+    assert "save kv.safetensors" in err and "load kv.safetensors" in err

@@ -1,0 +1,62 @@
+"""Command line: `python -m torch_paged_kv inspect FILE` describes and verifies a KV checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .checkpoint import CheckpointError, CheckpointInfo, read_info, verify
+
+
+def _size(num_bytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    raise AssertionError
+
+
+def _describe(info: CheckpointInfo) -> str:
+    meta = info.metadata
+    sizes = sum(f.stat().st_size for f in info.files)
+    lines = [
+        f"checkpoint: {info.path} ({len(info.files)} file(s), {_size(sizes)})",
+        f"format:     {meta['format']} v{meta['format_version']}, written by torch_paged_kv "
+        f"{meta.get('torch_paged_kv_version', '?')} / torch {meta.get('torch_version', '?')}",
+        f"params:     {', '.join(f'{k}={v}' for k, v in info.params.to_dict().items())}",
+        f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
+        f"({info.page_tokens} tokens each, {_size(info.num_pages * info.page_tokens * info.params.bytes_per_token)})",
+    ]
+    if info.user_metadata:
+        lines.append(f"metadata:   {info.user_metadata}")
+    sources = meta.get("source_batch_indices", "[]")
+    lines.append(f"rows:       {len(info.cache_lengths)} (saved from rows {sources})")
+    lines.append("  row  cache_length  pages")
+    for row, (length, pages) in enumerate(zip(info.cache_lengths, info.pages_per_row())):
+        lines.append(f"  {row:>3}  {length:>12}  {pages:>5}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_paged_kv")
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="describe a KV-cache checkpoint and verify its checksums")
+    inspect.add_argument("file")
+    inspect.add_argument("--no-verify", action="store_true", help="read headers only, skip the checksums")
+    args = parser.parse_args(argv)
+    try:
+        info = read_info(args.file)
+        print(_describe(info))
+        if args.no_verify:
+            print("checksums:  not verified (--no-verify)")
+        else:
+            verify(args.file)
+            print(f"checksums:  OK ({len(info.checksums)} tensors, crc32)")
+    except (CheckpointError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

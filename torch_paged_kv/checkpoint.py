@@ -1,0 +1,405 @@
+"""KV-state checkpoints in safetensors: `save_cache`, `load_cache`, `read_info`.
+
+Only the pages the saved rows use are stored, compacted and renumbered `1..n` in first-use order
+(shared pages once, and still shared after load). Files are written through bounded host memory
+(chunks of `CHUNK_BYTES`), atomically (temporary files, fsync, rename), and split into shards of
+`shard_bytes` of page data. See docs/checkpoints.md for the format.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from . import __version__, layout
+from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
+from .params import KVCacheParams
+from .safetensors_stream import (CHECKSUM_KEY, DTYPE_NAMES, SafetensorsFormatError, SafetensorsWriter, TensorSpec,
+                                 format_crc, read_header)
+
+FORMAT = "torch_paged_kv.kv_cache"
+FORMAT_VERSION = 1
+DEFAULT_SHARD_BYTES = 4 << 30
+CHUNK_BYTES = 256 << 20
+PROGRESS_MIN_BYTES = 512 << 20
+PAGED, CONTINUOUS = "paged", "continuous_batching"
+
+Collection = PagedKVCacheCollection | ContinuousBatchingKVCacheCollection
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or read; the message says what is wrong."""
+
+
+@dataclass
+class _Plan:
+    """What a save stores: compacted tables and the source pages in stored order."""
+
+    kind: str
+    rows: list[int]
+    cache_lengths: torch.Tensor  # int32 [B], CPU
+    lookup_table: torch.Tensor   # int32 [B, W] or [B], CPU, renumbered
+    source_pages: torch.Tensor   # int64 [n], physical ids in the source, stored order
+    page_tokens: int             # tokens stored per page (CB slots: the longest saved length)
+
+
+def _first_use_order(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unique values of `used` in first-appearance order, and each entry's rank among them."""
+    uniq, inverse = torch.unique(used, return_inverse=True)
+    first = torch.full((uniq.numel(),), used.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, torch.arange(used.numel()), "amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    return uniq[order], rank[inverse]
+
+
+def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
+    rows = list(range(collection.max_batch_size)) if batch_indices is None else [int(b) for b in batch_indices]
+    if not rows:
+        raise CheckpointError("batch_indices: nothing to save (empty)")
+    if len(set(rows)) != len(rows) or not all(0 <= b < collection.max_batch_size for b in rows):
+        raise CheckpointError(f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {rows}")
+    index = torch.tensor(rows)
+    lengths = collection.cache_lengths.cpu()[index]
+    table = collection.lookup_table.cpu()[index]
+    if bool((lengths < 0).any()) or bool((lengths > collection.max_seq_len).any()):
+        raise CheckpointError(f"cache_lengths: expected 0..{collection.max_seq_len}, got {lengths.tolist()}")
+    page_size = collection.params.page_size
+    if isinstance(collection, ContinuousBatchingKVCacheCollection):
+        in_use = lengths > 0
+        mask = in_use
+        new_table = torch.zeros_like(table)
+    else:
+        in_use = None
+        positions = torch.arange(table.shape[1])
+        mask = positions[None, :] < ((lengths + page_size - 1) // page_size)[:, None]
+        new_table = torch.full_like(table, layout.NULL_PAGE)
+    used = table[mask].to(torch.int64)
+    if bool(((used <= layout.NULL_PAGE) | (used >= collection.num_physical_pages)).any()):
+        raise CheckpointError(f"lookup_table: rows {rows} use page ids outside 1..{collection.num_physical_pages - 1}")
+    source_pages, rank = _first_use_order(used)
+    new_table[mask] = (rank + 1).to(torch.int32)
+    if in_use is None:
+        return _Plan(PAGED, rows, lengths, new_table, source_pages, page_size)
+    free = ~in_use  # CB rows without tokens still need a slot of their own
+    new_table[free] = torch.arange(source_pages.numel() + 1, source_pages.numel() + 1 + int(free.sum()),
+                                   dtype=torch.int32)
+    page_tokens = int(lengths.max()) if source_pages.numel() else 0
+    return _Plan(CONTINUOUS, rows, lengths, new_table, source_pages, page_tokens)
+
+
+def _chunks(num_pages: int, planes: int, layers: int, unit_bytes: int,
+            chunk_bytes: int) -> Iterator[tuple[slice, slice, slice]]:
+    """(pages, planes, layers) index ranges covering a piece in row-major order, each about
+    `chunk_bytes` (whole pages when a page fits; else layer ranges of one page and plane)."""
+    page_bytes = planes * layers * unit_bytes
+    if page_bytes <= chunk_bytes:
+        step = max(1, chunk_bytes // max(page_bytes, 1))
+        for a in range(0, num_pages, step):
+            yield slice(a, min(num_pages, a + step)), slice(None), slice(None)
+        return
+    step = max(1, chunk_bytes // unit_bytes)
+    for p in range(num_pages):
+        for j in range(planes):
+            for a in range(0, layers, step):
+                yield slice(p, p + 1), slice(j, j + 1), slice(a, min(layers, a + step))
+
+
+def _piece_name(k: int) -> str:
+    return f"blocks.{k:05d}"
+
+
+def _show_progress(progress: bool | None, total: int) -> bool:
+    return progress if progress is not None else total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _old_shards(path: Path) -> list[Path]:
+    """Shard files of the checkpoint currently at `path` (none if absent or unreadable)."""
+    try:
+        metadata, _ = read_header(path)
+        return [path.parent / s["file"] for s in json.loads(metadata.get("shards", "[]"))]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_indices: list[int] | None = None,
+               metadata: dict[str, str] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
+               progress: bool | None = None) -> None:
+    """Save rows `batch_indices` (default: every row, in order) of `collection` to `path`.
+
+    The loaded collection's row i is saved row `batch_indices[i]`. `metadata` (str -> str) is
+    stored as user metadata. Page data beyond `shard_bytes` per file goes to shard files next to
+    `path`, listed in `path`'s header. A failed save leaves any checkpoint at `path` intact.
+    """
+    if not isinstance(collection, (PagedKVCacheCollection, ContinuousBatchingKVCacheCollection)):
+        raise CheckpointError(f"collection: expected a KV cache collection, got {type(collection).__name__}")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("metadata: expected a dict of str to str")
+    if shard_bytes <= 0:
+        raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
+    plan = _plan(collection, batch_indices)
+    params = collection.params
+    source = collection.blocks[:, :, :, : plan.page_tokens]
+    piece_shape = tuple(source.shape[1:])
+    unit_bytes = source[0, 0, 0].numel() * source.element_size() if plan.page_tokens else 0
+    page_bytes = params.num_planes * params.num_layers * unit_bytes
+    n = plan.source_pages.numel()
+    per_file = max(1, shard_bytes // page_bytes) if page_bytes else max(n, 1)
+    ranges = [(a, min(n, a + per_file)) for a in range(0, n, per_file)] or [(0, 0)]
+
+    path = Path(path)
+    save_id = uuid.uuid4().hex[:8]
+    stem, suffix = path.stem, path.suffix or ".safetensors"
+    names = [path.name] + [f"{stem}-{save_id}-{k:05d}-of-{len(ranges) - 1:05d}{suffix}" for k in range(1, len(ranges))]
+    common = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "save_id": save_id}
+    bar = tqdm(total=n * page_bytes, unit="B", unit_scale=True, desc=f"save {path.name}",
+               disable=not _show_progress(progress, n * page_bytes))
+    index_device = plan.source_pages.to(collection.device)
+    written: list[Path] = []
+    shard_entries: list[dict[str, Any]] = []
+
+    def write_file(k: int, small: list[tuple[str, torch.Tensor]], file_metadata: dict[str, str]) -> dict[str, str]:
+        a, b = ranges[k]
+        specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in small]
+        if b > a:
+            specs.append(TensorSpec(_piece_name(k), params.dtype, (b - a, *piece_shape)))
+        temp = path.parent / f".{names[k]}.{save_id}.tmp"
+        written.append(temp)
+        with open(temp, "wb") as f:
+            writer = SafetensorsWriter(f, specs, file_metadata)
+            for _, t in small:
+                writer.write(t)
+            for pages, planes, layers in _chunks(b - a, *piece_shape[:2], unit_bytes, CHUNK_BYTES):
+                ids = index_device[a:b][pages]
+                chunk = source[:, planes, layers].index_select(0, ids).cpu()
+                writer.write(chunk)
+                bar.update(chunk.numel() * chunk.element_size())
+            checksums = writer.finish()
+        final = path.parent / names[k]
+        os.replace(temp, final)
+        written[-1] = final
+        return checksums
+
+    old = _old_shards(path)
+    try:
+        for k in range(1, len(ranges)):
+            sums = write_file(k, [], {**common, "shard": f"{k}/{len(ranges) - 1}"})
+            shard_entries.append({"file": names[k], "checksums": sums})
+        _fsync_dir(path.parent)
+        main_metadata = {
+            **common, "collection": plan.kind, "params": json.dumps(params.to_dict()),
+            "max_seq_len": str(collection.max_seq_len), "num_pages": str(n),
+            "page_tokens": str(plan.page_tokens), "source_batch_indices": json.dumps(plan.rows),
+            "shards": json.dumps(shard_entries), "user_metadata": json.dumps(metadata or {}),
+            "torch_version": torch.__version__, "torch_paged_kv_version": __version__,
+        }
+        write_file(0, [("cache_lengths", plan.cache_lengths), ("lookup_table", plan.lookup_table)], main_metadata)
+        _fsync_dir(path.parent)
+    except BaseException:
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    for p in old:
+        if p.name not in names:
+            p.unlink(missing_ok=True)
+
+
+@dataclass
+class CheckpointInfo:
+    """What a checkpoint's headers say (no tensor data read)."""
+
+    path: Path
+    params: KVCacheParams
+    kind: str
+    max_seq_len: int
+    num_pages: int
+    page_tokens: int
+    cache_lengths: list[int]
+    lookup_table: torch.Tensor
+    files: list[Path]
+    checksums: dict[str, str]      # tensor name -> stored checksum, every file
+    tensor_files: dict[str, Path]  # tensor name -> file holding it
+    metadata: dict[str, str]       # the main file's raw header metadata
+
+    @property
+    def user_metadata(self) -> dict[str, str]:
+        return json.loads(self.metadata.get("user_metadata", "{}"))
+
+    def pages_per_row(self) -> list[int]:
+        """Pages each saved row uses."""
+        if self.kind == CONTINUOUS:
+            return [1 if n > 0 else 0 for n in self.cache_lengths]
+        return [-(-n // self.params.page_size) for n in self.cache_lengths]
+
+
+def _header(path: Path, what: str) -> tuple[dict[str, str], dict[str, dict]]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing {what}")
+    try:
+        return read_header(path)
+    except SafetensorsFormatError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
+def _check_format(path: Path, metadata: dict[str, str]) -> None:
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a torch_paged_kv checkpoint (format {metadata.get('format')!r})")
+    if metadata.get("format_version") != str(FORMAT_VERSION):
+        raise CheckpointError(f"{path}: unknown format version {metadata.get('format_version')!r} "
+                              f"(this library reads version {FORMAT_VERSION})")
+
+
+def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Read and cross-check every header of the checkpoint at `path` (not the tensor data)."""
+    path = Path(path)
+    metadata, tensors = _header(path, "checkpoint file")
+    _check_format(path, metadata)
+    try:
+        params = KVCacheParams.from_dict(json.loads(metadata["params"]))
+        kind, max_seq_len = metadata["collection"], int(metadata["max_seq_len"])
+        num_pages, page_tokens = int(metadata["num_pages"]), int(metadata["page_tokens"])
+        shards = json.loads(metadata["shards"])
+        checksums: dict[str, str] = json.loads(metadata[CHECKSUM_KEY])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"{path}: bad checkpoint metadata ({type(exc).__name__}: {exc})") from None
+    if kind not in (PAGED, CONTINUOUS):
+        raise CheckpointError(f"{path}: unknown collection kind {kind!r}")
+    files = [path]
+    tensor_files = {name: path for name in tensors}
+    all_tensors = dict(tensors)
+    for entry in shards:
+        shard = path.parent / entry["file"]
+        shard_metadata, shard_tensors = _header(shard, f"shard {entry['file']} listed in {path.name}")
+        _check_format(shard, shard_metadata)
+        if shard_metadata.get("save_id") != metadata.get("save_id") or \
+                json.loads(shard_metadata.get(CHECKSUM_KEY, "{}")) != entry["checksums"]:
+            raise CheckpointError(f"{shard}: shard does not belong to {path.name} (save id or checksums differ)")
+        files.append(shard)
+        checksums.update(entry["checksums"])
+        tensor_files.update({name: shard for name in shard_tensors})
+        all_tensors.update(shard_tensors)
+    if set(checksums) != set(all_tensors):
+        raise CheckpointError(f"{path}: checksums do not cover the tensors {sorted(all_tensors)}")
+    _check_shapes(path, params, kind, max_seq_len, num_pages, page_tokens, all_tensors)
+    with safe_open(path, framework="pt") as f:
+        lengths = _read_small(f, "cache_lengths", checksums, path)
+        table = _read_small(f, "lookup_table", checksums, path)
+    return CheckpointInfo(path, params, kind, max_seq_len, num_pages, page_tokens, lengths.tolist(), table,
+                          files, checksums, tensor_files, metadata)
+
+
+def _check_shapes(path: Path, params: KVCacheParams, kind: str, max_seq_len: int, num_pages: int,
+                  page_tokens: int, tensors: dict[str, dict]) -> None:
+    def fail(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}")
+
+    for name in ("cache_lengths", "lookup_table"):
+        if name not in tensors or tensors[name]["dtype"] != "I32":
+            raise fail(f"missing int32 tensor {name!r}")
+    batch = tensors["cache_lengths"]["shape"]
+    width = [] if kind == CONTINUOUS else [layout.table_width(max_seq_len, params.page_size)]
+    if len(batch) != 1 or batch[0] < 1 or tensors["lookup_table"]["shape"] != batch + width:
+        raise fail(f"cache_lengths {batch} / lookup_table {tensors['lookup_table']['shape']} shapes disagree")
+    pieces = sorted(name for name in tensors if name.startswith("blocks."))
+    unit = [params.num_planes, params.num_layers, page_tokens, params.num_kv_heads, params.head_dim]
+    dtype_name = DTYPE_NAMES[params.dtype]
+    total = 0
+    for name in pieces:
+        info = tensors[name]
+        if info["shape"][1:] != unit or info["dtype"] != dtype_name:
+            raise fail(f"tensor {name} is {info['dtype']}{info['shape']}, params say {dtype_name}[n, {unit}]")
+        total += info["shape"][0]
+    if total != num_pages or pieces != [_piece_name(k) for k in range(len(pieces))]:
+        raise fail(f"page tensors {pieces} hold {total} pages, the header says {num_pages}")
+
+
+def _read_small(f: Any, name: str, checksums: dict[str, str], path: Path) -> torch.Tensor:
+    tensor = f.get_tensor(name)
+    _verify(name, zlib.crc32(memoryview(tensor.view(torch.uint8).numpy().reshape(-1))), checksums, path)
+    return tensor
+
+
+def _verify(name: str, crc: int, checksums: dict[str, str], path: Path) -> None:
+    if format_crc(crc) != checksums[name]:
+        raise CheckpointError(f"{path}: checksum mismatch in tensor {name!r} "
+                              f"(stored {checksums[name]}, computed {format_crc(crc)})")
+
+
+def _stream_pages(info: CheckpointInfo, sink: torch.Tensor | None, progress: bool | None) -> None:
+    """Read every page tensor in chunks, verify checksums, and copy into `sink[1:]` if given."""
+    p = info.params
+    unit_bytes = info.page_tokens * p.num_kv_heads * p.head_dim * torch.empty((), dtype=p.dtype).element_size()
+    total = info.num_pages * p.num_planes * p.num_layers * unit_bytes
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {info.path.name}",
+               disable=not _show_progress(progress, total))
+    start = 1
+    try:
+        for name in sorted(n for n in info.tensor_files if n.startswith("blocks.")):
+            file = info.tensor_files[name]
+            with safe_open(file, framework="pt") as f:
+                piece = f.get_slice(name)
+                count = piece.get_shape()[0]
+                crc = 0
+                for pages, planes, layers in _chunks(count, p.num_planes, p.num_layers, unit_bytes, CHUNK_BYTES):
+                    chunk = piece[pages, planes, layers]
+                    crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy().reshape(-1)), crc)
+                    if sink is not None:
+                        dst = slice(start + pages.start, start + pages.stop)
+                        sink[dst, planes, layers, : info.page_tokens].copy_(chunk)
+                    bar.update(chunk.numel() * chunk.element_size())
+                _verify(name, crc, info.checksums, file)
+                start += count
+    finally:
+        bar.close()
+
+
+def verify(path: str | os.PathLike[str], *, progress: bool | None = None) -> CheckpointInfo:
+    """Check every header and every tensor checksum; returns the info or raises CheckpointError."""
+    info = read_info(path)
+    _stream_pages(info, None, progress)
+    return info
+
+
+def load_cache(path: str | os.PathLike[str], *, device: torch.device | str | None = None,
+               progress: bool | None = None, expected_params: KVCacheParams | None = None) -> Collection:
+    """Load a checkpoint into a new collection of the saved kind on `device` (default CPU).
+
+    Row i is the i-th saved row; pages are `1..num_pages` (at least one page is allocated);
+    `input_row_offsets` are zeros. `expected_params` makes a mismatch a `CheckpointError`.
+    """
+    info = read_info(path)
+    if expected_params is not None and info.params != expected_params:
+        raise CheckpointError(f"{path}: params {info.params} do not fit the target {expected_params}")
+    batch = len(info.cache_lengths)
+    if info.kind == CONTINUOUS:
+        collection: Collection = ContinuousBatchingKVCacheCollection(info.params, batch, info.max_seq_len, device)
+    else:
+        collection = PagedKVCacheCollection(info.params, max(1, info.num_pages), batch, info.max_seq_len, device)
+    table = info.lookup_table
+    if bool(((table < 0) | (table >= collection.num_physical_pages)).any()):
+        raise CheckpointError(f"{path}: lookup_table has page ids outside 0..{collection.num_physical_pages - 1}")
+    _stream_pages(info, collection.blocks, progress)
+    collection.cache_lengths.copy_(torch.tensor(info.cache_lengths, dtype=torch.int32))
+    collection.lookup_table.copy_(table)
+    return collection
