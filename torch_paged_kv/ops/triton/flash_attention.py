@@ -34,7 +34,7 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
                       split_len, softmax_scale, softcap, sliding_window,
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, STEPS: tl.constexpr):
+                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, STEPS: tl.constexpr):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -89,7 +89,7 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(qt, tl.trans(k), input_precision="ieee") * softmax_scale
+        s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * softmax_scale
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         allowed = row_ok[:, None] & key_ok[None, :]
@@ -103,7 +103,7 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     seen = l_i > 0
@@ -178,7 +178,8 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         split_len, float(softmax_scale), float(softcap), int(sliding_window),
         GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window, SOFTCAP=softcap > 0,
-        SPLIT=splits > 1, UPCAST=INTERPRET, STEPS=search_steps(batch), num_warps=num_warps,
+        SPLIT=splits > 1, UPCAST=INTERPRET, PRECISION="ieee" if INTERPRET or q.dtype == torch.float32 else "tf32",
+        STEPS=search_steps(batch), num_warps=num_warps,
     )
     if splits > 1:
         merge_splits(part_out, part_lse, out)
