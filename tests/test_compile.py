@@ -1,0 +1,69 @@
+"""A decode step (store_kv + flash_attention) under torch.compile(fullgraph=True): no graph break,
+no recompile as the batch size changes over one preallocated pool."""
+
+import torch
+
+import torch_paged_kv as pk
+from torch_paged_kv.testing import attention_fp64
+
+NUM_LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 2, 2, 4, 16, 4
+
+
+def decode_step(q, k, v, blocks, cache_lengths, lookup_table, input_row_offsets):
+    out = q
+    for layer in range(NUM_LAYERS):
+        pk.store_kv(k, v, blocks, cache_lengths, lookup_table, input_row_offsets, layer)
+        out = pk.flash_attention(out, blocks, cache_lengths, lookup_table, input_row_offsets, layer,
+                                 HEAD_DIM ** -0.5)
+    return out * 2
+
+
+def _step_inputs(collection, batch, gen):
+    step = collection.step_tensors(batch)
+    step.cache_lengths.copy_(torch.randint(0, 20, (batch,), generator=gen, dtype=torch.int32))
+    step.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32))
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=gen)
+    for t in (q, k, v, *step):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return q, k, v, step
+
+
+def test_decode_step_compiles_fullgraph_without_recompiling():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    params = pk.KVCacheParams(torch.float32, NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE)
+    collection = pk.PagedKVCacheCollection(params, num_pages=64, max_batch_size=8, max_seq_len=24)
+    collection.blocks.normal_(generator=gen)
+    collection.lookup_table[:, :6] = (torch.randperm(64, generator=gen)[:48] + 1).view(8, 6).int()
+    compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
+
+    for i, batch in enumerate([3, 5, 8, 2, 1]):
+        q, k, v, step = _step_inputs(collection, batch, gen)
+        eager_blocks = collection.blocks.clone()
+        expected = decode_step(q, k, v, eager_blocks, *step)
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            out = compiled(q, k, v, collection.blocks, *step)
+        finally:
+            torch.compiler.set_stance("default")
+        assert torch.equal(out, expected)
+        assert torch.equal(collection.blocks, eager_blocks)
+
+
+def test_compiled_attention_matches_fp64():
+    torch._dynamo.reset()
+    from torch_paged_kv.testing import make_paged_batch
+    b = make_paged_batch([6, 1, 0], [1, 1, 1], page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                         group=Q_HEADS // KV_HEADS, seed=1)
+
+    @torch.compile(fullgraph=True)
+    def step(q, k, v, blocks, cache_lengths, lookup_table, input_row_offsets):
+        pk.store_kv(k, v, blocks, cache_lengths, lookup_table, input_row_offsets, b.layer_idx)
+        return pk.flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, b.layer_idx, 0.3)
+
+    out = step(b.q, b.new_keys, b.new_values, b.blocks, *b.step)
+    ref = attention_fp64(b.q, b.keys, b.values, [6, 1, 0], 0.3)
+    assert (out.double() - ref).abs().max() < 2e-5

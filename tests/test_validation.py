@@ -1,0 +1,138 @@
+"""Every rejected call raises ValueError naming the argument, and leaves `blocks` bit-identical."""
+
+import pytest
+import torch
+
+import torch_paged_kv as pk
+from torch_paged_kv.testing import make_paged_batch
+
+CACHED, NEW = [5, 9, 0], [2, 1, 3]
+
+
+def _batch():
+    return make_paged_batch(CACHED, NEW, page_size=4, seed=7)
+
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _store(b, **over):
+    args = dict(key=b.new_keys, value=b.new_values, blocks=b.blocks, cache_lengths=b.cache_lengths,
+                lookup_table=b.lookup_table, input_row_offsets=b.input_row_offsets, layer_idx=b.layer_idx)
+    args.update(over)
+    pk.store_kv(*args.values())
+
+
+STORE_CASES = {
+    "key dtype": ("key", lambda b: dict(key=b.new_keys.double())),
+    "key heads": ("key", lambda b: dict(key=b.new_keys[:, :1])),
+    "key head_dim": ("key", lambda b: dict(key=b.new_keys[..., :16])),
+    "value rows": ("value", lambda b: dict(value=b.new_values[:-1])),
+    "key rows vs offsets": ("input_row_offsets", lambda b: dict(key=b.new_keys[:-1], value=b.new_values[:-1])),
+    "int64 lengths": ("cache_lengths", lambda b: dict(cache_lengths=b.cache_lengths.long())),
+    "table rows": ("lookup_table", lambda b: dict(lookup_table=b.lookup_table[:2])),
+    "table 3-D": ("lookup_table", lambda b: dict(lookup_table=b.lookup_table[None])),
+    "offsets length": ("input_row_offsets", lambda b: dict(input_row_offsets=b.input_row_offsets[:-1])),
+    "offsets start": ("input_row_offsets", lambda b: dict(input_row_offsets=b.input_row_offsets + 1)),
+    "offsets order": ("input_row_offsets", lambda b: dict(input_row_offsets=_i32([0, 3, 2, 6]))),
+    "negative length": ("cache_lengths", lambda b: dict(cache_lengths=_i32([5, -1, 0]))),
+    "past the table": ("cache_lengths", lambda b: dict(cache_lengths=_i32([5, 9, b.lookup_table.shape[1] * 4]))),
+    "page out of range": ("lookup_table", lambda b: dict(lookup_table=_bad_page(b, 0, 1, 10_000))),
+    "negative page": ("lookup_table", lambda b: dict(lookup_table=_bad_page(b, 2, 0, -1))),
+    "layer": ("layer_idx", lambda b: dict(layer_idx=2)),
+    "negative layer": ("layer_idx", lambda b: dict(layer_idx=-1)),
+    "blocks 5-D": ("blocks", lambda b: dict(blocks=b.blocks[0])),
+    "blocks strided": ("blocks", lambda b: dict(blocks=b.blocks.transpose(4, 5))),
+}
+
+
+def _bad_page(b, row, col, page):
+    table = b.lookup_table.clone()
+    table[row, col] = page
+    return table
+
+
+@pytest.mark.parametrize("case", list(STORE_CASES))
+def test_store_kv_rejects_and_writes_nothing(case):
+    b = _batch()
+    name, override = STORE_CASES[case]
+    over = override(b)
+    before = b.blocks.clone()
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        _store(b, **over)
+    if "blocks" not in over:
+        assert torch.equal(b.blocks, before)
+
+
+def test_store_kv_ignores_pages_it_does_not_touch():
+    b = _batch()
+    table = b.lookup_table.clone()
+    table[0, 5:] = 10_000  # entries past what sequence 0 reaches are never read
+    _store(b, lookup_table=table)
+
+
+def test_device_mismatch_is_named():
+    b = _batch()
+    with pytest.raises(ValueError, match="^cache_lengths:.*device"):
+        _store(b, cache_lengths=b.cache_lengths.to("meta"))
+
+
+@pytest.mark.parametrize("name, over", [
+    ("q", dict(q_heads=3)),
+    ("softmax_scale", dict(softmax_scale=0.0)),
+    ("softmax_scale", dict(softmax_scale=float("nan"))),
+    ("softcap", dict(softcap=-1.0)),
+    ("input_row_offsets", dict(q_rows=-1)),
+    ("lookup_table", dict(bad_page=True)),
+])
+def test_flash_attention_rejects(name, over):
+    b = _batch()
+    q = b.q[: b.q.shape[0] + over.get("q_rows", 0)]
+    if "q_heads" in over:
+        q = torch.randn(q.shape[0], over["q_heads"], q.shape[2])
+    table = _bad_page(b, 1, 2, 99) if over.get("bad_page") else b.lookup_table
+    before = b.blocks.clone()
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        pk.flash_attention(q, b.blocks, b.cache_lengths, table, b.input_row_offsets, b.layer_idx,
+                           over.get("softmax_scale", 0.5), softcap=over.get("softcap", 0.0))
+    assert torch.equal(b.blocks, before)
+
+
+def test_gather_kv_rejects_short_max_kv_len():
+    b = _batch()
+    with pytest.raises(ValueError, match="^max_kv_len:"):
+        pk.gather_kv(b.blocks, *b.step, b.layer_idx, 9)
+    with pytest.raises(ValueError, match="^max_kv_len:"):
+        pk.gather_kv(b.blocks, *b.step, b.layer_idx, -1)
+
+
+@pytest.mark.parametrize("name, src, dst", [
+    ("src_pages", [1, 99], [2, 3]),
+    ("dst_pages", [1, 2], [3, -1]),
+    ("dst_pages", [1, 2], [3, 3]),
+    ("dst_pages", [1, 2], [3]),
+])
+def test_copy_pages_rejects_and_writes_nothing(name, src, dst):
+    b = _batch()
+    before = b.blocks.clone()
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        pk.copy_pages(b.blocks, _i32(src), _i32(dst))
+    assert torch.equal(b.blocks, before)
+
+
+def test_copy_pages_rejects_int64_ids():
+    b = _batch()
+    with pytest.raises(ValueError, match="^src_pages:.*int32"):
+        pk.copy_pages(b.blocks, torch.tensor([1]), _i32([2]))
+
+
+def test_shapes_only_mode_skips_value_checks(monkeypatch):
+    b = _batch()
+    monkeypatch.setenv("TORCH_PAGED_KV_VALIDATE", "shapes")
+    with pytest.raises(ValueError, match="^key:"):
+        _store(b, key=b.new_keys.double())  # shape/dtype checks always run
+    before = b.blocks.clone()
+    with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
+        _store(b, lookup_table=_bad_page(b, 0, 1, 10_000))
+    assert torch.equal(b.blocks, before)

@@ -1,0 +1,133 @@
+"""Test helpers: random paged batches written without the ops, and an fp64 attention oracle.
+
+Used by the project's tests on every backend; handy for users testing their own kernels. The
+cached prefix is written into `blocks` by direct indexing (not through `store_kv`), and every
+unused slot of the pool, null page included, holds random values, so a kernel that reads past a
+sequence or ignores the table shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import torch
+
+from .layout import NULL_PAGE, table_width
+
+
+@dataclasses.dataclass
+class PagedBatch:
+    """One step of a ragged batch over a paged pool, with the same data kept contiguous."""
+
+    blocks: torch.Tensor
+    cache_lengths: torch.Tensor
+    lookup_table: torch.Tensor
+    input_row_offsets: torch.Tensor
+    layer_idx: int
+    keys: list[torch.Tensor]    # per sequence [cache_len + new, kv_heads, head_dim]: cached then new
+    values: list[torch.Tensor]
+    q: torch.Tensor             # [total_new, q_heads, head_dim]
+
+    @property
+    def new_keys(self) -> torch.Tensor:
+        """This step's keys `[total_new, kv_heads, head_dim]`, in row order."""
+        return self._new(self.keys)
+
+    @property
+    def new_values(self) -> torch.Tensor:
+        return self._new(self.values)
+
+    def _new(self, full: list[torch.Tensor]) -> torch.Tensor:
+        lengths = self.cache_lengths.tolist()
+        parts = [seq[length:] for seq, length in zip(full, lengths)]
+        return torch.cat(parts) if parts else full[0][:0]
+
+    @property
+    def step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(cache_lengths, lookup_table, input_row_offsets)`, the op arguments after `blocks`."""
+        return self.cache_lengths, self.lookup_table, self.input_row_offsets
+
+
+def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *, page_size: int,
+                     num_kv_heads: int = 2, head_dim: int = 32, group: int = 1, num_layers: int = 2,
+                     layer_idx: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     continuous: bool = False, spare_pages: int = 3, seed: int = 0) -> PagedBatch:
+    """A random batch: shuffled physical pages, cached prefixes written, new K/V not yet stored.
+
+    `continuous=True` builds the continuous-batching layout (1-D table, one slot per row, slot
+    length `page_size`, which must hold every sequence).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(cache_lengths)
+    kv_lens = [c + n for c, n in zip(cache_lengths, new_lengths)]
+    planes = 2
+    if continuous:
+        if max(kv_lens, default=0) > page_size:
+            raise ValueError("page_size: a continuous-batching slot must hold the longest sequence")
+        pages_per_seq = [1] * batch
+    else:
+        pages_per_seq = [math.ceil(n / page_size) for n in kv_lens]
+    num_pages = 1 + sum(pages_per_seq) + spare_pages
+    blocks = torch.randn(num_pages, planes, num_layers, page_size, num_kv_heads, head_dim, generator=gen)
+    blocks = blocks.to(dtype)
+
+    physical = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # never the null page
+    if continuous:
+        table = torch.tensor(physical[:batch], dtype=torch.int32)
+    else:
+        width = table_width(max(kv_lens, default=1) or 1, page_size)
+        table = torch.full((batch, width), NULL_PAGE, dtype=torch.int32)
+        taken = 0
+        for b, n in enumerate(pages_per_seq):
+            table[b, :n] = torch.tensor(physical[taken: taken + n], dtype=torch.int32)
+            taken += n
+
+    keys, values = [], []
+    for b in range(batch):
+        k = torch.randn(kv_lens[b], num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(kv_lens[b], num_kv_heads, head_dim, generator=gen).to(dtype)
+        pos = torch.arange(cache_lengths[b])
+        pages = table[b].long().expand(len(pos)) if continuous else table[b, pos // page_size].long()
+        blocks[pages, 0, layer_idx, pos % page_size] = k[: cache_lengths[b]]
+        blocks[pages, 1, layer_idx, pos % page_size] = v[: cache_lengths[b]]
+        keys.append(k)
+        values.append(v)
+
+    offsets = torch.zeros(batch + 1, dtype=torch.int32)
+    offsets[1:] = torch.tensor(list(new_lengths), dtype=torch.int32).cumsum(0)
+    q = torch.randn(int(offsets[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    device = torch.device(device)
+    return PagedBatch(blocks.to(device), torch.tensor(list(cache_lengths), dtype=torch.int32, device=device),
+                      table.to(device), offsets.to(device), layer_idx,
+                      [k.to(device) for k in keys], [v.to(device) for v in values], q.to(device))
+
+
+def attention_fp64(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   cache_lengths: Sequence[int], softmax_scale: float, causal: bool = True,
+                   sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor:
+    """Attention in float64 on contiguous per-sequence K/V, written from the op contract alone."""
+    outputs, row = [], 0
+    for k, v, cached in zip(keys, values, cache_lengths):
+        new = k.shape[0] - cached
+        if new == 0:
+            continue
+        group = q.shape[1] // k.shape[1]
+        qs = q[row: row + new].double()                               # [new, Hq, D]
+        kk = k.double().repeat_interleave(group, dim=1)               # [kv, Hq, D]
+        vv = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, kk) * softmax_scale
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        p = cached + torch.arange(new)[:, None]
+        j = torch.arange(k.shape[0])[None, :]
+        allowed = torch.ones(new, k.shape[0], dtype=torch.bool)
+        if causal:
+            allowed &= j <= p
+        if sliding_window > 0:
+            allowed &= p - j < sliding_window
+        scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv))
+        row += new
+    return torch.cat(outputs) if outputs else q.new_zeros(q.shape, dtype=torch.float64)
