@@ -7,7 +7,7 @@ import dataclasses
 import math
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel of this package is built
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the mode is fixed per process
 
 import pytest
 import torch
@@ -17,6 +17,10 @@ from torch_paged_kv.ops import BackendUnavailableError, reference
 
 pytest.importorskip("triton")
 from torch_paged_kv.ops.triton import flash_attention as triton_attention  # noqa: E402
+from torch_paged_kv.ops.triton import unavailable_reason  # noqa: E402
+
+if unavailable_reason(torch.device("cpu")) is not None:  # triton was imported earlier, compiled mode
+    pytest.skip(unavailable_reason(torch.device("cpu")), allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Triton backend: every cache op, on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1`.
 
-Kernel modules are imported on the first call, so a test may set `TRITON_INTERPRET=1` after
-`torch_paged_kv` is imported but before any Triton kernel runs.
+Kernel modules (and triton itself) are imported on the first call, keeping `import torch_paged_kv`
+light. Interpreter or compiled mode is fixed per process (see `common`).
 """
 
 from __future__ import annotations
@@ -16,25 +16,34 @@ import torch
 
 from .. import dispatch
 
-_COMMON = __name__ + ".common"
 _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
 
 
+def _interpreter_mode() -> bool:
+    """Whether Triton kernels in this process run in the interpreter (see `common`)."""
+    common = sys.modules.get(__name__ + ".common")
+    if common is not None:
+        return common.INTERPRET
+    if "triton" in sys.modules:
+        from triton.language import standard
+        from triton.runtime.interpreter import InterpretedFunction
+        return isinstance(standard.sum, InterpretedFunction)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on `device` now; None if they can."""
+    """Why the Triton kernels cannot run on `device` in this process; None if they can."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
-    interpret_env = os.environ.get("TRITON_INTERPRET") == "1"
-    built_interpreted = sys.modules[_COMMON].INTERPRET if _COMMON in sys.modules else interpret_env
     if device.type == "cuda":
-        if built_interpreted:
-            return "the Triton kernels were built for the interpreter (TRITON_INTERPRET=1), not for CUDA"
+        if _interpreter_mode():
+            return "Triton runs in interpreter mode in this process (TRITON_INTERPRET=1 when it was imported)"
         return None
     if device.type == "cpu":
-        if not interpret_env:
-            return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1"
-        if not built_interpreted:
-            return "the Triton kernels were built for CUDA before TRITON_INTERPRET=1 was set"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
+        if not _interpreter_mode():
+            return "triton was imported before TRITON_INTERPRET=1 was set; its kernels are compiled for GPUs"
         return None
     return f"no Triton kernels for device type {device.type!r}"
 

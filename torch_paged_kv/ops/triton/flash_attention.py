@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, blocks_strides, find_sequence, search_steps
+from .common import blocks_strides, is_interpreted, search_steps
 from .flash_merge import merge_splits
 
 MIN_SPLIT_TOKENS = 256
@@ -39,7 +39,14 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = find_sequence(input_row_offsets, tile, batch, BLOCK_Q, 1, STEPS)
+    # The sequence owning this tile: the largest b with offsets[b] // BLOCK_Q + b <= tile.
+    seq = 0
+    last = batch - 1
+    for _ in tl.static_range(STEPS):
+        mid = (seq + last + 1) // 2
+        take = tl.load(input_row_offsets + mid) // BLOCK_Q + mid <= tile
+        seq = tl.where(take, mid, seq)
+        last = tl.where(take, last, mid - 1)
     row0 = tl.load(input_row_offsets + seq)
     new = tl.load(input_row_offsets + seq + 1) - row0
     q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q
@@ -126,10 +133,10 @@ def _target_programs(device: torch.device) -> int:
     return 16
 
 
-def _blocks_for(head_dim: int, group: int, decode: bool) -> tuple[int, int, int]:
+def _blocks_for(head_dim: int, group: int, decode: bool, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_N, num_warps): decode packs >= 16 rows; prefill ~64 rows x 64 keys."""
     group_p = triton.next_power_of_2(group)
-    if INTERPRET:
+    if interpret:
         return max(1, 16 // group_p), 16, 4
     block_n = 64 if head_dim <= 128 else 32
     rows = 16 if decode else 64
@@ -153,7 +160,8 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         return out
     q = q if q.stride(2) == 1 else q.contiguous()
     group = num_q_heads // num_kv_heads
-    block_q, block_n, num_warps = _blocks_for(head_dim, group, decode=total <= batch)
+    interpret = is_interpreted(q)
+    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     max_context = width * page_size  # upper bound of every kv_len: no lengths are read on the host
     window = sliding_window > 0
@@ -178,7 +186,7 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         split_len, float(softmax_scale), float(softcap), int(sliding_window),
         GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window, SOFTCAP=softcap > 0,
-        SPLIT=splits > 1, UPCAST=INTERPRET, PRECISION="ieee" if INTERPRET or q.dtype == torch.float32 else "tf32",
+        SPLIT=splits > 1, UPCAST=interpret, PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
         STEPS=search_steps(batch), num_warps=num_warps,
     )
     if splits > 1:
