@@ -1,0 +1,223 @@
+"""KVCacheManager against independent models of sequences, page ownership and cache contents.
+
+K/V written for a token is a pure function of the token prefix up to it (`kv_rows`), so a page
+reused from the prefix cache must hold exactly what recomputing would write.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import torch_paged_kv as tpk
+from torch_paged_kv.manager import KVCacheManager, OutOfPagesError
+from torch_paged_kv.prefix_cache import page_key, root_key
+
+PARAMS = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
+PS = PARAMS.page_size
+
+
+def make(num_pages: int = 32, max_batch: int = 8, max_seq_len: int = 64, **kw) -> KVCacheManager:
+    return KVCacheManager(tpk.PagedKVCacheCollection(PARAMS, num_pages, max_batch, max_seq_len), **kw)
+
+
+def kv_rows(tokens: list[int], start: int, stop: int) -> torch.Tensor:
+    """K/V of positions start..stop-1: `[n, 2, layers, heads, head_dim]`, a function of the prefix."""
+    h, hashes = 7, []
+    for tok in tokens[:stop]:
+        h = (h * 1_000_003 + tok + 1) % 2_147_483_647
+        hashes.append(h)
+    n_vals = 2 * PARAMS.num_layers * PARAMS.num_kv_heads * PARAMS.head_dim
+    mult = torch.arange(1, n_vals + 1, dtype=torch.int64) * 7919
+    vals = (torch.tensor(hashes[start:], dtype=torch.int64)[:, None] * mult[None]) % 997
+    return (vals.float() / 997).view(-1, 2, PARAMS.num_layers, PARAMS.num_kv_heads, PARAMS.head_dim)
+
+
+def run_step(m: KVCacheManager, ids: list, news: list[list[int]], model: dict, pass_tokens: bool = True) -> tpk.StepTensors:
+    """One step: prepare, store each row's K/V (a function of its model tokens), commit."""
+    step = m.prepare_step(ids, [len(t) for t in news], news if pass_tokens else None)
+    rows = [kv_rows(model[i] + t, len(model[i]), len(model[i]) + len(t)) for i, t in zip(ids, news)]
+    kv = torch.cat(rows)
+    for layer in range(PARAMS.num_layers):
+        tpk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), m.collection.blocks,
+                     *step, layer)
+    m.commit_step()
+    for i, t in zip(ids, news):
+        model[i] = model[i] + t
+    return step
+
+
+def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
+    """gather_kv over each sequence's pages equals K/V recomputed from its tokens."""
+    c = m.collection
+    for i in ids:
+        pages = m._pages(m._seqs[i])
+        table = torch.full((1, c.lookup_table.shape[1]), tpk.NULL_PAGE, dtype=torch.int32)
+        table[0, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        length = len(model[i])
+        assert m.cache_length(i) == length
+        lengths = torch.tensor([length], dtype=torch.int32)
+        offsets = torch.zeros(2, dtype=torch.int32)
+        want = kv_rows(model[i], 0, length)
+        for layer in range(PARAMS.num_layers):
+            k, v = tpk.gather_kv(c.blocks, lengths, table, offsets, layer, max(length, 1))
+            assert torch.equal(k[0, :length], want[:, 0, layer]), (i, layer)
+            assert torch.equal(v[0, :length], want[:, 1, layer]), (i, layer)
+
+
+def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
+    """Refcounts equal holders; free/evictable/held partition the pages; shared pages are full."""
+    pool, n = m._pool, m.collection.num_pages
+    holders: dict[int, list[tuple]] = {}
+    for i in model:
+        seq = m._seqs[i]
+        pages = m._pages(seq)
+        assert (seq.host_pages is None) == (i in on_device)
+        if i not in on_device:
+            assert pages == []
+            continue
+        assert len(pages) == -(-len(model[i]) // PS)
+        assert len(set(pages)) == len(pages) and tpk.NULL_PAGE not in pages
+        assert (m._table[seq.slot, len(pages):] == tpk.NULL_PAGE).all()
+        for idx, page in enumerate(pages):
+            holders.setdefault(page, []).append((i, idx))
+    for page in range(1, n + 1):
+        assert pool.refcounts[page] == len(holders.get(page, [])), page
+        shared_or_cached = len(holders.get(page, [])) > 1 or page in pool.key_of
+        for i, idx in holders.get(page, []):
+            if shared_or_cached:  # never written again: full and behind the sequence's length
+                assert (idx + 1) * PS <= len(model[i]), (page, i, idx)
+    free, evictable = set(pool.free), set(pool.evictable)
+    assert len(free) == len(pool.free) and not free & evictable and not free & set(holders)
+    assert evictable == {p for p in pool.key_of if p not in holders}
+    assert len(free) + len(evictable) + len(holders) == n
+    assert {pool.page_of[k]: k for k in pool.page_of} == pool.key_of
+
+
+def snapshot(m: KVCacheManager) -> dict:
+    """Everything an all-or-nothing operation must leave unchanged."""
+    c = m.collection
+    state = {k: copy.deepcopy(v) for k, v in vars(m).items()
+             if k not in ("collection", "_host_views", "_step_views", "_rows_seqs", "_pending", "_seqs", "_pool")}
+    state["pool"] = copy.deepcopy(vars(m._pool))
+    state["seqs"] = {i: (s.slot, s.tokens and list(s.tokens), list(s.keys), s.host_pages is None)
+                     for i, s in m._seqs.items()}
+    state["pending"] = None if m._pending is None else [s.seq_id for s in m._pending.seqs]
+    state["rows_seqs"] = [s.seq_id for s in m._rows_seqs]
+    state["device"] = [t.clone() for t in (c.cache_lengths, c.lookup_table, c.input_row_offsets, c.blocks)]
+    return state
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, np.ndarray):
+            assert np.array_equal(x, y), k
+        elif k == "device":
+            assert all(torch.equal(p, q) for p, q in zip(x, y)), k
+        else:
+            assert x == y, k
+
+
+def pages_needed(model: dict, ids: list, counts: list[int]) -> int:
+    return sum(-(-(len(model[i]) + n) // PS) - -(-len(model[i]) // PS) for i, n in zip(ids, counts))
+
+
+# -- randomized workload ------------------------------------------------------------------------
+
+def test_random_workload_against_model():
+    rng = random.Random(1234)
+    m = make(num_pages=40, max_batch=6, max_seq_len=40)
+    c = m.collection
+    model: dict = {}  # seq id -> committed token ids
+    prompt_left: dict = {}  # seq id -> prompt tokens still to compute
+    on_device: set = set()
+    bases = [[rng.randrange(3) for _ in range(30)] for _ in range(3)]
+    next_id, counts, last_ids = 0, {}, []
+
+    for op_index in range(1500):
+        op = rng.choices(["claim", "step", "fork", "release", "offload", "restore"], [3, 8, 1, 2, 1, 1])[0]
+        live = sorted(on_device)
+        if op == "claim" and len(model) < 10:
+            prompt = bases[rng.randrange(3)][: rng.randrange(0, 20)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            reused = m.claim(next_id, prompt)
+            assert reused % PS == 0 and reused < len(prompt)
+            model[next_id], prompt_left[next_id] = prompt[:reused], prompt[reused:]
+            on_device.add(next_id)
+            next_id += 1
+        elif op == "step" and live:
+            ids = rng.sample(live, rng.randint(1, min(len(live), c.max_batch_size)))
+            if last_ids and rng.random() < 0.4 and set(last_ids) <= on_device:  # same rows again: the fast path
+                ids = last_ids
+            news = []
+            for i in ids:
+                room = c.max_seq_len - len(model[i])
+                n = min(room, 1 if rng.random() < 0.5 else rng.randint(1, 3), len(prompt_left[i]) or 3)
+                news.append(prompt_left[i][:n] if prompt_left[i] else [rng.randrange(3) for _ in range(n)])
+            if not all(news):
+                continue
+            last_ids = ids
+            pass_tokens = not all(prompt_left[i] for i in ids) or rng.random() < 0.5
+            if pages_needed(model, ids, [len(t) for t in news]) > m.num_free_pages():
+                before = snapshot(m)
+                with pytest.raises(OutOfPagesError):
+                    m.prepare_step(ids, [len(t) for t in news], news)
+                assert_same(before, snapshot(m))
+                op = "oom"
+            else:
+                step = run_step(m, ids, news, model, pass_tokens)
+                for b, i in enumerate(ids):  # the step tensors the model saw
+                    pages = m._pages(m._seqs[i])
+                    assert step.cache_lengths[b] == len(model[i]) - len(news[b])
+                    assert step.lookup_table[b, : len(pages)].tolist() == pages
+                    assert (step.lookup_table[b, len(pages):] == tpk.NULL_PAGE).all()
+                assert step.input_row_offsets.tolist() == [0, *np.cumsum([len(t) for t in news])]
+                for i, t in zip(ids, news):
+                    prompt_left[i] = prompt_left[i][len(t):] if prompt_left[i][: len(t)] == t else []
+        elif op == "fork" and live and len(model) < 10:
+            parent = rng.choice(live)
+            if len(model[parent]) % PS and m.num_free_pages() == 0:
+                before = snapshot(m)
+                with pytest.raises(OutOfPagesError):
+                    m.fork(parent, next_id)
+                assert_same(before, snapshot(m))
+            else:
+                m.fork(parent, next_id)
+                model[next_id], prompt_left[next_id] = list(model[parent]), []
+                on_device.add(next_id)
+            next_id += 1
+        elif op == "release" and model:
+            i = rng.choice(sorted(model))
+            m.release(i)
+            del model[i], prompt_left[i]
+            on_device.discard(i)
+        elif op == "offload" and live:
+            ids = rng.sample(live, rng.randint(1, min(2, len(live))))
+            m.offload(ids)
+            on_device -= set(ids)
+        elif op == "restore" and len(model) > len(on_device):
+            ids = [i for i in sorted(model) if i not in on_device][:2]
+            if sum(-(-len(model[i]) // PS) for i in ids) > m.num_free_pages():
+                before = snapshot(m)
+                with pytest.raises(OutOfPagesError):
+                    m.restore(ids)
+                assert_same(before, snapshot(m))
+                op = "oom"
+            else:
+                m.restore(ids)
+                on_device |= set(ids)
+        else:
+            continue
+        counts[op] = counts.get(op, 0) + 1
+        assert sorted(m.sequences) == sorted(model)
+        check_ownership(m, model, on_device)
+        if op_index % 7 == 0:
+            check_contents(m, model, sorted(on_device))
+    check_contents(m, model, sorted(on_device))
+    assert all(counts.get(op, 0) >= 20 for op in ("claim", "step", "fork", "release", "offload", "restore", "oom")), counts
+    assert m.prefix_cache_hits > 100 and m.prefix_cache_misses > 100

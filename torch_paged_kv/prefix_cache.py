@@ -1,0 +1,86 @@
+"""Page ownership for the manager: refcounts, free pages, and the prefix cache of full pages.
+
+A full page is keyed by `sha256(parent_key + token ids as int64)`, chained from
+`root_key(salt)`, so a key names the whole token prefix up to the end of that page. A cached page
+nobody references stays cached ("evictable") until an allocation needs it; evictable pages leave
+in the order they became unreferenced (least recently used first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from .layout import NULL_PAGE
+
+
+def root_key(salt: bytes | None) -> bytes:
+    """Parent key of a sequence's first page; different salts give disjoint caches."""
+    return hashlib.sha256(b"torch_paged_kv/prefix/" + (salt or b"")).digest()
+
+
+def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Key of a full page holding `tokens`, chained over its parent page's key."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+
+
+class PagePool:
+    """Pages `1..num_pages`: each is free, referenced (refcount > 0), or cached and evictable."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.refcounts = [0] * (num_pages + 1)
+        self.free = list(range(num_pages, NULL_PAGE, -1))  # pop() hands out low ids first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.page_of: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+
+    def available(self) -> int:
+        """Pages an allocation may take now: free plus evictable."""
+        return len(self.free) + len(self.evictable)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` pages with refcount 1, free ones first, then evicting LRU cached pages.
+
+        The caller checks `available()` first.
+        """
+        take = min(count, len(self.free))
+        pages = self.free[len(self.free) - take:]
+        del self.free[len(self.free) - take:]
+        pages.reverse()
+        for _ in range(count - take):
+            page, _ = self.evictable.popitem(last=False)
+            del self.page_of[self.key_of.pop(page)]
+            pages.append(page)
+        refcounts = self.refcounts
+        for page in pages:
+            refcounts[page] = 1
+        return pages
+
+    def ref(self, page: int) -> None:
+        """One more owner of `page` (a cached page stops being evictable)."""
+        if self.refcounts[page] == 0:
+            del self.evictable[page]
+        self.refcounts[page] += 1
+
+    def unref(self, pages: Iterable[int]) -> None:
+        """Drop one owner of each page, in order; unreferenced pages become evictable or free."""
+        refcounts = self.refcounts
+        for page in pages:
+            refcounts[page] -= 1
+            if refcounts[page] == 0:
+                if page in self.key_of:
+                    self.evictable[page] = None
+                else:
+                    self.free.append(page)
+
+    def lookup(self, key: bytes) -> int | None:
+        """The cached page with this key, if any."""
+        return self.page_of.get(key)
+
+    def register(self, page: int, key: bytes) -> None:
+        """Cache a full, referenced `page` under `key` unless either is already cached."""
+        if key not in self.page_of and page not in self.key_of:
+            self.page_of[key] = page
+            self.key_of[page] = key
