@@ -11,3 +11,7 @@ for _op in dispatch.OPS:
 from .triton import register as _register_triton  # noqa: E402  (declares "triton"; imports no kernels)
 
 _register_triton()
+
+from ..cute import register as _register_cute  # noqa: E402  (declares "cute"; imports no kernels, no cutlass)
+
+_register_cute()

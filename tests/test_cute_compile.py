@@ -1,0 +1,105 @@
+"""CuTe backend without a GPU: kernels compile for sm_90a / sm_100a with the expected TMA PTX, the
+compile cache compiles once per key (also under threads, also from disk), and the operand's row
+arithmetic matches the cache views. The kernels themselves run only in tests/gpu/test_cute_gpu.py."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import torch_paged_kv as pk
+from torch_paged_kv.cute.operand import KVCacheMHAOperand
+
+cute = pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl (cutlass.cute) is not importable")
+
+from torch_paged_kv.cute import __main__ as cli  # noqa: E402
+from torch_paged_kv.cute import variants  # noqa: E402
+from torch_paged_kv.cute.compile_cache import CompileCache  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", variants.ARCHES)
+def test_variants_compile_with_tma_ptx(arch, tmp_path):
+    for key in cli.quick_keys(arch):
+        _, ptx = cli.compile_with_ptx(key, tmp_path)
+        assert f".target {arch}" in ptx
+        if key.kernel == "combine":
+            continue
+        tma = ptx.count("cp.async.bulk.tensor")
+        gather4 = ptx.count("tile::gather4")
+        if arch == "sm_90a":  # one box per page (or page slice) of the tile, for K and for V
+            boxes = key.tile_n // min(key.page_size, key.tile_n)
+            assert (tma, gather4) == (2 * boxes, 0), key
+        else:  # four rows per gather4, for K and for V, whatever the page size
+            assert tma == gather4 == 2 * key.tile_n // 4, key
+        assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.expect_tx" in ptx
+
+
+def test_cache_returns_same_object_and_compiles_once_under_threads():
+    cache = CompileCache(cache_dir="")
+    key = variants.combine_key("sm_90a", "float16", 64)
+    builds = []
+
+    def build():
+        builds.append(1)
+        return variants.build(key)
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get(key, build))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and len(results) == 6 and all(r is results[0] for r in results)
+    assert cache.get(key, build) is results[0] and len(builds) == 1
+    seconds, source = cache.stats()[key]
+    assert source == "compiled" and seconds > 0
+
+
+def test_cache_reloads_exported_kernel_from_disk(tmp_path):
+    key = variants.combine_key("sm_90a", "bfloat16", 64)
+    first = CompileCache(cache_dir=tmp_path)
+    first.get(key, lambda: variants.build(key))
+    assert first.stats()[key][1] == "compiled" and list(tmp_path.glob("*.o"))
+    second = CompileCache(cache_dir=tmp_path)
+    fn = second.get(key, lambda: pytest.fail("a kernel on disk must not be recompiled"))
+    assert callable(fn) and second.stats()[key][1] == "disk"
+
+
+@pytest.mark.parametrize("page_size, continuous", [(1, False), (5, False), (16, False), (24, True)])
+def test_operand_rows_match_cache_views(page_size, continuous):
+    torch.manual_seed(page_size)
+    params = pk.KVCacheParams(torch.float16, num_layers=3, num_kv_heads=2, head_dim=8, page_size=page_size)
+    if continuous:
+        coll = pk.ContinuousBatchingKVCacheCollection(params, max_batch_size=4, max_seq_len=page_size)
+        coll.lookup_table.copy_(torch.randperm(4, dtype=torch.int32) + 1)
+    else:
+        coll = pk.PagedKVCacheCollection(params, num_pages=40, max_batch_size=4, max_seq_len=24)
+        coll.lookup_table.copy_(torch.randint(1, 41, coll.lookup_table.shape, dtype=torch.int32))
+    coll.blocks.copy_(torch.randn(coll.blocks.shape))
+    layer = 1
+    op = KVCacheMHAOperand.from_cache(coll.get_key_cache(layer))
+    assert op.lookup_table.dim() == 2 and not op.quantization_enabled
+    assert op.num_kv_rows() == coll.get_key_cache(layer).num_kv_rows()
+    for plane, view in ((0, coll.get_key_cache(layer)), (1, coll.get_value_cache(layer))):
+        for b in range(4):
+            rows = op.populate(b, 0, 24, plane)
+            assert torch.equal(rows, view.populate(b, 0, 24))
+            pages = op.lookup_table[b].long()[torch.arange(24) // page_size]
+            assert torch.equal(rows, op.get_tma_row(pages * page_size + torch.arange(24) % page_size, plane))
+            for tok in (0, 7, 23):
+                page = int(op.lookup_table[b, tok // page_size])
+                expected = coll.blocks[page, plane, layer, tok % page_size].flatten()
+                assert torch.equal(op.rows[int(rows[tok])], expected)
+
+
+def test_supports_declines_cpu_and_import_needs_no_cutlass():
+    from torch_paged_kv.cute.attention import supports
+
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    blocks = torch.zeros(3, 2, 1, 16, 2, 64, dtype=torch.bfloat16)
+    assert not supports(q, blocks, torch.zeros(2, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
+                        torch.arange(3, dtype=torch.int32), 0, 0.125)
+    code = "import sys, torch_paged_kv; assert 'cutlass' not in sys.modules; print(torch_paged_kv.backend_info('cpu'))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -1,0 +1,59 @@
+"""CuTe DSL backend: paged decode attention on Hopper (TMA page boxes) and Blackwell (TMA gather4).
+
+Only `flash_attention` has CuTe kernels, for decode-shaped calls (see `attention.supports`);
+prefill, `store_kv`, `gather_kv` and `copy_pages` stay with Triton. cutlass is imported on the
+first kernel call, so `import torch_paged_kv` works without nvidia-cutlass-dsl.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from typing import Any
+
+import torch
+
+_warned: list[bool] = []
+
+
+def cutlass_missing() -> bool:
+    return importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the CuTe kernels cannot run on `device`; None if they can (sm90 / sm100 GPU with cutlass)."""
+    if device.type != "cuda":
+        return f"CuTe kernels need a CUDA device, got {device.type!r}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major not in (9, 10):
+        return f"CuTe kernels target sm_90a / sm_100a; this GPU is sm_{major}{minor}"
+    if cutlass_missing():
+        if not _warned:
+            _warned.append(True)
+            warnings.warn("nvidia-cutlass-dsl is not installed: the CuTe backend is off; Triton runs instead",
+                          stacklevel=2)
+        return "nvidia-cutlass-dsl (cutlass.cute) is not installed"
+    return None
+
+
+def _flash_attention(*args: Any) -> torch.Tensor:
+    from .attention import flash_attention
+
+    return flash_attention(*args)
+
+
+def _flash_attention_supports(*args: Any) -> bool:
+    from .attention import supports
+
+    return supports(*args)
+
+
+def register() -> None:
+    """Declare backend "cute" and its flash_attention (decode) kernel with the dispatcher."""
+    from ..ops import dispatch
+
+    dispatch.register_backend("cute", unavailable_reason)
+    dispatch.register_kernel("cute", "flash_attention", _flash_attention, _flash_attention_supports)

@@ -1,0 +1,82 @@
+"""Public entry: paged decode attention with the CuTe kernels (compile cache -> kernels).
+
+`flash_attention` takes the `paged_kv::flash_attention` arguments (validated), picks the arch's
+kernel variant and a split count from shapes only (no host sync, CUDA-graph safe), runs the decode
+kernel into fp32 partials and merges them with the combine kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import variants
+from .operand import KVCacheMHAOperand
+
+MAX_SPLITS = 64
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> str | None:
+    """"sm_90a" or "sm_100a" for a Hopper / Blackwell datacenter GPU, else None."""
+    major, _ = torch.cuda.get_device_capability(index)
+    return {9: "sm_90a", 10: "sm_100a"}.get(major)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(device_index: int, rows: int, kv_heads: int, max_keys: int, tile_n: int) -> int:
+    """Splits of each row's keys so that about two CTAs per SM run; from shapes only."""
+    ctas = max(rows * kv_heads, 1)
+    tiles = max(-(-max_keys // tile_n), 1)
+    return max(1, min(-(-2 * _sm_count(device_index) // ctas), tiles, MAX_SPLITS))
+
+
+def supports(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+             input_row_offsets: torch.Tensor, layer_idx: int, softmax_scale: float, causal: bool = True,
+             sliding_window: int = -1, softcap: float = 0.0) -> bool:
+    """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
+    if q.device.type != "cuda" or softcap > 0 or q.dtype not in _DTYPES or blocks.dtype != q.dtype:
+        return False
+    arch = device_arch(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if arch is None or blocks.dim() != 6 or blocks.shape[1] != 2 or not blocks.is_contiguous():
+        return False
+    page_size, kv_heads, head_dim = blocks.shape[3], blocks.shape[4], blocks.shape[5]
+    group = q.shape[1] // kv_heads
+    return (
+        0 < q.shape[0] == cache_lengths.shape[0]
+        and head_dim in variants.HEAD_DIMS
+        and group * head_dim <= variants.MAX_GROUP_DIM
+        and variants.page_supported(arch, page_size, variants.tile_config(head_dim)[0])
+        and blocks.numel() // (kv_heads * head_dim) < 2**31 - page_size  # TMA coordinates are int32
+    )
+
+
+def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+                    input_row_offsets: torch.Tensor, layer_idx: int, softmax_scale: float, causal: bool = True,
+                    sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor:
+    """`paged_kv::flash_attention` for calls `supports` accepts."""
+    operand = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, lookup_table, layer_idx)
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    arch = device_arch(device_index)
+    dtype = _DTYPES[q.dtype]
+    rows, q_heads, head_dim = q.shape
+    key = variants.decode_key(arch, dtype, head_dim, operand.page_size, q_heads // operand.num_kv_heads)
+    decode = variants.get(key)
+    combine = variants.get(variants.combine_key(arch, dtype, head_dim))
+    max_keys = operand.lookup_table.shape[1] * operand.page_size
+    splits = num_splits(device_index, rows, operand.num_kv_heads, max_keys, key.tile_n)
+    partial = torch.empty(splits, rows, q_heads, head_dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(splits, rows, q_heads, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    decode(q.contiguous(), operand.rows, operand.lookup_table, cache_lengths, input_row_offsets, partial, lse,
+           operand.page_stride, operand.k_plane_offset, operand.v_plane_offset, softmax_scale * math.log2(math.e),
+           sliding_window, int(causal), splits)
+    combine(partial, lse, out, splits)
+    return out
