@@ -7,10 +7,13 @@ import dataclasses
 import math
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the mode is fixed per process
-
 import pytest
 import torch
+
+if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("a GPU is visible: tests/gpu covers the Triton kernels (TRITON_INTERPRET=1 would put every "
+                "Triton kernel in this process in the interpreter)", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the mode is fixed per process
 
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import BackendUnavailableError, reference

@@ -11,7 +11,6 @@ import torch
 
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
-from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
 
 CUDA = torch.device("cuda")
@@ -155,6 +154,7 @@ def test_flash_attention(name):
 
 def test_decode_batch_one_long_context_is_split():
     """Batch 1 x 32k must spread over the GPU (flash-decoding), from shapes alone."""
+    from torch_paged_kv.ops.triton import flash_attention as triton_attention
     width = 32768 // 16 + 8
     assert triton_attention.num_splits(1, 8, width * 16, 64, CUDA) >= 16
 
