@@ -1,0 +1,1 @@
+"""Integrations with model libraries. Import the submodule you need (`integrations.transformers`)."""

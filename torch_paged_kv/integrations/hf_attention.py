@@ -1,0 +1,75 @@
+"""The `paged_kv` attention and mask functions for transformers' `AttentionInterface`.
+
+The mask function keeps only the padding of this step's new tokens (`[batch, new]` bool), which is
+all the attention needs: with a `PagedCache`, padding is never stored, so the pages hold exactly
+the keys each query may see (up to causality, which `flash_attention` applies).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import flash_attention, store_kv
+from .hf_cache import PendingKV
+
+
+def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+                  mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                  **kwargs: Any) -> torch.Tensor | None:
+    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, new]` bool)."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, -q_length:].bool()
+
+
+def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: PendingKV | torch.Tensor,
+                       value: PendingKV | torch.Tensor, attention_mask: torch.Tensor | None,
+                       scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """`AttentionInterface` entry: store this step's real tokens in the pages, attend from the pages.
+
+    `query` is `[batch, heads, new, head_dim]`; returns `[batch, new, heads, head_dim]`. Padded query
+    positions get zeros. Without a `PagedCache` (no cache at all), plain masked SDPA over the inputs.
+    """
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if not isinstance(key, PendingKV):
+        return _uncached_attention(query, key, value, attention_mask, scale), None
+    batch, num_heads, new, head_dim = query.shape
+    layer, cache = key.layer, key.layer.cache
+    q = query.transpose(1, 2).reshape(batch * new, num_heads, head_dim)
+    k = key.key.transpose(1, 2).reshape(batch * new, -1, head_dim)
+    v = key.value.transpose(1, 2).reshape(batch * new, -1, head_dim)
+    ragged = attention_mask is not None and new > 1  # prefill with padding: keep the real tokens only
+    if ragged:
+        real = attention_mask.reshape(-1).nonzero().squeeze(1)
+        q, k, v = q[real], k[real], v[real]
+    if layer.layer_idx == 0:
+        counts = attention_mask.sum(1, dtype=torch.int32) if ragged else \
+            torch.full((batch,), new, dtype=torch.int32, device=query.device)
+        cache.begin_step(counts)
+    lengths, table, offsets = cache.step_tensors(batch)
+    blocks = cache.collection.blocks
+    store_kv(k, v, blocks, lengths, table, offsets, layer.layer_idx)
+    out = flash_attention(q, blocks, lengths, table, offsets, layer.layer_idx, scale, True,
+                          sliding_window or -1, softcap or 0.0)
+    if layer.layer_idx == cache.num_layers - 1:
+        cache.end_step(batch, new)
+    if ragged:
+        out = q.new_zeros(batch * new, num_heads, head_dim).index_copy_(0, real, out)
+    return out.view(batch, new, num_heads, head_dim), None
+
+
+def _uncached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal SDPA over the given keys, hiding padded keys; only for a forward with no past."""
+    new, kv_len = query.shape[2], key.shape[2]
+    if kv_len != new:
+        raise ValueError("attn_implementation='paged_kv' needs past_key_values=PagedCache(...) to use a cache")
+    allowed = torch.ones(new, new, dtype=torch.bool, device=query.device).tril()[None, None]
+    if attention_mask is not None:
+        allowed = allowed & attention_mask[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()

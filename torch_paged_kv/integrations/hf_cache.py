@@ -1,0 +1,223 @@
+"""`PagedCache`: a `transformers.Cache` whose layers live in one `PagedKVCacheCollection`.
+
+Row b of the batch owns the fixed pages `1 + b*P .. (b+1)*P` (P pages per row), so the lookup table
+never changes and beam search reorders rows by copying pages (`copy_pages`, all layers at once).
+
+Two ways to attend, picked by `config._attn_implementation`:
+
+- `"paged_kv"`: `update` writes nothing; it hands the attention function a `PendingKV` (the layer
+  and this step's new K/V). The attention function, which also gets the padding mask, stores only
+  the real tokens of each row (ragged `input_row_offsets`) and calls `flash_attention` on the pages.
+  Left padding never reaches the cache, and token i of a row sits at position i (its rotary position).
+- anything else (`sdpa`, `eager`, ...): `update` stores every column (padding included, like
+  `StaticCache`) and returns K/V gathered to `[batch, heads, max_cache_len, head_dim]`; the model's
+  own mask hides padding and the unused tail.
+
+Step bookkeeping is in tensors updated in place: layer 0 writes `input_row_offsets`, the last layer
+advances `cache_lengths` and the column counter. Nothing per token lives in Python ints, so a
+compiled decode step does not recompile.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from transformers import PreTrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .. import copy_pages, gather_kv, store_kv
+from ..collection import PagedKVCacheCollection
+from ..params import KVCacheParams
+
+ATTN_IMPLEMENTATION = "paged_kv"
+
+
+class PendingKV(NamedTuple):
+    """What `update` returns as keys (and values) under `attn_implementation="paged_kv"`."""
+
+    layer: PagedLayer
+    key: torch.Tensor  # [batch, kv_heads, new, head_dim], rotary already applied
+    value: torch.Tensor
+
+
+class PagedLayer(CacheLayerMixin):
+    """One model layer's view of the shared collection (HF's per-layer cache surface)."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.is_initialized = True  # the collection is allocated up front
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do: the pages exist from construction."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[Any, Any]:
+        """Paged attention: defer to the attention function. Otherwise store and gather K/V."""
+        cache = self.cache
+        if cache.attends_from_pages:
+            pending = PendingKV(self, key_states, value_states)
+            return pending, pending
+        batch, _, new, _ = key_states.shape
+        if self.layer_idx == 0:
+            cache.begin_step(torch.full((batch,), new, dtype=torch.int32, device=cache.device))
+        lengths, table, offsets = cache.step_tensors(batch)
+        store_kv(_rows(key_states), _rows(value_states), cache.collection.blocks, lengths, table, offsets,
+                 self.layer_idx)
+        keys, values = gather_kv(cache.collection.blocks, lengths, table, offsets, self.layer_idx,
+                                 cache.max_cache_len)
+        if self.layer_idx == cache.num_layers - 1:
+            cache.end_step(batch, new)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """K/V always span `max_cache_len` columns (what `update` returns)."""
+        return self.cache.max_cache_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        """Columns seen so far (padding included), as a 0-dim tensor like `StaticLayer`."""
+        return self.cache.columns
+
+    def get_max_length(self) -> int:
+        return self.cache.max_cache_len
+
+    # The collection is shared by all layers: the cache does these once, for every layer.
+    def reset(self) -> None: ...
+    def crop(self, tokens_to_remove: int) -> None: ...
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None: ...
+    def batch_repeat_interleave(self, repeats: int) -> None: ...
+    def batch_select_indices(self, indices: torch.Tensor) -> None: ...
+    def offload(self) -> None: ...
+    def prefetch(self) -> None: ...
+
+
+def _rows(states: torch.Tensor) -> torch.Tensor:
+    """`[batch, heads, new, head_dim]` -> `[batch*new, heads, head_dim]` (batch-major rows)."""
+    return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
+
+
+class PagedCache(Cache):
+    """A `transformers.Cache` over a paged KV pool; pass it as `generate(..., past_key_values=cache)`.
+
+    Args:
+        config: the model's config (`model.config`); its `_attn_implementation` picks the path.
+        max_batch_size: most rows at once (`batch * num_beams` for beam search).
+        max_cache_len: most tokens (columns, padding included) a row may reach.
+        page_size: tokens per page.
+        device, dtype: of the pool; default CPU and the config's dtype.
+    """
+
+    def __init__(self, config: PreTrainedConfig, max_batch_size: int, max_cache_len: int, page_size: int = 16,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        self.config = config.get_text_config(decoder=True)
+        cfg = self.config
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        dtype = dtype or getattr(cfg, "dtype", None) or torch.get_default_dtype()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.num_layers = cfg.num_hidden_layers
+        params = KVCacheParams(dtype, self.num_layers, getattr(cfg, "num_key_value_heads", None) or num_heads,
+                               head_dim, page_size)
+        pages_per_row = -(-max_cache_len // page_size)
+        self.collection = PagedKVCacheCollection(params, max_batch_size * pages_per_row, max_batch_size,
+                                                 max_cache_len, device)
+        self.device = self.collection.device
+        self.max_cache_len = max_cache_len
+        self.max_batch_size = max_batch_size
+        own = torch.arange(1, max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
+        self.collection.lookup_table[:, :pages_per_row] = own.view(max_batch_size, pages_per_row)
+        self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
+        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        for t in (self.collection.blocks, self.collection.cache_lengths, self.collection.input_row_offsets,
+                  self.collection.lookup_table, self.columns):
+            torch._dynamo.mark_static_address(t)
+
+    @property
+    def attends_from_pages(self) -> bool:
+        """True when the model runs the `paged_kv` attention function."""
+        return self.config._attn_implementation == ATTN_IMPLEMENTATION
+
+    # -- step bookkeeping (tensors, in place) -----------------------------------------------
+    def step_tensors(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`cache_lengths`, `lookup_table`, `input_row_offsets` for the first `batch` rows."""
+        return self.collection.step_tensors(batch)
+
+    def begin_step(self, new_tokens: torch.Tensor) -> None:
+        """Before layer 0 stores: record each row's new token count (`[batch]` int32)."""
+        batch = new_tokens.shape[0]
+        if not torch.compiler.is_compiling():
+            self._check_room(batch, new_tokens)
+            self.rows = batch
+        offsets = self.collection.input_row_offsets
+        offsets[0] = 0
+        offsets[1: batch + 1] = torch.cumsum(new_tokens, 0)
+
+    def end_step(self, batch: int, columns: int) -> None:
+        """After the last layer: lengths += new tokens, columns += this step's columns."""
+        _, _, offsets = self.step_tensors(batch)
+        self.collection.cache_lengths[:batch] += offsets[1:] - offsets[:-1]
+        self.columns.add_(columns)
+
+    def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:
+        if batch > self.max_batch_size:
+            raise ValueError(f"batch: {batch} rows, more than max_batch_size={self.max_batch_size}")
+        longest = int((self.collection.cache_lengths[:batch] + new_tokens).max())
+        if longest > self.max_cache_len:
+            raise ValueError(f"max_cache_len: a row would hold {longest} tokens, more than {self.max_cache_len}")
+
+    # -- Cache API ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every row (pages are not cleared: nothing reads past a row's length)."""
+        self.collection.cache_lengths.zero_()
+        self.collection.input_row_offsets.zero_()
+        self.columns.zero_()
+        self.rows = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove: pass a negative count of tokens to drop, got {tokens_to_remove}")
+        lengths = self.collection.cache_lengths
+        lengths.copy_((lengths + tokens_to_remove).clamp_(min=0))
+        self.columns.copy_((self.columns + tokens_to_remove).clamp_(min=0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i becomes a copy of row `beam_idx[i]`."""
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices`, in that order."""
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each row `repeats` times in place (row i becomes row i // repeats)."""
+        self._select_rows(torch.arange(self.rows * repeats, device=self.device) // repeats)
+
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        """Row i := old row `rows[i]`: copy the used pages of moved rows onto row i's own pages."""
+        rows = rows.to(device=self.device, dtype=torch.int64)
+        batch = rows.numel()
+        if batch > self.max_batch_size:
+            raise ValueError(f"rows: {batch} rows, more than max_batch_size={self.max_batch_size}")
+        lengths = self.collection.cache_lengths
+        new_lengths = lengths[rows]
+        used = -(-int(new_lengths.max()) // self.collection.params.page_size) if batch else 0
+        table = self.collection.lookup_table
+        src, dst = table[rows, :used].flatten(), table[:batch, :used].flatten()
+        moved = src != dst
+        if bool(moved.any()):
+            copy_pages(self.collection.blocks, src[moved].contiguous(), dst[moved].contiguous())
+        lengths.zero_()
+        lengths[:batch] = new_lengths
+        self.rows = batch
+
+    def __repr__(self) -> str:
+        return f"PagedCache({self.collection!r})"

@@ -1,0 +1,24 @@
+"""transformers integration: `PagedCache` and the `attn_implementation="paged_kv"` functions.
+
+Importing this module registers `"paged_kv"` with both `AttentionInterface` and
+`AttentionMaskInterface` (transformers drops the mask of an attention name it has no mask
+function for). See docs/transformers.md.
+
+    import torch_paged_kv.integrations.transformers as paged
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged_kv")
+    cache = paged.PagedCache(model.config, max_batch_size=8, max_cache_len=1024, device=model.device)
+    model.generate(**inputs, past_key_values=cache)
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .hf_attention import paged_kv_attention, paged_kv_mask
+from .hf_cache import ATTN_IMPLEMENTATION, PagedCache, PagedLayer, PendingKV
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_kv_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_kv_mask)
+
+__all__ = ["ATTN_IMPLEMENTATION", "PagedCache", "PagedLayer", "PendingKV", "paged_kv_attention", "paged_kv_mask"]
