@@ -140,7 +140,7 @@ def test_random_workload_against_model():
     bases = [[rng.randrange(3) for _ in range(30)] for _ in range(3)]
     next_id, counts, last_ids = 0, {}, []
 
-    for op_index in range(1500):
+    for op_index in range(4000):
         op = rng.choices(["claim", "step", "fork", "release", "offload", "restore"], [3, 8, 1, 2, 1, 1])[0]
         live = sorted(on_device)
         if op == "claim" and len(model) < 10:
@@ -221,3 +221,217 @@ def test_random_workload_against_model():
     check_contents(m, model, sorted(on_device))
     assert all(counts.get(op, 0) >= 20 for op in ("claim", "step", "fork", "release", "offload", "restore", "oom")), counts
     assert m.prefix_cache_hits > 100 and m.prefix_cache_misses > 100
+
+
+# -- prefix caching -----------------------------------------------------------------------------
+
+def attention_of_last(m: KVCacheManager, seq_id, prompt: list[int], start: int | None = None) -> torch.Tensor:
+    """Claim `prompt`, compute what the cache lacks (or from `start`), return attention of the computed rows."""
+    reused = m.claim(seq_id, prompt)
+    if start is None:
+        start = reused
+    else:  # compute prompt[reused:start] first, as its own step
+        run_step(m, [seq_id], [prompt[reused:start]], {seq_id: prompt[:reused]})
+    step = m.prepare_step([seq_id], [len(prompt) - start])
+    kv = kv_rows(prompt, start, len(prompt))
+    q = kv_rows(prompt, start, len(prompt))[:, 0, 0].repeat(1, 2, 1)  # 4 query heads (GQA 2:1)
+    for layer in range(PARAMS.num_layers):
+        tpk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), m.collection.blocks, *step, layer)
+    out = tpk.flash_attention(q, m.collection.blocks, *step, 1, 0.5)
+    m.commit_step()
+    return out
+
+
+def test_prefix_reuse_matches_recompute_and_counts_tokens():
+    prompt = [5, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    fresh = attention_of_last(make(), "x", prompt, start=8)  # same step shapes, its own pages
+    one_step = attention_of_last(make(), "y", prompt)
+    m = make()
+    attention_of_last(m, "a", prompt)
+    assert (m.prefix_cache_hits, m.prefix_cache_misses) == (0, 11)
+    reused_out = attention_of_last(m, "b", prompt)
+    assert m.cache_length("b") == 11 and (m.prefix_cache_hits, m.prefix_cache_misses) == (8, 14)
+    assert m._pages(m._seqs["b"])[:2] == m._pages(m._seqs["a"])[:2]
+    assert m._pages(m._seqs["b"])[2] != m._pages(m._seqs["a"])[2]
+    assert torch.equal(reused_out, fresh)
+    torch.testing.assert_close(reused_out, one_step[8:])  # a different query count: rounding may differ
+    # a prompt of exactly two cached pages reuses one: at least one token is left to compute
+    assert m.claim("c", prompt[:8]) == 4
+    assert m.claim("d", prompt[:3] + [0] * 8) == 0
+    assert m.claim("e") == 0 and m.claim("f", []) == 0
+    assert (m.prefix_cache_hits, m.prefix_cache_misses) == (12, 14 + 4 + 11)
+
+
+def test_prefix_cache_disabled_reuses_nothing():
+    m = make(enable_prefix_caching=False)
+    attention_of_last(m, "a", list(range(9)))
+    assert m.claim("b", list(range(9))) == 0
+    assert m.num_cached_pages() == 0 and (m.prefix_cache_hits, m.prefix_cache_misses) == (0, 0)
+
+
+def test_lru_evicts_least_recently_released_tail_first():
+    m = make(num_pages=6)
+    model: dict = {}
+    pa, pb = [1] * 9, [2] * 9
+    for i, p in (("a", pa), ("b", pb)):
+        m.claim(i, p)
+        model[i] = []
+        run_step(m, [i], [p], model)
+    a_pages, b_pages = m._pages(m._seqs["a"]), m._pages(m._seqs["b"])
+    m.release("a")
+    m.release("b")
+    assert m.num_free_pages() == 6 and m.num_cached_pages() == 4
+    assert list(m._pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
+    # touching b's head makes it most recent: reuse then release
+    assert m.claim("b2", pb[:5]) == 4
+    m.release("b2")
+    assert list(m._pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3] + [b_pages[0]]
+    m.claim("c", [3] * 12)
+    model["c"] = []
+    run_step(m, ["c"], [[3] * 12], model)  # 3 pages: 2 free (the partial ones), then a's tail
+    assert a_pages[1] in m._pages(m._seqs["c"])
+    assert m.claim("a2", pa) == 4 and m.claim("b3", pb) == 8
+
+
+def test_salt_separates_caches():
+    prompt = list(range(9))
+    keys = {}
+    for salt in (None, b"tenant-1", b"tenant-2"):
+        m = make(hash_salt=salt)
+        attention_of_last(m, "a", prompt)
+        keys[salt] = m._seqs["a"].keys
+        assert keys[salt][0] == page_key(root_key(salt), prompt[:4])
+        assert keys[salt][1] == page_key(keys[salt][0], prompt[4:8])
+    assert len({k[0] for k in keys.values()}) == 3
+    with pytest.raises(ValueError, match="hash_salt"):
+        make(hash_salt="text")
+
+
+def test_decode_pages_cached_only_with_token_ids():
+    m = make()
+    model = {"a": [], "b": []}
+    m.claim("a", [1, 2, 3])
+    m.claim("b")
+    run_step(m, ["a", "b"], [[1, 2, 3], [1, 2, 3]], model, pass_tokens=False)  # a: from its prompt; b: unknown
+    for tok in (4, 5):
+        run_step(m, ["a", "b"], [[tok], [tok]], model, pass_tokens=False)
+    assert len(m._seqs["a"].keys) == 0 and m.num_cached_pages() == 0  # position 3 of a was not in the prompt
+    m.claim("c", [7, 7])
+    model["c"] = []
+    run_step(m, ["c"], [[7, 7]], model, pass_tokens=False)
+    run_step(m, ["c"], [[8, 9]], model)
+    assert m.num_cached_pages() == 1 and m.claim("d", [7, 7, 8, 9, 1]) == 4
+    run_step(m, ["b"], [[6]], model)  # ids of b's first tokens were never given: b caches nothing
+    assert m._seqs["b"].tokens is None and m.num_cached_pages() == 1
+
+
+# -- fork / copy-on-write -----------------------------------------------------------------------
+
+def test_fork_shares_full_pages_and_copies_the_partial_one():
+    m = make()
+    model = {"p": []}
+    m.claim("p")
+    run_step(m, ["p"], [[1, 2, 3, 4, 5, 6]], model)
+    m.fork("p", "c")
+    model["c"] = list(model["p"])
+    pp, cp = m._pages(m._seqs["p"]), m._pages(m._seqs["c"])
+    assert pp[0] == cp[0] and pp[1] != cp[1] and m._pool.refcounts[pp[0]] == 2
+    check_contents(m, model, ["p", "c"])
+    for step in range(5):  # diverge: both write into the copied page and beyond
+        run_step(m, ["p", "c"], [[10 + step], [20 + step, 30]], model)
+    check_contents(m, model, ["p", "c"])
+    assert m._pages(m._seqs["p"])[0] == m._pages(m._seqs["c"])[0]
+    m.release("p")
+    check_contents(m, model, ["c"])
+    assert m._pool.refcounts[pp[0]] == 1
+    m.fork("c", "g")  # length 16: page aligned, nothing copied
+    assert m._pages(m._seqs["g"]) == m._pages(m._seqs["c"])
+
+
+# -- all or nothing -----------------------------------------------------------------------------
+
+def test_out_of_pages_leaves_manager_unchanged():
+    m = make(num_pages=5)
+    model = {"a": [], "b": []}
+    m.claim("a", [1] * 9)
+    m.claim("b")
+    run_step(m, ["a", "b"], [[1] * 9, [2] * 6], model)  # 3 + 2 pages: all used
+    assert m.claim("c", [1] * 9) == 8  # shares a's two full pages
+    model["c"] = [1] * 8
+    m.prepare_step(["a"], [1])  # a pending step is part of the state too
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError, match="2 needed, 0 free, 0 evictable"):
+        m.prepare_step(["c", "a"], [1, 6])
+    with pytest.raises(OutOfPagesError):
+        m.prepare_step(["c"], [1])
+    with pytest.raises(OutOfPagesError):
+        m.fork("b", "d")  # b's partial page needs a copy
+    assert_same(before, snapshot(m))
+    run_step(m, ["a"], [[1]], model)  # re-prepares the pending step, with K/V this time
+    m.offload(["b"])
+    run_step(m, ["c"], [[1]], model)
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError, match="2 needed, 0 free, 1 evictable"):
+        m.restore(["b"])
+    assert_same(before, snapshot(m))
+    m.release("c")  # its partial page is freed, its cached pages stay a's
+    m.restore(["b"])
+    check_contents(m, model, ["a", "b"])
+
+
+def test_errors_name_the_argument_and_change_nothing():
+    m = make(max_batch=2, max_seq_len=12)
+    model = {"a": [], "b": []}
+    m.claim("a", [1, 2])
+    m.claim("b")
+    run_step(m, ["a", "b"], [[1, 2], [3]], model)
+    before = snapshot(m)
+    bad = [
+        (lambda: m.claim("a"), "seq_id"),
+        (lambda: m.claim([1]), "seq_id"),
+        (lambda: m.claim("z", [1.5]), "prompt_tokens"),
+        (lambda: m.claim("z", list(range(13))), "prompt_tokens"),
+        (lambda: m.prepare_step(["a", "x"], [1, 1]), "seq_ids"),
+        (lambda: m.prepare_step(["a", "a"], [1, 1]), "seq_ids"),
+        (lambda: m.prepare_step([], []), "seq_ids"),
+        (lambda: m.prepare_step(["a", "b", "c"], [1, 1, 1]), "seq_ids"),
+        (lambda: m.prepare_step(["a", "b"], [1]), "num_new_tokens"),
+        (lambda: m.prepare_step(["a", "b"], [1, 0]), "num_new_tokens"),
+        (lambda: m.prepare_step(["a", "b"], [1.0, 1.0]), "num_new_tokens"),
+        (lambda: m.prepare_step(["a", "b"], [1, 12]), "num_new_tokens"),
+        (lambda: m.prepare_step(["a", "b"], [1, 1], [[1], [2, 3]]), "token_ids"),
+        (lambda: m.prepare_step(["a", "b"], [1, 1], [[1], ["x"]]), "token_ids"),
+        (lambda: m.release("x"), "seq_id"),
+        (lambda: m.cache_length("x"), "seq_id"),
+        (lambda: m.fork("x", "y"), "parent"),
+        (lambda: m.fork("a", "b"), "child"),
+        (lambda: m.offload(["a", "x"]), "seq_ids"),
+        (lambda: m.restore(["a"]), "seq_ids"),
+    ]
+    for call, name in bad:
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            call()
+        assert_same(before, snapshot(m))
+    with pytest.raises(RuntimeError, match="commit_step"):
+        m.commit_step()
+    m.prepare_step(["a"], [1])
+    for call, name in [(lambda: m.fork("a", "y"), "parent"), (lambda: m.offload(["a"]), "seq_ids")]:
+        with pytest.raises(ValueError, match=f"^{name}:.*prepared step"):
+            call()
+
+
+def test_abandoned_and_released_steps():
+    m = make()
+    model = {"a": [], "b": []}
+    m.claim("a")
+    m.claim("b")
+    m.prepare_step(["a"], [9])  # abandoned: its three pages stay reserved for a
+    assert m.num_free_pages() == 29
+    run_step(m, ["a", "b"], [[1, 2], [3]], model)
+    assert m.num_free_pages() == 28 and m.cache_length("a") == 2
+    m.prepare_step(["a", "b"], [1, 1], [[4], [5]])
+    m.release("b")  # dropped from the pending step
+    m.commit_step()
+    assert m.cache_length("a") == 3 and m.sequences == ["a"]
+    m.release("a")
+    assert m.num_free_pages() == 32
