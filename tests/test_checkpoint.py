@@ -84,7 +84,11 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("in_place", [False, True])
+def test_paged_round_trip_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                    in_place: bool) -> None:
+    if in_place:  # write runs of consecutive pages straight from the pool instead of gathering
+        monkeypatch.setattr(checkpoint, "DIRECT_RUN_BYTES", 1)
     src = make_paged(dtype)
     save_cache(src, tmp_path / "kv.safetensors", metadata={"model": "tiny"})
     loaded = load_cache(tmp_path / "kv.safetensors")
@@ -112,7 +116,7 @@ def test_continuous_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> 
     assert read_info(tmp_path / "cb.safetensors").page_tokens == 11  # slots stored up to the longest row
 
 
-def test_partial_reordered_save(tmp_path: Path) -> None:
+def test_partial_reordered_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = make_paged(torch.float32, seed=1)
     save_cache(src, tmp_path / "part.safetensors", batch_indices=[2, 0])
     loaded = load_cache(tmp_path / "part.safetensors")
@@ -120,6 +124,7 @@ def test_partial_reordered_save(tmp_path: Path) -> None:
     assert loaded.num_pages == 5  # rows 2 and 0 share two pages
     assert loaded.lookup_table[0, :2].tolist() == loaded.lookup_table[1, :2].tolist()
     cb = make_continuous(torch.float16, seed=2)
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 100)  # trimmed slots, one (page, plane, layer) per chunk
     save_cache(cb, tmp_path / "cb.safetensors", batch_indices=[3, 1])
     assert_rows_equal(cb, load_cache(tmp_path / "cb.safetensors"), [3, 1])
 
@@ -186,6 +191,7 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
 
     cases = {
         "truncated": (raw[:-100], "truncated"),
+        "padded": (raw + b"\0" * 16, "16 unexpected bytes after the last tensor"),
         "garbage": (b"definitely not a checkpoint" * 3, "not a safetensors file"),
         "tiny": (b"abc", "not a safetensors file"),
         "version": (raw.replace(b'"format_version":"1"', b'"format_version":"7"'), "unknown format version '7'"),
@@ -268,7 +274,8 @@ def test_cli_inspect(tmp_path: Path) -> None:
     _flip(bad, 5)
     out = _cli("inspect", str(good))
     assert out.returncode == 0, out.stderr
-    for text in ("dtype=bfloat16", "pages stored=11", "checksums:  OK", "'model': 'tiny'", "rows:       2"):
+    for text in ("dtype=bfloat16", "pages stored=11", "checksums:  OK", "'model': 'tiny'", "rows:       2",
+                 "11 referenced by the rows, 11 stored"):
         assert text in out.stdout
     assert "   0            29      8" in out.stdout
     out = _cli("inspect", str(bad))

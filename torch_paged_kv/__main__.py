@@ -27,6 +27,11 @@ def _describe(info: CheckpointInfo) -> str:
         f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
         f"({info.page_tokens} tokens each, {_size(info.num_pages * info.page_tokens * info.params.bytes_per_token)})",
     ]
+    references = sum(info.pages_per_row())
+    lines.append(f"pages:      {references} referenced by the rows, {info.num_pages} stored "
+                 f"({references - info.num_pages} references to shared pages)")
+    if len(info.files) > 1:
+        lines += [f"  file {f.name}: {_size(f.stat().st_size)}" for f in info.files]
     if info.user_metadata:
         lines.append(f"metadata:   {info.user_metadata}")
     sources = meta.get("source_batch_indices", "[]")

@@ -9,13 +9,15 @@ Only the pages the saved rows use are stored, compacted and renumbered `1..n` in
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import uuid
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -25,12 +27,13 @@ from . import __version__, layout
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
 from .params import KVCacheParams
 from .safetensors_stream import (CHECKSUM_KEY, DTYPE_NAMES, SafetensorsFormatError, SafetensorsWriter, TensorSpec,
-                                 format_crc, read_header)
+                                 format_crc, read_header, read_into)
 
 FORMAT = "torch_paged_kv.kv_cache"
 FORMAT_VERSION = 1
 DEFAULT_SHARD_BYTES = 4 << 30
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
+DIRECT_RUN_BYTES = 1 << 20
 PROGRESS_MIN_BYTES = 512 << 20
 PAGED, CONTINUOUS = "paged", "continuous_batching"
 
@@ -99,21 +102,116 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
     return _Plan(CONTINUOUS, rows, lengths, new_table, source_pages, page_tokens)
 
 
-def _chunks(num_pages: int, planes: int, layers: int, unit_bytes: int,
-            chunk_bytes: int) -> Iterator[tuple[slice, slice, slice]]:
-    """(pages, planes, layers) index ranges covering a piece in row-major order, each about
-    `chunk_bytes` (whole pages when a page fits; else layer ranges of one page and plane)."""
-    page_bytes = planes * layers * unit_bytes
-    if page_bytes <= chunk_bytes:
-        step = max(1, chunk_bytes // max(page_bytes, 1))
-        for a in range(0, num_pages, step):
-            yield slice(a, min(num_pages, a + step)), slice(None), slice(None)
-        return
-    step = max(1, chunk_bytes // unit_bytes)
-    for p in range(num_pages):
-        for j in range(planes):
-            for a in range(0, layers, step):
-                yield slice(p, p + 1), slice(j, j + 1), slice(a, min(layers, a + step))
+def _write_all(writer: SafetensorsWriter, parts: list[torch.Tensor]) -> None:
+    for part in parts:
+        writer.write(part)
+
+
+class _PageIO:
+    """Moves stored pages between `blocks` (seen as uint8 `[pages, planes, layers, unit]`, a unit
+    being one page's tokens of one layer and plane) and files, in chunks of about `CHUNK_BYTES`
+    through at most two reused host buffers (pinned for CUDA) and a device staging buffer."""
+
+    def __init__(self, params: KVCacheParams, page_tokens: int, blocks: torch.Tensor | None) -> None:
+        self.planes, self.layers = params.num_planes, params.num_layers
+        itemsize = torch.empty((), dtype=params.dtype).element_size()
+        self.unit = page_tokens * params.num_kv_heads * params.head_dim * itemsize
+        self.page_bytes = self.planes * self.layers * self.unit
+        self.view = None if blocks is None else blocks[:, :, :, :page_tokens].flatten(3).view(torch.uint8)
+        self.cuda = blocks is not None and blocks.device.type == "cuda"
+        self._host: list[torch.Tensor] = []
+        self._staging: torch.Tensor | None = None
+
+    def chunks(self, num_pages: int) -> list[tuple[slice, slice, slice, int, int]]:
+        """`(pages, planes, layers, byte offset, bytes)` covering `num_pages` pages in row-major
+        order: whole pages when a page fits in a chunk, else layer ranges of one page and plane."""
+        out = []
+        if self.page_bytes <= CHUNK_BYTES:
+            step = max(1, CHUNK_BYTES // max(self.page_bytes, 1))
+            for a in range(0, num_pages, step):
+                b = min(num_pages, a + step)
+                out.append((slice(a, b), slice(0, self.planes), slice(0, self.layers), a * self.page_bytes,
+                            (b - a) * self.page_bytes))
+            return out
+        step = max(1, CHUNK_BYTES // self.unit)
+        for p in range(num_pages):
+            for j in range(self.planes):
+                for a in range(0, self.layers, step):
+                    b = min(self.layers, a + step)
+                    offset = ((p * self.planes + j) * self.layers + a) * self.unit
+                    out.append((slice(p, p + 1), slice(j, j + 1), slice(a, b), offset, (b - a) * self.unit))
+        return out
+
+    def _host_buffer(self, i: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Host buffer `i` (of two) viewed as `shape`; grown on demand, then reused."""
+        nbytes = math.prod(shape)
+        while len(self._host) <= i:
+            self._host.append(torch.empty(0, dtype=torch.uint8))
+        if self._host[i].numel() < nbytes:
+            self._host[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+        return self._host[i][:nbytes].view(shape)
+
+    def _runs(self, ids: torch.Tensor) -> list[tuple[int, int]] | None:
+        """`(first id, count)` runs of consecutive ids when CPU pages can be written in place
+        (contiguous pages, runs of at least `DIRECT_RUN_BYTES` on average); else None."""
+        if self.cuda or not self.view[:1].is_contiguous() or not ids.numel():
+            return None
+        starts = torch.ones(ids.numel(), dtype=torch.bool)
+        starts[1:] = ids[1:] != ids[:-1] + 1
+        first = starts.nonzero().flatten()
+        if first.numel() * DIRECT_RUN_BYTES > ids.numel() * self.page_bytes:
+            return None
+        counts = torch.diff(first, append=torch.tensor([ids.numel()]))
+        return list(zip(ids[first].tolist(), counts.tolist()))
+
+    def write(self, writer: SafetensorsWriter, ids: torch.Tensor, bar: tqdm) -> None:
+        """Write pages `ids` (on the blocks' device) in order: CPU pages in place when they lie in
+        long runs, else gathered chunk by chunk, each write overlapping the next gather."""
+        assert self.view is not None
+        with ThreadPoolExecutor(1) as pool:
+            pending = None
+            for i, (pages, planes, layers, _, nbytes) in enumerate(self.chunks(ids.numel())):
+                src = self.view[:, planes, layers]
+                runs = self._runs(ids[pages])
+                if runs is not None:
+                    job = [src[first: first + count] for first, count in runs]
+                else:
+                    job = [self._gather(i % 2, src, ids[pages])]
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(_write_all, writer, job)
+                bar.update(nbytes)
+            if pending is not None:
+                pending.result()
+
+    def _gather(self, i: int, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Pages `ids` of `src`, copied into host buffer `i`."""
+        shape = (ids.numel(), *src.shape[1:])
+        host = self._host_buffer(i, shape)
+        if not self.cuda:
+            return torch.index_select(src, 0, ids, out=host)
+        nbytes = math.prod(shape)
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
+        staging = torch.index_select(src, 0, ids, out=self._staging[:nbytes].view(shape))
+        return host.copy_(staging)
+
+    def read(self, file: BinaryIO, offset: int, count: int, first_page: int | None, bar: tqdm) -> int:
+        """CRC-32 of `count` stored pages at `offset`, copied to pages `first_page..` unless None."""
+        crc = 0
+        for i, (pages, planes, layers, chunk_offset, nbytes) in enumerate(self.chunks(count)):
+            shape = (pages.stop - pages.start, planes.stop - planes.start, layers.stop - layers.start, self.unit)
+            dst = None
+            if first_page is not None and self.view is not None:
+                dst = self.view[first_page + pages.start: first_page + pages.stop, planes, layers]
+            direct = dst is not None and not self.cuda and dst.is_contiguous()
+            target = dst if direct else self._host_buffer(i % 2, shape)
+            read_into(file, offset + chunk_offset, target)
+            crc = zlib.crc32(memoryview(target.numpy()).cast("B"), crc)
+            if dst is not None and not direct:
+                dst.copy_(target)
+            bar.update(nbytes)
+        return crc
 
 
 def _piece_name(k: int) -> str:
@@ -158,12 +256,10 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
         raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
     plan = _plan(collection, batch_indices)
     params = collection.params
-    source = collection.blocks[:, :, :, : plan.page_tokens]
-    piece_shape = tuple(source.shape[1:])
-    unit_bytes = source[0, 0, 0].numel() * source.element_size() if plan.page_tokens else 0
-    page_bytes = params.num_planes * params.num_layers * unit_bytes
+    io = _PageIO(params, plan.page_tokens, collection.blocks)
+    piece_shape = (params.num_planes, params.num_layers, plan.page_tokens, params.num_kv_heads, params.head_dim)
     n = plan.source_pages.numel()
-    per_file = max(1, shard_bytes // page_bytes) if page_bytes else max(n, 1)
+    per_file = max(1, shard_bytes // io.page_bytes) if io.page_bytes else max(n, 1)
     ranges = [(a, min(n, a + per_file)) for a in range(0, n, per_file)] or [(0, 0)]
 
     path = Path(path)
@@ -171,8 +267,8 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
     stem, suffix = path.stem, path.suffix or ".safetensors"
     names = [path.name] + [f"{stem}-{save_id}-{k:05d}-of-{len(ranges) - 1:05d}{suffix}" for k in range(1, len(ranges))]
     common = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "save_id": save_id}
-    bar = tqdm(total=n * page_bytes, unit="B", unit_scale=True, desc=f"save {path.name}",
-               disable=not _show_progress(progress, n * page_bytes))
+    bar = tqdm(total=n * io.page_bytes, unit="B", unit_scale=True, desc=f"save {path.name}",
+               disable=not _show_progress(progress, n * io.page_bytes))
     index_device = plan.source_pages.to(collection.device)
     written: list[Path] = []
     shard_entries: list[dict[str, Any]] = []
@@ -188,11 +284,7 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
             writer = SafetensorsWriter(f, specs, file_metadata)
             for _, t in small:
                 writer.write(t)
-            for pages, planes, layers in _chunks(b - a, *piece_shape[:2], unit_bytes, CHUNK_BYTES):
-                ids = index_device[a:b][pages]
-                chunk = source[:, planes, layers].index_select(0, ids).cpu()
-                writer.write(chunk)
-                bar.update(chunk.numel() * chunk.element_size())
+            io.write(writer, index_device[a:b], bar)
             checksums = writer.finish()
         final = path.parent / names[k]
         os.replace(temp, final)
@@ -227,7 +319,7 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
 
 @dataclass
 class CheckpointInfo:
-    """What a checkpoint's headers say (no tensor data read)."""
+    """What a checkpoint's headers, lengths and tables say (page data not read)."""
 
     path: Path
     params: KVCacheParams
@@ -240,6 +332,7 @@ class CheckpointInfo:
     files: list[Path]
     checksums: dict[str, str]      # tensor name -> stored checksum, every file
     tensor_files: dict[str, Path]  # tensor name -> file holding it
+    tensor_offsets: dict[str, tuple[int, int]]  # tensor name -> byte range in its file
     metadata: dict[str, str]       # the main file's raw header metadata
 
     @property
@@ -305,8 +398,9 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     with safe_open(path, framework="pt") as f:
         lengths = _read_small(f, "cache_lengths", checksums, path)
         table = _read_small(f, "lookup_table", checksums, path)
+    offsets = {name: tuple(t["data_offsets"]) for name, t in all_tensors.items()}
     return CheckpointInfo(path, params, kind, max_seq_len, num_pages, page_tokens, lengths.tolist(), table,
-                          files, checksums, tensor_files, metadata)
+                          files, checksums, tensor_files, offsets, metadata)
 
 
 def _check_shapes(path: Path, params: KVCacheParams, kind: str, max_seq_len: int, num_pages: int,
@@ -330,7 +424,7 @@ def _check_shapes(path: Path, params: KVCacheParams, kind: str, max_seq_len: int
         if info["shape"][1:] != unit or info["dtype"] != dtype_name:
             raise fail(f"tensor {name} is {info['dtype']}{info['shape']}, params say {dtype_name}[n, {unit}]")
         total += info["shape"][0]
-    if total != num_pages or pieces != [_piece_name(k) for k in range(len(pieces))]:
+    if total != num_pages or pieces != [_piece_name(k) for k in range(len(pieces))] or (total and not page_tokens):
         raise fail(f"page tensors {pieces} hold {total} pages, the header says {num_pages}")
 
 
@@ -346,30 +440,21 @@ def _verify(name: str, crc: int, checksums: dict[str, str], path: Path) -> None:
                               f"(stored {checksums[name]}, computed {format_crc(crc)})")
 
 
-def _stream_pages(info: CheckpointInfo, sink: torch.Tensor | None, progress: bool | None) -> None:
-    """Read every page tensor in chunks, verify checksums, and copy into `sink[1:]` if given."""
-    p = info.params
-    unit_bytes = info.page_tokens * p.num_kv_heads * p.head_dim * torch.empty((), dtype=p.dtype).element_size()
-    total = info.num_pages * p.num_planes * p.num_layers * unit_bytes
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"load {info.path.name}",
-               disable=not _show_progress(progress, total))
-    start = 1
+def _stream_pages(info: CheckpointInfo, blocks: torch.Tensor | None, progress: bool | None) -> None:
+    """Read every page tensor in chunks, verify checksums, and copy into `blocks[1:]` if given."""
+    io = _PageIO(info.params, info.page_tokens, blocks)
+    bar = tqdm(total=info.num_pages * io.page_bytes, unit="B", unit_scale=True, desc=f"load {info.path.name}",
+               disable=not _show_progress(progress, info.num_pages * io.page_bytes))
+    first = 1
     try:
         for name in sorted(n for n in info.tensor_files if n.startswith("blocks.")):
-            file = info.tensor_files[name]
-            with safe_open(file, framework="pt") as f:
-                piece = f.get_slice(name)
-                count = piece.get_shape()[0]
-                crc = 0
-                for pages, planes, layers in _chunks(count, p.num_planes, p.num_layers, unit_bytes, CHUNK_BYTES):
-                    chunk = piece[pages, planes, layers]
-                    crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy().reshape(-1)), crc)
-                    if sink is not None:
-                        dst = slice(start + pages.start, start + pages.stop)
-                        sink[dst, planes, layers, : info.page_tokens].copy_(chunk)
-                    bar.update(chunk.numel() * chunk.element_size())
-                _verify(name, crc, info.checksums, file)
-                start += count
+            path = info.tensor_files[name]
+            start, end = info.tensor_offsets[name]
+            count = (end - start) // io.page_bytes if io.page_bytes else 0
+            with open(path, "rb") as f:
+                crc = io.read(f, start, count, first if blocks is not None else None, bar)
+            _verify(name, crc, info.checksums, path)
+            first += count
     finally:
         bar.close()
 

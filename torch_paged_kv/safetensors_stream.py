@@ -94,12 +94,12 @@ class SafetensorsWriter:
             self._index, self._written, self._crc = self._index + 1, 0, 0
 
     def write(self, chunk: torch.Tensor) -> None:
-        """Append the next bytes of the current tensor (a CPU tensor of its dtype)."""
+        """Append the bytes of `chunk` (a CPU tensor, any dtype) to the current tensor."""
         if self._index >= len(self._specs):
             raise ValueError("write: every declared tensor is already complete")
         spec = self._specs[self._index]
-        if chunk.dtype != spec.dtype or chunk.device.type != "cpu":
-            raise ValueError(f"write: {spec.name} expects a CPU {spec.dtype} chunk, got {chunk.dtype} on {chunk.device}")
+        if chunk.device.type != "cpu":
+            raise ValueError(f"write: {spec.name} expects a CPU chunk, got one on {chunk.device}")
         data = memoryview(chunk.contiguous().view(-1).view(torch.uint8).numpy())
         if self._written + data.nbytes > spec.nbytes:
             raise ValueError(f"write: {spec.name} overflows its {spec.nbytes} bytes")
@@ -125,7 +125,8 @@ class SafetensorsWriter:
 
 
 def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str, dict]]:
-    """`(metadata, tensors)` of a safetensors file, checking it is complete.
+    """`(metadata, tensors)` of a safetensors file, checking it is complete. Each tensor's
+    `data_offsets` are made absolute (from the start of the file).
 
     Raises `SafetensorsFormatError` for a file too short, a header that is not JSON, or data
     offsets that do not exactly cover the rest of the file (truncated or padded).
@@ -157,4 +158,17 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str,
         raise SafetensorsFormatError(f"truncated: the header promises {end} data bytes, the file has {data_bytes}")
     if data_bytes > end:
         raise SafetensorsFormatError(f"{data_bytes - end} unexpected bytes after the last tensor")
+    for info in header.values():
+        info["data_offsets"] = [8 + header_len + int(x) for x in info["data_offsets"]]
     return metadata, header
+
+
+def read_into(file: BinaryIO, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the file's bytes at `offset`."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    file.seek(offset)
+    while view.nbytes:
+        count = file.readinto(view)
+        if not count:
+            raise SafetensorsFormatError(f"truncated: end of file at byte {file.tell()}")
+        view = view[count:]
