@@ -23,7 +23,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from . import __version__, layout
+import torch_paged_kv
+
+from . import layout
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
 from .params import KVCacheParams
 from .safetensors_stream import (CHECKSUM_KEY, DTYPE_NAMES, SafetensorsFormatError, SafetensorsWriter, TensorSpec,
@@ -302,9 +304,10 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
             "max_seq_len": str(collection.max_seq_len), "num_pages": str(n),
             "page_tokens": str(plan.page_tokens), "source_batch_indices": json.dumps(plan.rows),
             "shards": json.dumps(shard_entries), "user_metadata": json.dumps(metadata or {}),
-            "torch_version": torch.__version__, "torch_paged_kv_version": __version__,
+            "torch_version": torch.__version__, "torch_paged_kv_version": torch_paged_kv.__version__,
         }
         write_file(0, [("cache_lengths", plan.cache_lengths), ("lookup_table", plan.lookup_table)], main_metadata)
+        written.clear()  # committed: the new checkpoint is at `path` now
         _fsync_dir(path.parent)
     except BaseException:
         for p in written:
