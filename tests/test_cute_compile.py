@@ -2,6 +2,7 @@
 compile cache compiles once per key (also under threads, also from disk), and the operand's row
 arithmetic matches the cache views. The kernels themselves run only in tests/gpu/test_cute_gpu.py."""
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -34,6 +35,8 @@ def test_variants_compile_with_tma_ptx(arch, tmp_path):
         else:  # four rows per gather4, for K and for V, whatever the page size
             assert tma == gather4 == 2 * key.tile_n // 4, key
         assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.expect_tx" in ptx
+        if shutil.which("ptxas"):  # the PTX assembles for the target, without register spills
+            assert cli.ptxas_usage(tmp_path / f"{key.slug()}.ptx", arch).endswith(" 0 B spill"), key
 
 
 def test_cache_returns_same_object_and_compiles_once_under_threads():
@@ -103,3 +106,23 @@ def test_supports_declines_cpu_and_import_needs_no_cutlass():
                         torch.arange(3, dtype=torch.int32), 0, 0.125)
     code = "import sys, torch_paged_kv; assert 'cutlass' not in sys.modules; print(torch_paged_kv.backend_info('cpu'))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_launch_arguments_match_the_compiled_signature(tmp_path):
+    """Exported TVM-FFI kernels check every argument; on CPU tensors the first complaint must be the device."""
+    from torch_paged_kv.cute.attention import launch
+
+    writer = CompileCache(cache_dir=tmp_path)
+    keys = (variants.decode_key("sm_90a", "bfloat16", 128, 16, 4), variants.combine_key("sm_90a", "bfloat16", 128))
+    for key in keys:
+        writer.get(key, lambda key=key: variants.build(key))
+    reader = CompileCache(cache_dir=tmp_path)
+    decode, combine = (reader.get(key, lambda: pytest.fail("expected a disk hit")) for key in keys)
+    blocks = torch.zeros(5, 2, 2, 16, 2, 128, dtype=torch.bfloat16)
+    cache_lengths, offsets = torch.zeros(3, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    op = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, torch.zeros(3, 8, dtype=torch.int32), 1)
+    q = torch.zeros(3, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"argument #0 .*expected device_type=cuda"):
+        launch(decode, combine, q, op, offsets, 0.1, True, -1, 2)
+    with pytest.raises(TypeError, match="Expects 14 parameters"):
+        decode(q)

@@ -2,13 +2,15 @@
 
 Compiles every kernel variant of `variants.all_keys(arch)` (or a representative few with `--quick`)
 for `arch`, writes each one's PTX to `DIR/<variant>.ptx`, and prints compile time and TMA
-instruction counts per variant.
+instruction counts per variant (and registers / spills from `ptxas -v` when ptxas is on PATH).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +42,17 @@ def compile_with_ptx(key: variants.KernelKey, out_dir: Path) -> tuple[float, str
     return seconds, target.read_text()
 
 
+def ptxas_usage(ptx_path: Path, arch: str) -> str:
+    """'<registers> regs, <spill bytes> spill' from `ptxas -v` when ptxas is on PATH, else ''."""
+    if shutil.which("ptxas") is None:
+        return ""
+    log = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"],
+                         capture_output=True, text=True).stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    return f"{max(map(int, regs), default=0)} regs, {sum(map(int, spills))} B spill" if regs else "ptxas failed"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_paged_kv.cute", description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", required=True, help="compile, do not run")
@@ -51,13 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.keep_ptx) if args.keep_ptx else Path(tempfile.mkdtemp(prefix="paged_kv_ptx_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = quick_keys(args.arch) if args.quick else variants.all_keys(args.arch)
-    print(f"| variant | compile s | {' | '.join(COUNTED)} |\n|---|---|{'---|' * len(COUNTED)}")
+    print(f"| variant | compile s | {' | '.join(COUNTED)} | ptxas |\n|---|---|{'---|' * len(COUNTED)}---|")
     total = 0.0
     for key in keys:
         seconds, ptx = compile_with_ptx(key, out_dir)
         total += seconds
         counts = " | ".join(str(ptx.count(needle)) for needle in COUNTED.values())
-        print(f"| {key.slug()} | {seconds:.2f} | {counts} |", flush=True)
+        usage = ptxas_usage(out_dir / f"{key.slug()}.ptx", args.arch)
+        print(f"| {key.slug()} | {seconds:.2f} | {counts} | {usage} |", flush=True)
     print(f"\n{len(keys)} variants for {args.arch} in {total:.1f} s; PTX in {out_dir}")
     return 0
 

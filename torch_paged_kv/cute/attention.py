@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 
@@ -68,14 +69,20 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     dtype = _DTYPES[q.dtype]
     rows, q_heads, head_dim = q.shape
     key = variants.decode_key(arch, dtype, head_dim, operand.page_size, q_heads // operand.num_kv_heads)
-    decode = variants.get(key)
-    combine = variants.get(variants.combine_key(arch, dtype, head_dim))
     max_keys = operand.lookup_table.shape[1] * operand.page_size
     splits = num_splits(device_index, rows, operand.num_kv_heads, max_keys, key.tile_n)
+    return launch(variants.get(key), variants.get(variants.combine_key(arch, dtype, head_dim)), q, operand,
+                  input_row_offsets, softmax_scale, causal, sliding_window, splits)
+
+
+def launch(decode: Any, combine: Any, q: torch.Tensor, operand: KVCacheMHAOperand, input_row_offsets: torch.Tensor,
+           softmax_scale: float, causal: bool, sliding_window: int, splits: int) -> torch.Tensor:
+    """Run the compiled decode kernel into fp32 partials, then the combine kernel; returns the output."""
+    rows, q_heads, head_dim = q.shape
     partial = torch.empty(splits, rows, q_heads, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, rows, q_heads, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    decode(q.contiguous(), operand.rows, operand.lookup_table, cache_lengths, input_row_offsets, partial, lse,
+    decode(q.contiguous(), operand.rows, operand.lookup_table, operand.cache_lengths, input_row_offsets, partial, lse,
            operand.page_stride, operand.k_plane_offset, operand.v_plane_offset, softmax_scale * math.log2(math.e),
            sliding_window, int(causal), splits)
     combine(partial, lse, out, splits)

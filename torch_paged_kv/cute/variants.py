@@ -9,7 +9,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .compile_cache import CACHE, CompileCache, KernelKey
+from . import compile_cache
+from .compile_cache import CompileCache, KernelKey
 
 ARCHES = ("sm_90a", "sm_100a")
 DTYPES = ("bfloat16", "float16")
@@ -107,6 +108,6 @@ def build(key: KernelKey, ptx_dir: str | None = None) -> Any:
                         options=_options(key, ptx_dir))
 
 
-def get(key: KernelKey, cache: CompileCache = CACHE) -> Any:
-    """The compiled kernel of `key` from the process-wide cache."""
-    return cache.get(key, lambda: build(key))
+def get(key: KernelKey, cache: CompileCache | None = None) -> Any:
+    """The compiled kernel of `key` from `cache` (default: the process-wide `CACHE`)."""
+    return (cache if cache is not None else compile_cache.CACHE).get(key, lambda: build(key))
