@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from torch_paged_kv import ContinuousBatchingKVCacheCollection, KVCacheParams, PagedKVCacheCollection
 from torch_paged_kv import checkpoint
-from torch_paged_kv.checkpoint import CheckpointError, load_cache, read_info, save_cache, verify
+from torch_paged_kv.checkpoint import CheckpointError, load_cache, load_pages, read_info, save_cache, verify
 from torch_paged_kv.safetensors_stream import SafetensorsWriter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -175,6 +175,27 @@ def test_sharded_round_trip_and_chunking(tmp_path: Path, monkeypatch: pytest.Mon
     save_cache(src, tmp_path / "kv.safetensors")  # re-save unsharded: the old shards go away
     assert [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]
     assert_rows_equal(src, load_cache(tmp_path / "kv.safetensors"), [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 100])
+def test_load_pages_into_live_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_bytes) -> None:
+    if chunk_bytes:
+        monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk_bytes)
+    src = make_paged(torch.float32, seed=12)
+    save_cache(src, tmp_path / "kv.safetensors", batch_indices=[1, 2], shard_bytes=5000)
+    loaded = load_cache(tmp_path / "kv.safetensors")
+    pool = torch.randn(40, *src.blocks.shape[1:])
+    before = pool.clone()
+    targets = [30, 31, 32, 5, 17, 2, 9, 10, 11, 38, 0, 25]  # runs and scattered ids
+    info = load_pages(tmp_path / "kv.safetensors", pool, targets)
+    assert info.num_pages == len(targets)
+    assert torch.equal(bits(pool[targets]), bits(loaded.blocks[1:]))
+    untouched = [i for i in range(40) if i not in targets]
+    assert torch.equal(bits(pool[untouched]), bits(before[untouched]))
+    with pytest.raises(CheckpointError, match="do not fit the target blocks"):
+        load_pages(tmp_path / "kv.safetensors", pool.half(), targets)
+    with pytest.raises(ValueError, match="pages: expected 12 distinct ids"):
+        load_pages(tmp_path / "kv.safetensors", pool, targets[:-1] + [30])
 
 
 def _flip(path: Path, offset_from_end: int) -> None:

@@ -1,4 +1,4 @@
-"""KV-state checkpoints in safetensors: `save_cache`, `load_cache`, `read_info`.
+"""KV-state checkpoints in safetensors: `save_cache`, `load_cache`, `load_pages`, `read_info`, `verify`.
 
 Only the pages the saved rows use are stored, compacted and renumbered `1..n` in first-use order
 (shared pages once, and still shared after load). Files are written through bounded host memory
@@ -198,20 +198,24 @@ class _PageIO:
         staging = torch.index_select(src, 0, ids, out=self._staging[:nbytes].view(shape))
         return host.copy_(staging)
 
-    def read(self, file: BinaryIO, offset: int, count: int, first_page: int | None, bar: tqdm) -> int:
-        """CRC-32 of `count` stored pages at `offset`, copied to pages `first_page..` unless None."""
+    def read(self, file: BinaryIO, offset: int, dst_ids: torch.Tensor | None, count: int, bar: tqdm) -> int:
+        """CRC-32 of `count` stored pages at `offset`, copied to pages `dst_ids` (int64, CPU) unless
+        None: straight into the pool where they are consecutive CPU pages, else through a buffer."""
         crc = 0
         for i, (pages, planes, layers, chunk_offset, nbytes) in enumerate(self.chunks(count)):
             shape = (pages.stop - pages.start, planes.stop - planes.start, layers.stop - layers.start, self.unit)
+            ids = None if dst_ids is None or self.view is None else dst_ids[pages]
             dst = None
-            if first_page is not None and self.view is not None:
-                dst = self.view[first_page + pages.start: first_page + pages.stop, planes, layers]
+            if ids is not None and torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
+                dst = self.view[int(ids[0]): int(ids[0]) + ids.numel(), planes, layers]
             direct = dst is not None and not self.cuda and dst.is_contiguous()
             target = dst if direct else self._host_buffer(i % 2, shape)
             read_into(file, offset + chunk_offset, target)
             crc = zlib.crc32(memoryview(target.numpy()).cast("B"), crc)
             if dst is not None and not direct:
                 dst.copy_(target)
+            elif ids is not None and dst is None:
+                self.view[:, planes, layers].index_copy_(0, ids.to(self.view.device), target.to(self.view.device))
             bar.update(nbytes)
         return crc
 
@@ -443,19 +447,22 @@ def _verify(name: str, crc: int, checksums: dict[str, str], path: Path) -> None:
                               f"(stored {checksums[name]}, computed {format_crc(crc)})")
 
 
-def _stream_pages(info: CheckpointInfo, blocks: torch.Tensor | None, progress: bool | None) -> None:
-    """Read every page tensor in chunks, verify checksums, and copy into `blocks[1:]` if given."""
+def _stream_pages(info: CheckpointInfo, blocks: torch.Tensor | None, pages: torch.Tensor | None,
+                  progress: bool | None) -> None:
+    """Read every page tensor in chunks and verify its checksum; stored page j (from 0) goes to
+    `blocks[pages[j]]` when `blocks` is given."""
     io = _PageIO(info.params, info.page_tokens, blocks)
     bar = tqdm(total=info.num_pages * io.page_bytes, unit="B", unit_scale=True, desc=f"load {info.path.name}",
                disable=not _show_progress(progress, info.num_pages * io.page_bytes))
-    first = 1
+    first = 0
     try:
         for name in sorted(n for n in info.tensor_files if n.startswith("blocks.")):
             path = info.tensor_files[name]
             start, end = info.tensor_offsets[name]
             count = (end - start) // io.page_bytes if io.page_bytes else 0
+            ids = None if pages is None else pages[first: first + count]
             with open(path, "rb") as f:
-                crc = io.read(f, start, count, first if blocks is not None else None, bar)
+                crc = io.read(f, start, ids, count, bar)
             _verify(name, crc, info.checksums, path)
             first += count
     finally:
@@ -465,7 +472,31 @@ def _stream_pages(info: CheckpointInfo, blocks: torch.Tensor | None, progress: b
 def verify(path: str | os.PathLike[str], *, progress: bool | None = None) -> CheckpointInfo:
     """Check every header and every tensor checksum; returns the info or raises CheckpointError."""
     info = read_info(path)
-    _stream_pages(info, None, progress)
+    _stream_pages(info, None, None, progress)
+    return info
+
+
+def load_pages(path: str | os.PathLike[str], blocks: torch.Tensor, pages: list[int] | torch.Tensor, *,
+               progress: bool | None = None) -> CheckpointInfo:
+    """Stream the stored pages of a checkpoint into an existing pool: stored page j + 1 (the id
+    in the file's lookup table) goes to `blocks[pages[j]]`, through bounded host memory.
+
+    For restoring into a live cache: `blocks` must match the file's params (else
+    `CheckpointError`); `pages` must be distinct, in range, and `read_info(path).num_pages` long.
+    A continuous-batching file writes only its first `page_tokens` tokens of each slot. A checksum
+    error can come after some pages were written: only pages in `pages` are ever touched.
+    """
+    info = read_info(path)
+    p = info.params
+    expected = (p.num_planes, p.num_layers, p.page_size, p.num_kv_heads, p.head_dim)
+    if tuple(blocks.shape[1:]) != expected or blocks.dtype != p.dtype:
+        raise CheckpointError(f"{path}: params {p} do not fit the target blocks "
+                              f"{blocks.dtype}{list(blocks.shape)}")
+    ids = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
+    if ids.numel() != info.num_pages or ids.unique().numel() != ids.numel() or \
+            bool(((ids < 0) | (ids >= blocks.shape[0])).any()):
+        raise ValueError(f"pages: expected {info.num_pages} distinct ids in 0..{blocks.shape[0] - 1}, got {ids.tolist()}")
+    _stream_pages(info, blocks, ids, progress)
     return info
 
 
@@ -487,7 +518,7 @@ def load_cache(path: str | os.PathLike[str], *, device: torch.device | str | Non
     table = info.lookup_table
     if bool(((table < 0) | (table >= collection.num_physical_pages)).any()):
         raise CheckpointError(f"{path}: lookup_table has page ids outside 0..{collection.num_physical_pages - 1}")
-    _stream_pages(info, collection.blocks, progress)
+    _stream_pages(info, collection.blocks, torch.arange(1, info.num_pages + 1), progress)
     collection.cache_lengths.copy_(torch.tensor(info.cache_lengths, dtype=torch.int32))
     collection.lookup_table.copy_(table)
     return collection
