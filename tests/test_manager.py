@@ -435,3 +435,56 @@ def test_abandoned_and_released_steps():
     assert m.cache_length("a") == 3 and m.sequences == ["a"]
     m.release("a")
     assert m.num_free_pages() == 32
+
+
+# -- save / load --------------------------------------------------------------------------------
+
+def test_save_load_into_a_live_manager(tmp_path):
+    src = make()
+    model = {"a": [], "b": [], "c": []}
+    src.claim("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    src.claim("b")
+    run_step(src, ["a", "b"], [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 4, 4]], model)
+    src.fork("a", "c")  # shares a's two full pages
+    model["c"] = list(model["a"])
+    run_step(src, ["c"], [[0, 0]], model)
+    src.save(tmp_path / "kv.safetensors", ["c", "b", "a"])
+
+    dst = make(num_pages=20)
+    live = {"x": []}
+    dst.claim("x")
+    run_step(dst, ["x"], [[9] * 5], live)
+    free_before = dst.num_free_pages()
+    ids = dst.load(tmp_path / "kv.safetensors")
+    assert ids == [("loaded", 0), ("loaded", 1), ("loaded", 2)]
+    assert dst.num_free_pages() == free_before - 5  # 2 shared by a and c, 1 of each own, 1 of b
+    loaded_model = {new: model[old] for new, old in zip(ids, ["c", "b", "a"])}
+    check_contents(dst, {**loaded_model, **live}, [*ids, "x"])
+    check_ownership(dst, {**loaded_model, **live}, {*ids, "x"})
+    # token ids came along: the loaded prefix is in dst's prefix cache
+    assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
+    assert dst.load(tmp_path / "kv.safetensors", ["p", "q", "r"]) == ["p", "q", "r"]
+    assert dst.load(tmp_path / "kv.safetensors")[0] == ("loaded", 3)
+
+
+def test_failed_load_leaves_the_live_cache_untouched(tmp_path):
+    src = make()
+    src.claim("a")
+    run_step(src, ["a"], [[1] * 6], {"a": []})
+    src.save(tmp_path / "kv.safetensors", ["a"])
+    other = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=8)
+    mismatched = KVCacheManager(tpk.PagedKVCacheCollection(other, 8, 2, 64))
+    small = make(num_pages=1)
+    for m, error in ((mismatched, tpk.CheckpointError), (small, OutOfPagesError)):
+        m.claim("x")
+        before = snapshot(m)
+        with pytest.raises(error):
+            m.load(tmp_path / "kv.safetensors")
+        assert_same(before, snapshot(m))
+    before = snapshot(small)
+    for bad_ids in (["x"], ["y", "z"]):
+        with pytest.raises(ValueError, match="^seq_ids:"):
+            small.load(tmp_path / "kv.safetensors", bad_ids)
+        assert_same(before, snapshot(small))
+    with pytest.raises(ValueError, match="^seq_ids:"):
+        src.save(tmp_path / "x.safetensors", ["nope"])

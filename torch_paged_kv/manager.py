@@ -9,19 +9,26 @@ of the lengths; table rows are re-sent only when a row gains pages or the rows c
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
+import json
+import os
 from array import array
 from collections.abc import Hashable, Sequence
-from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from . import layout
+from . import checkpoint, layout
 from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
 from .prefix_cache import PagePool, page_key, root_key
+
+
+METADATA_KEY = "torch_paged_kv.manager"
+"""Checkpoint user-metadata key holding the saved sequences' token ids (JSON)."""
 
 
 class OutOfPagesError(RuntimeError):
@@ -94,6 +101,7 @@ class KVCacheManager:
         self._rows_num_new: np.ndarray | None = None
         self._pending: _Step | None = None
         self._step_views: dict[int, StepTensors] = {}
+        self._next_loaded_id = 0
         on_cpu = collection.device.type == "cpu"
         self._host_views = ((collection.cache_lengths.numpy(), collection.lookup_table.numpy(),
                              collection.input_row_offsets.numpy()) if on_cpu else None)
@@ -290,6 +298,67 @@ class KVCacheManager:
             for page, key in zip(pages, seq.keys):
                 self._pool.register(page, key)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
+        """Save sequences (on device, not in a prepared step) with `checkpoint.save_cache`.
+
+        Row i of the file is `seq_ids[i]`; pages they share are stored once. Token ids known
+        for prefix caching go into the checkpoint's metadata. The live step tensors are untouched.
+        """
+        seqs = self._resolve(list(seq_ids), name="seq_ids", limit_batch=False)[0]
+        if not seqs:
+            raise ValueError("seq_ids: nothing to save (empty)")
+        view = copy.copy(self.collection)  # shares `blocks`; gets step tensors of its own below
+        view.max_batch_size = len(seqs)
+        view.cache_lengths = torch.tensor([int(self._lengths[s.slot]) for s in seqs], dtype=torch.int32)
+        view.lookup_table = torch.from_numpy(self._table[[s.slot for s in seqs]])
+        view.input_row_offsets = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        meta = {"token_ids": [s.tokens for s in seqs]}
+        checkpoint.save_cache(view, path, metadata={METADATA_KEY: json.dumps(meta)})
+
+    def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
+        """Add the sequences of a checkpoint to this live cache, in free pages; returns their ids.
+
+        Ids are `seq_ids` if given, else fresh `("loaded", n)` tuples. All or nothing: a checkpoint
+        whose params or kind do not match raises `checkpoint.CheckpointError`, too few pages
+        `OutOfPagesError`, and the manager is unchanged.
+        """
+        info = checkpoint.read_info(path)
+        params, c = self.collection.params, self.collection
+        if info.kind != checkpoint.PAGED or info.params != params:
+            raise checkpoint.CheckpointError(f"{path}: a {info.kind} cache of {info.params} does not fit "
+                                             f"this paged cache of {params}")
+        if max(info.cache_lengths) > c.max_seq_len:
+            raise checkpoint.CheckpointError(f"{path}: a sequence of {max(info.cache_lengths)} tokens exceeds "
+                                             f"max_seq_len={c.max_seq_len}")
+        batch = len(info.cache_lengths)
+        ids = self._new_ids(batch) if seq_ids is None else list(seq_ids)
+        if len(ids) != batch:
+            raise ValueError(f"seq_ids: the checkpoint holds {batch} sequences, got {len(ids)} ids")
+        self._check_unique(ids, "seq_ids")
+        for i in ids:
+            self._check_new_id(i, "seq_ids")
+        if info.num_pages > self._pool.available():
+            self._raise_out_of_pages(info.num_pages)
+        loaded = checkpoint.load_cache(path, device="cpu", expected_params=params)
+        tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
+        pages = [layout.NULL_PAGE, *self._pool.allocate(info.num_pages)]  # checkpoint page j -> pages[j]
+        self._write_pages(pages[1:], loaded.blocks[1: info.num_pages + 1])
+        seen: set[int] = set()
+        for b, seq_id in enumerate(ids):
+            length = info.cache_lengths[b]
+            row = [pages[j] for j in loaded.lookup_table[b, : self._pages_for(length)].tolist()]
+            for page in row:
+                if page in seen:  # shared in the checkpoint: one more owner
+                    self._pool.ref(page)
+                seen.add(page)
+            known = tokens[b] if self.enable_prefix_caching else None
+            self._add(seq_id, row, length, known, [])
+            self._register_full_pages(self._seqs[seq_id], length)
+        if seq_ids is None:
+            self._next_loaded_id = ids[-1][1] + 1
+        return ids
+
     # -- helpers -------------------------------------------------------------------------------
     def _get(self, seq_id: Hashable, name: str) -> _Sequence:
         try:
@@ -312,6 +381,16 @@ class KVCacheManager:
             raise ValueError(f"{name}: sequence ids must be hashable, got {type(seq_id).__name__}") from None
         if taken:
             raise ValueError(f"{name}: sequence {seq_id!r} already exists")
+
+    def _new_ids(self, count: int) -> list:
+        """`count` unused ids `("loaded", n)`, counting on from the last load."""
+        ids: list = []
+        n = self._next_loaded_id
+        while len(ids) < count:
+            if ("loaded", n) not in self._seqs:
+                ids.append(("loaded", n))
+            n += 1
+        return ids
 
     @staticmethod
     def _check_unique(ids: list, name: str) -> None:
@@ -354,7 +433,7 @@ class KVCacheManager:
             raise ValueError("token_ids: expected one sequence of ints per row") from None
         if counts != num_new.tolist():
             raise ValueError(f"token_ids: expected {num_new.tolist()} ids per row, got {counts}")
-        _tokens_array("token_ids", chain.from_iterable(token_ids))
+        _tokens_array("token_ids", itertools.chain.from_iterable(token_ids))
 
     def _pages_for(self, length: int) -> int:
         return -(-length // self.page_size)
