@@ -28,6 +28,12 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
 
 
+def _require(cond, name: str, message) -> None:
+    """`ValueError(name: message())` unless `cond`; a symbolic `cond` on an unbacked size (a batch
+    dimension marked with `torch._dynamo.mark_unbacked`) becomes a runtime assert instead of a guard."""
+    torch._check_with(ValueError, cond, lambda: f"{name}: {message()}")
+
+
 def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, f"expected a tensor, got {type(t).__name__}")
@@ -59,10 +65,10 @@ def _check_step(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table:
     _check_index("lookup_table", lookup_table, (1, 2), device)
     _check_index("input_row_offsets", input_row_offsets, (1,), device)
     batch = cache_lengths.shape[0]
-    if lookup_table.shape[0] != batch:
-        _fail("lookup_table", f"expected {batch} rows (one per cache_lengths entry), got {lookup_table.shape[0]}")
-    if input_row_offsets.shape[0] != batch + 1:
-        _fail("input_row_offsets", f"expected batch + 1 = {batch + 1} entries, got {input_row_offsets.shape[0]}")
+    _require(lookup_table.shape[0] == batch, "lookup_table",
+             lambda: f"expected {batch} rows (one per cache_lengths entry), got {lookup_table.shape[0]}")
+    _require(input_row_offsets.shape[0] == batch + 1, "input_row_offsets",
+             lambda: f"expected batch + 1 = {batch + 1} entries, got {input_row_offsets.shape[0]}")
 
 
 def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | None = None) -> None:
@@ -83,8 +89,7 @@ def check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_r
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     _check_rows("key", key, blocks, blocks.shape[4])
     _check_rows("value", value, blocks, blocks.shape[4])
-    if value.shape[0] != key.shape[0]:
-        _fail("value", f"expected {key.shape[0]} rows like key, got {value.shape[0]}")
+    _require(value.shape[0] == key.shape[0], "value", lambda: f"expected {key.shape[0]} rows like key, got {value.shape[0]}")
 
 
 def check_flash_attention_meta(q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx,
@@ -103,8 +108,7 @@ def check_flash_attention_meta(q, blocks, cache_lengths, lookup_table, input_row
 def check_gather_kv_meta(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len) -> None:
     _check_blocks(blocks, layer_idx)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    if max_kv_len < 0:
-        _fail("max_kv_len", f"expected >= 0, got {max_kv_len}")
+    _require(max_kv_len >= 0, "max_kv_len", lambda: f"expected >= 0, got {max_kv_len}")
 
 
 def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
@@ -112,8 +116,8 @@ def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
         _fail("blocks", "expected a contiguous 6-D tensor")
     _check_index("src_pages", src_pages, (1,), blocks.device)
     _check_index("dst_pages", dst_pages, (1,), blocks.device)
-    if src_pages.shape[0] != dst_pages.shape[0]:
-        _fail("dst_pages", f"expected {src_pages.shape[0]} entries like src_pages, got {dst_pages.shape[0]}")
+    _require(src_pages.shape[0] == dst_pages.shape[0], "dst_pages",
+             lambda: f"expected {src_pages.shape[0]} entries like src_pages, got {dst_pages.shape[0]}")
 
 
 # -- value checks (real tensors only) ---------------------------------------------------------
