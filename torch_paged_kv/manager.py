@@ -249,15 +249,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         if step.token_ids is not None:
-            for seq, new, old in zip(step.seqs, step.token_ids, old_lengths.tolist()):
-                tokens = seq.tokens
-                if tokens is not None:
-                    if len(tokens) >= old:
-                        del tokens[old:]
-                        tokens.extend(new)
+            known = self._known[step.slots]
+            if np.array_equal(known, old_lengths):  # the usual case: ids known up to the length
+                for seq, new in zip(step.seqs, step.token_ids):
+                    seq.tokens += new
+            else:
+                for seq, new, old, k in zip(step.seqs, step.token_ids, old_lengths.tolist(), known.tolist()):
+                    if k >= old:  # drop the rest of the remembered prompt: `new` is what ran
+                        del seq.tokens[old:]
+                        seq.tokens += new
                     else:  # ids of earlier tokens unknown: this sequence stops caching pages
                         seq.tokens = None
-            known = self._known[step.slots]
             self._known[step.slots] = np.where(known >= old_lengths, step.new_lengths, -1)
         ps = self.page_size
         full = step.new_lengths // ps
@@ -428,7 +430,7 @@ class KVCacheManager:
     @staticmethod
     def _check_token_ids(token_ids: Sequence[Sequence[int]], num_new: np.ndarray) -> None:
         try:
-            counts = [len(t) for t in token_ids]
+            counts = list(map(len, token_ids))
         except TypeError:
             raise ValueError("token_ids: expected one sequence of ints per row") from None
         if counts != num_new.tolist():
