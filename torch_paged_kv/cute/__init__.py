@@ -7,6 +7,7 @@ first kernel call, so `import torch_paged_kv` works without nvidia-cutlass-dsl.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import warnings
 from typing import Any
@@ -16,8 +17,14 @@ import torch
 _warned: list[bool] = []
 
 
+@functools.cache
 def cutlass_missing() -> bool:
     return importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -27,7 +34,7 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not torch.cuda.is_available():
         return "CUDA is not available"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
+    major, minor = _capability(index)
     if major not in (9, 10):
         return f"CuTe kernels target sm_90a / sm_100a; this GPU is sm_{major}{minor}"
     if cutlass_missing():

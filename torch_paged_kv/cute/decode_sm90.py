@@ -15,16 +15,12 @@ Every query row is handled on its own (the sequence is found by binary search in
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
 from .operand import KVCacheMHAOperand
-
-LOG2E = math.log2(math.e)
 
 
 class PagedDecodeSm90:
