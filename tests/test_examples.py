@@ -1,0 +1,24 @@
+"""The examples users copy run end to end (each checks its own result and exits non-zero if wrong)."""
+
+import pathlib
+import subprocess
+import sys
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_compiled_decode_serves_requests_without_recompiling():
+    out = _run("compiled_decode.py", "--requests", "4", "--new-tokens", "10", "--device", "cpu")
+    assert "all 4 requests match an uncached recomputation" in out
+
+
+def test_checkpoint_resume_continues_identically_in_a_new_process():
+    out = _run("checkpoint_resume.py", "--device", "cpu")
+    assert out.strip().splitlines()[-1].startswith("identical")
