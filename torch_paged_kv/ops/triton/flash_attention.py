@@ -6,8 +6,10 @@ b's tiles start at `input_row_offsets[b] // BLOCK_Q + b`, which bounds the tile 
 `total // BLOCK_Q + batch` (shapes only); tiles past a sequence's new tokens exit at once.
 Keys are gathered per token (`lookup_table[b, j // page_size]`), so any page size works; each
 program walks `BLOCK_N`-key tiles from the first tile inside the sliding window (tiles before
-it are never visited) up to the causal limit. Decode splits that range into `splits` parts
-(flash-decoding) whose partial results `flash_merge` combines by log-sum-exp.
+it are never visited) up to the causal limit. Decode deals those tiles round-robin to `splits`
+programs (flash-decoding: tile t goes to split t % splits, so the work is balanced whatever the
+actual lengths are below the shape-derived bound) whose partial results `flash_merge` combines by
+log-sum-exp.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
                       batch, total, num_q_heads, num_pages, table_width, table_stride, page_size, layer_idx,
                       q_stride_row, q_stride_head, out_stride_row, out_stride_head,
                       stride_page, stride_plane, stride_layer, stride_token,
-                      split_len, softmax_scale, softcap, sliding_window,
+                      num_splits, softmax_scale, softcap, sliding_window,
                       GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
                       SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, STEPS: tl.constexpr):
@@ -76,15 +78,16 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
         k_lo = tl.maximum(cache_len + q_start - sliding_window + 1, 0)
     else:
         k_lo = 0
-    start = (k_lo // BLOCK_N) * BLOCK_N + split * split_len
-    stop = tl.minimum(start + split_len, k_hi)
+    # Split s takes key tiles s, s + num_splits, ...: balanced whatever the actual length.
+    start = (k_lo // BLOCK_N) * BLOCK_N + split * BLOCK_N
+    stop = k_hi
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = lookup_table + seq.to(tl.int64) * table_stride
     plane0 = blocks + layer_idx * stride_layer + kv_head * HEAD_DIM
-    for j0 in range(start, stop, BLOCK_N):
+    for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         col = j // page_size
         key_ok = (j < stop) & (col < table_width)
@@ -168,11 +171,7 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     key_bound = min(max_context, sliding_window + block_q + block_n) if causal and window else max_context
 
     splits = num_splits(batch, num_kv_heads, key_bound, block_n, q.device) if total <= batch else 1
-    if splits > 1:
-        split_len = triton.cdiv(triton.cdiv(key_bound, splits), block_n) * block_n
-        splits = triton.cdiv(key_bound, split_len)
     if splits == 1:
-        split_len = triton.cdiv(max_context, block_n) * block_n
         part_out = part_lse = out  # unused
     else:
         part_out = torch.empty((splits, total, num_q_heads, head_dim), dtype=torch.float32, device=q.device)
@@ -183,7 +182,7 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
         batch, total, num_q_heads, blocks.shape[0], width, table_stride, page_size, layer_idx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *blocks_strides(blocks),
-        split_len, float(softmax_scale), float(softcap), int(sliding_window),
+        splits, float(softmax_scale), float(softcap), int(sliding_window),
         GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window, SOFTCAP=softcap > 0,
         SPLIT=splits > 1, UPCAST=interpret, PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
