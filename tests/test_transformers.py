@@ -109,7 +109,7 @@ def test_crop_then_refeed_matches_dynamic_cache(model, attn):
 
 
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
-def test_batch_select_indices_matches_dynamic_cache(model, attn):
+def test_batch_select_and_repeat_match_dynamic_cache(model, attn):
     ids = torch.randint(1, 512, (3, 7), generator=torch.Generator().manual_seed(3))
     cache = paged(model, attn, page_size=2)
     dynamic = DynamicCache(config=model.config)
@@ -124,6 +124,13 @@ def test_batch_select_indices_matches_dynamic_cache(model, attn):
     got = forward(model, cache, step, 7)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert cache.rows == 2 and cache.collection.cache_lengths.tolist() == [8, 8, 0, 0]
+    for c in (cache, dynamic):
+        c.batch_repeat_interleave(2)
+    step = torch.tensor([[13], [14], [15], [16]])
+    model.set_attn_implementation("sdpa")
+    expected = forward(model, dynamic, step, 8)
+    model.set_attn_implementation(attn)
+    torch.testing.assert_close(forward(model, cache, step, 8), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_reset_gives_a_fresh_cache(model, prompts):

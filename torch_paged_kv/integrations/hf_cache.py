@@ -42,7 +42,11 @@ class PendingKV(NamedTuple):
 
 
 class PagedLayer(CacheLayerMixin):
-    """One model layer's view of the shared collection (HF's per-layer cache surface)."""
+    """One model layer's view of the shared collection (HF's per-layer cache surface).
+
+    Row operations (reset, crop, reorder, select) touch every layer at once, so `PagedCache` does
+    them, not the layers.
+    """
 
     is_compileable = True
     is_croppable = True
@@ -86,15 +90,6 @@ class PagedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.cache.max_cache_len
-
-    # The collection is shared by all layers: the cache does these once, for every layer.
-    def reset(self) -> None: ...
-    def crop(self, tokens_to_remove: int) -> None: ...
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None: ...
-    def batch_repeat_interleave(self, repeats: int) -> None: ...
-    def batch_select_indices(self, indices: torch.Tensor) -> None: ...
-    def offload(self) -> None: ...
-    def prefetch(self) -> None: ...
 
 
 def _rows(states: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""Greedy `generate` tokens/s with PagedCache vs transformers' DynamicCache and StaticCache.
+
+    python benchmarks/bench_hf.py [--batch 4] [--new-tokens 64] [--repeats 5] [--threads 1] [--compile]
+
+One random Llama (seeded, no download), one left-padded batch of uneven prompts, the same run for
+every cache. Each case runs one untimed `generate` (warm-up; compilation with --compile), then
+`--repeats` timed ones, round-robin over the cases so that load drifts hit all alike; reported: the
+median tokens/s (new tokens of all rows / wall time, prefill included). PagedCache runs with the paged_kv attention (from the pages) and with sdpa (gathered
+K/V), and with the ops' value checks off (`TORCH_PAGED_KV_VALIDATE=shapes`: no host syncs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import time
+import torch
+from transformers import Cache, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers.generation.configuration_utils import CompileConfig
+
+from harness import RESULTS_DIR, report
+from torch_paged_kv.integrations.transformers import PagedCache
+
+
+def build_model(layers: int, hidden: int, device: str) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=hidden // 32, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=0, initializer_range=0.1)
+    return LlamaForCausalLM(config).eval().to(device)
+
+
+def prompts(batch: int, longest: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.linspace(longest // 2, longest, batch).long()
+    mask = (torch.arange(longest)[None] >= longest - lengths[:, None]).long()
+    return (torch.randint(1, 2048, (batch, longest), generator=g) * mask).to(device), mask.to(device)
+
+
+def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tuple[float, torch.Tensor]:
+    """Seconds of one `generate` call, and its output."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(ids, past_key_values=cache, **kwargs)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--prompt", type=int, default=32, help="longest prompt (others are shorter, left-padded)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph) where possible")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (default 1: on a shared machine more threads oversubscribe and swamp results)")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_num_threads(args.threads)
+    model = build_model(args.layers, args.hidden, device)
+    ids, mask = prompts(args.batch, args.prompt, device)
+    max_len = args.prompt + args.new_tokens
+    compile_config = None
+    if args.compile:
+        compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
+        compile_config._compile_all_devices = True
+
+    def paged() -> PagedCache:
+        return PagedCache(model.config, args.batch, max_len, args.page_size, device=device)
+
+    cases = [  # (cache, attention, validate, factory, compiles)
+        ("DynamicCache", "sdpa", "-", lambda: DynamicCache(config=model.config), False),
+        ("StaticCache", "sdpa", "-", lambda: StaticCache(config=model.config, max_cache_len=max_len), True),
+        ("PagedCache", "sdpa", "full", paged, True),
+        ("PagedCache", "paged_kv", "full", paged, True),
+        ("PagedCache", "paged_kv", "shapes", paged, True),
+    ]
+    kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                  do_sample=False, pad_token_id=0)
+    torch._dynamo.config.cache_size_limit = 64  # one graph per case, all kept
+    seconds: list[list[float]] = [[] for _ in cases]
+    outputs = []
+    for repeat in range(args.repeats + 1):  # round-robin over the cases, so load drifts hit all alike
+        for i, (_, attn, validate, factory, compiles) in enumerate(cases):
+            model.set_attn_implementation(attn)
+            os.environ["TORCH_PAGED_KV_VALIDATE"] = validate if validate != "-" else "full"
+            run_kwargs = {**kwargs, "compile_config": compile_config if compiles else None}
+            elapsed, out = timed_generate(model, factory(), ids, run_kwargs)
+            if repeat == 0:  # warm-up (and compilation)
+                outputs.append(out)
+            else:
+                seconds[i].append(elapsed)
+    rows = []
+    for (cache_name, attn, validate, _, compiles), times, out in zip(cases, seconds, outputs):
+        rows.append({"cache": cache_name, "attention": attn, "op checks": validate,
+                     "compiled": bool(compile_config and compiles),
+                     "tokens/s": round(args.batch * args.new_tokens / statistics.median(times)),
+                     "same tokens as DynamicCache": bool(torch.equal(out, outputs[0]))})
+    static = next(r["tokens/s"] for r in rows if r["cache"] == "StaticCache")
+    for row in rows:
+        row["vs StaticCache"] = round(row["tokens/s"] / static, 2)
+    name = "bench_hf_compiled" if args.compile else "bench_hf"
+    table = report(name, rows)
+    setup = (f"batch {args.batch}, prompts {args.prompt // 2}..{args.prompt} left-padded, {args.new_tokens} new "
+             f"tokens, Llama {args.layers} layers x {args.hidden} hidden, page_size {args.page_size}, {device}")
+    pathlib.Path(RESULTS_DIR / f"{name}.md").write_text(f"{table}\n\n{setup}\n")
+    print(f"{table}\n\n{setup}")
+
+
+if __name__ == "__main__":
+    main()
