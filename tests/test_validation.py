@@ -40,6 +40,8 @@ STORE_CASES = {
     "past the table": ("cache_lengths", lambda b: dict(cache_lengths=_i32([5, 9, b.lookup_table.shape[1] * 4]))),
     "page out of range": ("lookup_table", lambda b: dict(lookup_table=_bad_page(b, 0, 1, 10_000))),
     "negative page": ("lookup_table", lambda b: dict(lookup_table=_bad_page(b, 2, 0, -1))),
+    "write into the null page": ("lookup_table", lambda b: dict(lookup_table=_bad_page(b, 1, 2, pk.NULL_PAGE))),
+    "key requires grad": ("key", lambda b: dict(key=b.new_keys.clone().requires_grad_())),
     "layer": ("layer_idx", lambda b: dict(layer_idx=2)),
     "negative layer": ("layer_idx", lambda b: dict(layer_idx=-1)),
     "blocks 5-D": ("blocks", lambda b: dict(blocks=b.blocks[0])),
@@ -85,13 +87,19 @@ def test_device_mismatch_is_named():
     ("softcap", dict(softcap=-1.0)),
     ("input_row_offsets", dict(q_rows=-1)),
     ("lookup_table", dict(bad_page=True)),
+    ("lookup_table", dict(null_page=True)),
+    ("q", dict(requires_grad=True)),
 ])
 def test_flash_attention_rejects(name, over):
     b = _batch()
     q = b.q[: b.q.shape[0] + over.get("q_rows", 0)]
     if "q_heads" in over:
         q = torch.randn(q.shape[0], over["q_heads"], q.shape[2])
+    if over.get("requires_grad"):
+        q = q.clone().requires_grad_()
     table = _bad_page(b, 1, 2, 99) if over.get("bad_page") else b.lookup_table
+    if over.get("null_page"):  # reading tokens from a page the sequence never got
+        table = _bad_page(b, 0, 0, pk.NULL_PAGE)
     before = b.blocks.clone()
     with pytest.raises(ValueError, match=f"^{name}:"):
         pk.flash_attention(q, b.blocks, b.cache_lengths, table, b.input_row_offsets, b.layer_idx,
@@ -112,6 +120,7 @@ def test_gather_kv_rejects_short_max_kv_len():
     ("dst_pages", [1, 2], [3, -1]),
     ("dst_pages", [1, 2], [3, 3]),
     ("dst_pages", [1, 2], [3]),
+    ("dst_pages", [1, 2], [3, pk.NULL_PAGE]),
 ])
 def test_copy_pages_rejects_and_writes_nothing(name, src, dst):
     b = _batch()
@@ -136,3 +145,12 @@ def test_shapes_only_mode_skips_value_checks(monkeypatch):
     with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
         _store(b, lookup_table=_bad_page(b, 0, 1, 10_000))
     assert torch.equal(b.blocks, before)
+
+
+def test_grad_is_fine_when_disabled():
+    b = _batch()
+    q = b.q.clone().requires_grad_()
+    with torch.no_grad():
+        pk.flash_attention(q, b.blocks, *b.step, b.layer_idx, 0.5)
+    with torch.inference_mode():
+        pk.flash_attention(q, b.blocks, *b.step, b.layer_idx, 0.5)

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from ..layout import NULL_PAGE
+
 INDEX_DTYPE = torch.int32
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -45,6 +47,12 @@ def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torc
         _fail(name, f"expected device {device} (that of blocks), got {t.device}")
 
 
+def _check_inference(name: str, t: torch.Tensor) -> None:
+    if t.requires_grad and torch.is_grad_enabled():
+        _fail(name, "requires grad, but the paged_kv ops have no backward (the cache is for inference): "
+                    "call them under torch.no_grad() or torch.inference_mode()")
+
+
 def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)) -> None:
     if not isinstance(blocks, torch.Tensor) or blocks.dim() != 6:
         _fail("blocks", "expected a 6-D tensor [num_pages, 2|1, num_layers, page_size, num_kv_heads, head_dim]")
@@ -54,6 +62,7 @@ def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] 
         _fail("blocks", f"dim 1 must be {' or '.join(map(str, planes))} for this op, got {blocks.shape[1]}")
     if not blocks.is_contiguous():
         _fail("blocks", "expected a contiguous tensor (kernels address it as rows)")
+    _check_inference("blocks", blocks)
     if not isinstance(layer_idx, int) or not 0 <= layer_idx < blocks.shape[2]:
         _fail("layer_idx", f"expected 0..{blocks.shape[2] - 1}, got {layer_idx!r}")
 
@@ -82,6 +91,7 @@ def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | N
         _fail(name, f"expected head_dim {blocks.shape[5]}, got {t.shape[2]}")
     if heads is not None and t.shape[1] != heads:
         _fail(name, f"expected {heads} kv heads, got {t.shape[1]}")
+    _check_inference(name, t)
 
 
 def check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx) -> None:
@@ -153,7 +163,8 @@ def _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total
 
 
 def _check_pages(blocks, lookup_table, first_tok: torch.Tensor, end_tok: torch.Tensor) -> None:
-    """Every page holding tokens [first_tok[b], end_tok[b]) of each sequence is inside `blocks`."""
+    """Every page holding tokens [first_tok[b], end_tok[b]) of each sequence is a real page of
+    `blocks`: inside it and not the null page (which pads tables and holds no sequence's tokens)."""
     page_size = blocks.shape[3]
     table = lookup_table.long() if lookup_table.dim() == 2 else lookup_table.long()[:, None]
     cols = torch.arange(table.shape[1], device=table.device)
@@ -162,11 +173,14 @@ def _check_pages(blocks, lookup_table, first_tok: torch.Tensor, end_tok: torch.T
     else:
         used = torch.ones_like(table, dtype=torch.bool)
     used &= (end_tok > first_tok)[:, None]
-    bad = used & ((table < 0) | (table >= blocks.shape[0]))
+    bad = used & ((table <= NULL_PAGE) | (table >= blocks.shape[0]))
     if bool(bad.any()):
         b, col = bad.nonzero()[0].tolist()
-        _fail("lookup_table", f"sequence {b} uses page id {int(table[b, col])} (entry {col}), "
-                              f"outside blocks' {blocks.shape[0]} pages")
+        page = int(table[b, col])
+        if page == NULL_PAGE:
+            _fail("lookup_table", f"sequence {b} has no page for its tokens at entry {col} (it holds the "
+                                  f"null page {NULL_PAGE}): allocate pages before storing or reading them")
+        _fail("lookup_table", f"sequence {b} uses page id {page} (entry {col}), outside blocks' {blocks.shape[0]} pages")
 
 
 def check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets) -> None:
@@ -190,5 +204,7 @@ def check_copy_pages_data(blocks, src_pages, dst_pages) -> None:
         bad = (pages < 0) | (pages >= num_pages)
         if bool(bad.any()):
             _fail(name, f"page id {int(pages[_first(bad)])} is outside blocks' {num_pages} pages")
+    if bool((dst_pages == NULL_PAGE).any()):
+        _fail("dst_pages", f"lists the null page {NULL_PAGE}, which pads every table and must stay as it is")
     if dst_pages.numel() and torch.unique(dst_pages).numel() != dst_pages.numel():
         _fail("dst_pages", "lists a page more than once; the result would be ambiguous")

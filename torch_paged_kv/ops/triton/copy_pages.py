@@ -26,7 +26,7 @@ def _copy_kernel(src, src_pages, dst, dst_pages, num_pages, page_numel,
         dst_off = i.to(tl.int64) * page_numel
     else:
         page = tl.load(dst_pages + i)
-        ok = (page >= 0) & (page < num_pages)
+        ok = (page > 0) & (page < num_pages)  # the null page (0) is never written
         src_off = i.to(tl.int64) * page_numel
         dst_off = page.to(tl.int64) * page_numel
     mask = idx < tl.where(ok, page_numel, 0)  # (scalar & block masks break the interpreter)

@@ -27,8 +27,8 @@ def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_
     pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
     col = pos // page_size
     page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(tl.maximum(col, 0), table_width - 1))
-    # A page id outside `blocks` (possible only if data checks were off) writes nothing.
-    in_range = (col >= 0) & (col < table_width) & (page >= 0) & (page < num_pages)
+    # A page id outside `blocks` or the null page 0 (possible only if data checks were off) writes nothing.
+    in_range = (col >= 0) & (col < table_width) & (page > 0) & (page < num_pages)
 
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < tl.where(in_range, ROW, 0)  # (scalar & block masks break the interpreter)
