@@ -7,7 +7,9 @@ reused from the prefix cache must hold exactly what recomputing would write.
 from __future__ import annotations
 
 import copy
+import hashlib
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -104,7 +106,7 @@ def snapshot(m: KVCacheManager) -> dict:
     state = {k: copy.deepcopy(v) for k, v in vars(m).items()
              if k not in ("collection", "_host_views", "_step_views", "_rows_seqs", "_pending", "_seqs", "_pool")}
     state["pool"] = copy.deepcopy(vars(m._pool))
-    state["seqs"] = {i: (s.slot, s.tokens and list(s.tokens), list(s.keys), s.host_pages is None)
+    state["seqs"] = {i: (s.slot, m._token_ids(s), list(s.keys), s.host_pages is None)
                      for i, s in m._seqs.items()}
     state["pending"] = None if m._pending is None else [s.seq_id for s in m._pending.seqs]
     state["rows_seqs"] = [s.seq_id for s in m._rows_seqs]
@@ -322,7 +324,58 @@ def test_decode_pages_cached_only_with_token_ids():
     run_step(m, ["c"], [[8, 9]], model)
     assert m.num_cached_pages() == 1 and m.claim("d", [7, 7, 8, 9, 1]) == 4
     run_step(m, ["b"], [[6]], model)  # ids of b's first tokens were never given: b caches nothing
-    assert m._seqs["b"].tokens is None and m.num_cached_pages() == 1
+    assert m._token_ids(m._seqs["b"]) is None and m.num_cached_pages() == 1
+
+
+def chained_keys(tokens: list[int], salt: bytes | None = None) -> list[bytes]:
+    """Prefix-cache keys of the full pages of `tokens`, recomputed from scratch."""
+    keys, parent = [], root_key(salt)
+    for i in range(len(tokens) // PS):
+        parent = page_key(parent, tokens[i * PS:(i + 1) * PS])
+        keys.append(parent)
+    return keys
+
+
+def test_page_key_bytes_are_little_endian_int64():
+    root = root_key(None)
+    want = hashlib.sha256(root + struct.pack("<4q", 1, -2, 70_000, 3)).digest()
+    assert page_key(root, [1, -2, 70_000, 3]) == page_key(root, np.array([1, -2, 70_000, 3], dtype=np.int32)) == want
+
+
+def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
+    m = make(num_pages=64, max_batch=2, max_seq_len=48)
+    model = {"a": [], "c": []}
+    m.claim("a", [1, 2, 3, 4, 5, 6, 9, 9])  # the remembered prompt runs past the first step
+    m.claim("c")
+    run_step(m, ["a", "c"], [[1, 2, 3, 4, 5, 6], [7] * 5], model, pass_tokens=False)  # c: ids unknown
+    assert m._token_ids(m._seqs["a"]) == [1, 2, 3, 4, 5, 6, 9, 9] and m._tokens.shape[1] == 8
+    assert m._seqs["a"].keys == chained_keys(model["a"]) and m._seqs["c"].keys == []
+    for t in range(20):  # decode with ids, a past its capacity (8 -> 16 -> 32 -> 48); c stops caching for good
+        run_step(m, ["a", "c"], [[t % 3, 7] if t % 4 else [t], [t]], model)
+        assert m._seqs["a"].keys == chained_keys(model["a"]), t
+        assert m._token_ids(m._seqs["a"]) == model["a"] and m._token_ids(m._seqs["c"]) is None
+    assert m._tokens.shape[1] == 48 and m.cache_length("a") == 41  # doubling stops at max_seq_len
+    m.fork("a", "b")  # a long, partial-page parent: the child has all its ids and keys
+    model["b"] = list(model["a"])
+    m.prepare_step(["b", "c"], [2, 1], [[5, 5], [5]])  # (no K/V stored: b's contents are not checked)
+    m.release("c")  # dropped from the pending step along with its ids
+    m.commit_step()
+    model["b"] += [5, 5]
+    del model["c"]
+    for t in range(3):
+        run_step(m, ["a", "b"], [[t], [t + 1]], model)
+    for i in ("a", "b"):
+        assert m._token_ids(m._seqs[i]) == model[i] and m._seqs[i].keys == chained_keys(model[i])
+    check_contents(m, model, ["a"])
+    assert m.claim("d", model["b"] + [0]) == len(model["b"]) // PS * PS
+    m.release("d")
+    m.save(tmp_path / "kv.safetensors", ["a", "b"])
+    for caching in (True, False):
+        dst = make(enable_prefix_caching=caching)
+        ids = dst.load(tmp_path / "kv.safetensors")
+        for new, old in zip(ids, ["a", "b"]):
+            assert dst._token_ids(dst._seqs[new]) == (model[old] if caching else None)
+            assert dst._seqs[new].keys == (chained_keys(model[old]) if caching else [])
 
 
 # -- fork / copy-on-write -----------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 The manager owns a `PagedKVCacheCollection`'s step tensors: `prepare_step` fills their first
 rows in place for the sequences of one step, the model runs, `commit_step` advances the lengths.
-Host bookkeeping lives in per-sequence Python lists plus int64 numpy arrays indexed by a
-per-sequence slot, so a decode step costs a few vectorised numpy operations and one device copy
-of the lengths; table rows are re-sent only when a row gains pages or the rows change sequence.
+Host bookkeeping lives in int64 numpy arrays indexed by a per-sequence slot (lengths, page
+tables, known token ids) plus a list of prefix-cache keys per sequence, so a decode step costs a
+few vectorised numpy operations, one sha256 per page that fills, and one device copy of the
+lengths; table rows are re-sent only when a row gains pages or the rows change sequence.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import itertools
 import json
 import os
 from array import array
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Hashable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ import torch
 from . import checkpoint, layout
 from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
-from .prefix_cache import PagePool, page_key, root_key
+from .prefix_cache import TOKEN_DTYPE, PagePool, page_key, page_key_of_bytes, root_key
 
 
 METADATA_KEY = "torch_paged_kv.manager"
@@ -43,7 +44,6 @@ class OutOfPagesError(RuntimeError):
 class _Sequence:
     seq_id: Hashable
     slot: int
-    tokens: list[int] | None  # known token ids from position 0 (may run past the length: the prompt)
     keys: list[bytes]  # prefix-cache keys of the leading full pages
     host_pages: torch.Tensor | None = None  # page contents while offloaded
 
@@ -53,12 +53,13 @@ class _Step(NamedTuple):
     slots: np.ndarray
     num_new: np.ndarray
     new_lengths: np.ndarray
-    token_ids: Sequence[Sequence[int]] | None
+    token_ids: np.ndarray | None  # the rows' new token ids, concatenated
 
 
-def _tokens_array(name: str, tokens: Any) -> array:
+def _int64s(name: str, tokens: Iterable[int]) -> np.ndarray:
+    """`tokens` as an int64 array; anything but ints (floats, strings) raises ValueError naming `name`."""
     try:
-        return array("q", tokens)
+        return np.frombuffer(array("q", tokens), dtype=np.int64)
     except (TypeError, OverflowError) as exc:
         raise ValueError(f"{name}: expected a sequence of int token ids ({exc})") from None
 
@@ -89,7 +90,8 @@ class KVCacheManager:
         # Per-slot host state; a slot is a sequence's row in these arrays.
         self._lengths = np.zeros(0, dtype=np.int64)
         self._num_pages = np.zeros(0, dtype=np.int64)
-        self._known = np.zeros(0, dtype=np.int64)  # len(tokens), -1 when the ids are unknown
+        self._known = np.zeros(0, dtype=np.int64)  # token ids known from position 0; -1: unknown
+        self._tokens = np.zeros((0, 0), dtype=TOKEN_DTYPE)  # [slot, :known]: the ids (columns double)
         self._table = np.zeros((0, collection.lookup_table.shape[1]), dtype=np.int32)
         self._free_slots: list[int] = []
         self._grow_slots(collection.max_batch_size)
@@ -135,7 +137,7 @@ class KVCacheManager:
         is remembered, so steps that compute it need no `token_ids`.
         """
         self._check_new_id(seq_id, "seq_id")
-        prompt = _tokens_array("prompt_tokens", prompt_tokens) if prompt_tokens is not None else array("q")
+        prompt = _int64s("prompt_tokens", () if prompt_tokens is None else prompt_tokens)
         if len(prompt) > self.collection.max_seq_len:
             raise ValueError(f"prompt_tokens: {len(prompt)} tokens exceed max_seq_len={self.collection.max_seq_len}")
         pages: list[int] = []
@@ -154,7 +156,7 @@ class KVCacheManager:
                 self._pool.ref(page)
             self.prefix_cache_hits += len(pages) * ps
             self.prefix_cache_misses += len(prompt) - len(pages) * ps
-        tokens = prompt.tolist() if self.enable_prefix_caching else None
+        tokens = prompt if self.enable_prefix_caching else None
         self._add(seq_id, pages, len(pages) * self.page_size, tokens, keys)
         return len(pages) * self.page_size
 
@@ -167,10 +169,11 @@ class KVCacheManager:
         self._known[seq.slot] = 0
         self._free_slots.append(seq.slot)
         if self._pending is not None and seq in self._pending.seqs:
-            keep = [b for b, s in enumerate(self._pending.seqs) if s is not seq]
             p = self._pending
-            self._pending = _Step([p.seqs[b] for b in keep], p.slots[keep], p.num_new[keep], p.new_lengths[keep],
-                                  None if p.token_ids is None else [p.token_ids[b] for b in keep])
+            keep = np.array([s is not seq for s in p.seqs])
+            self._pending = _Step([s for s in p.seqs if s is not seq], p.slots[keep], p.num_new[keep],
+                                  p.new_lengths[keep],
+                                  None if p.token_ids is None else p.token_ids[np.repeat(keep, p.num_new)])
         self._rows_ids = None
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
@@ -189,7 +192,8 @@ class KVCacheManager:
         if partial:
             pages += self._pool.allocate(1)
             self._copy_pages([src_pages[full]], pages[-1:])
-        tokens = src.tokens[:length] if src.tokens is not None else None
+        known = int(self._known[src.slot])
+        tokens = self._tokens[src.slot, : min(known, length)] if known >= 0 else None
         self._add(child, pages, length, tokens, src.keys[:full])
 
     # -- steps ---------------------------------------------------------------------------------
@@ -213,8 +217,7 @@ class KVCacheManager:
         else:
             num_new = self._check_num_new(num_new_tokens, batch)
             num_new_list = None if num_new_list is None else list(num_new_list)
-        if token_ids is not None:
-            self._check_token_ids(token_ids, num_new)
+        flat_ids = None if token_ids is None else self._check_token_ids(token_ids, num_new)
         old_lengths = self._lengths[slots]
         new_lengths = old_lengths + num_new
         longest = int(new_lengths.max())
@@ -229,10 +232,12 @@ class KVCacheManager:
             if needed > self._pool.available():
                 self._raise_out_of_pages(needed)
             self._extend_pages(slots[grow], missing[grow], needed)
+        if flat_ids is not None and self.enable_prefix_caching:
+            self._reserve_tokens(longest)  # room for this step's ids
         self._upload(batch, seqs is self._rows_seqs, grow, slots, old_lengths, num_new)
         self._rows_ids, self._rows_seqs, self._rows_slots = ids, seqs, slots
         self._rows_num_new_list, self._rows_num_new = num_new_list, num_new
-        self._pending = _Step(seqs, slots, num_new, new_lengths, token_ids)
+        self._pending = _Step(seqs, slots, num_new, new_lengths, flat_ids)
         views = self._step_views.get(batch)
         if views is None:
             views = self._step_views[batch] = self.collection.step_tensors(batch)
@@ -248,24 +253,14 @@ class KVCacheManager:
         self._lengths[step.slots] = step.new_lengths
         if not self.enable_prefix_caching:
             return
+        known = self._known[step.slots]
         if step.token_ids is not None:
-            known = self._known[step.slots]
-            if np.array_equal(known, old_lengths):  # the usual case: ids known up to the length
-                for seq, new in zip(step.seqs, step.token_ids):
-                    seq.tokens += new
-            else:
-                for seq, new, old, k in zip(step.seqs, step.token_ids, old_lengths.tolist(), known.tolist()):
-                    if k >= old:  # drop the rest of the remembered prompt: `new` is what ran
-                        del seq.tokens[old:]
-                        seq.tokens += new
-                    else:  # ids of earlier tokens unknown: this sequence stops caching pages
-                        seq.tokens = None
-            self._known[step.slots] = np.where(known >= old_lengths, step.new_lengths, -1)
-        ps = self.page_size
-        full = step.new_lengths // ps
-        crossed = np.flatnonzero((full > old_lengths // ps) & (self._known[step.slots] >= full * ps))
-        for b in crossed.tolist():
-            self._register_full_pages(step.seqs[b], int(step.new_lengths[b]))
+            known = self._append_tokens(step, old_lengths, known)
+        full = step.new_lengths // self.page_size
+        end = full * self.page_size  # a row whose last full page ends past its old length crossed into it
+        crossed = np.flatnonzero((end > old_lengths) & (known >= end)).tolist()
+        if crossed:
+            self._register_full_pages([step.seqs[b] for b in crossed], full[crossed].tolist())
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, seq_ids: Sequence) -> None:
@@ -315,7 +310,7 @@ class KVCacheManager:
         view.cache_lengths = torch.tensor([int(self._lengths[s.slot]) for s in seqs], dtype=torch.int32)
         view.lookup_table = torch.from_numpy(self._table[[s.slot for s in seqs]])
         view.input_row_offsets = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        meta = {"token_ids": [s.tokens for s in seqs]}
+        meta = {"token_ids": [self._token_ids(s) for s in seqs]}
         checkpoint.save_cache(view, path, metadata={METADATA_KEY: json.dumps(meta)})
 
     def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
@@ -342,8 +337,10 @@ class KVCacheManager:
             self._check_new_id(i, "seq_ids")
         if info.num_pages > self._pool.available():
             self._raise_out_of_pages(info.num_pages)
-        loaded = checkpoint.load_cache(path, device="cpu", expected_params=params)
         tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
+        tokens = [None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t)
+                  for t in tokens]
+        loaded = checkpoint.load_cache(path, device="cpu", expected_params=params)
         pages = [layout.NULL_PAGE, *self._pool.allocate(info.num_pages)]  # checkpoint page j -> pages[j]
         self._write_pages(pages[1:], loaded.blocks[1: info.num_pages + 1])
         seen: set[int] = set()
@@ -354,9 +351,10 @@ class KVCacheManager:
                 if page in seen:  # shared in the checkpoint: one more owner
                     self._pool.ref(page)
                 seen.add(page)
-            known = tokens[b] if self.enable_prefix_caching else None
-            self._add(seq_id, row, length, known, [])
-            self._register_full_pages(self._seqs[seq_id], length)
+            self._add(seq_id, row, length, tokens[b], [])
+        seqs = [self._seqs[i] for i in ids]
+        self._register_full_pages(seqs, [min(n, int(self._known[s.slot])) // self.page_size
+                                         for s, n in zip(seqs, info.cache_lengths)])
         if seq_ids is None:
             self._next_loaded_id = ids[-1][1] + 1
         return ids
@@ -428,14 +426,22 @@ class KVCacheManager:
         return num_new.astype(np.int64, copy=False)
 
     @staticmethod
-    def _check_token_ids(token_ids: Sequence[Sequence[int]], num_new: np.ndarray) -> None:
+    def _check_token_ids(token_ids: Sequence[Sequence[int]], num_new: np.ndarray) -> np.ndarray:
+        """The rows' ids concatenated, after checking their counts and types."""
+        if int(num_new.sum()) == len(num_new):  # one id per row (decode): unpacking checks the counts
+            try:
+                flat = [x for x, in token_ids]
+            except (TypeError, ValueError):
+                flat = None
+            if flat is not None and len(flat) == len(num_new):
+                return _int64s("token_ids", flat)
         try:
             counts = list(map(len, token_ids))
         except TypeError:
             raise ValueError("token_ids: expected one sequence of ints per row") from None
         if counts != num_new.tolist():
             raise ValueError(f"token_ids: expected {num_new.tolist()} ids per row, got {counts}")
-        _tokens_array("token_ids", itertools.chain.from_iterable(token_ids))
+        return _int64s("token_ids", itertools.chain.from_iterable(token_ids))
 
     def _pages_for(self, length: int) -> int:
         return -(-length // self.page_size)
@@ -449,19 +455,62 @@ class KVCacheManager:
         self._lengths = np.concatenate([self._lengths, zeros])
         self._num_pages = np.concatenate([self._num_pages, zeros])
         self._known = np.concatenate([self._known, zeros])
+        self._tokens = np.concatenate([self._tokens, np.zeros((extra, self._tokens.shape[1]), dtype=TOKEN_DTYPE)])
         pad = np.full((extra, self._table.shape[1]), layout.NULL_PAGE, dtype=np.int32)
         self._table = np.concatenate([self._table, pad])
         self._free_slots.extend(range(start + extra - 1, start - 1, -1))
 
-    def _add(self, seq_id: Hashable, pages: list[int], length: int, tokens: list[int] | None,
+    def _add(self, seq_id: Hashable, pages: list[int], length: int, tokens: np.ndarray | None,
              keys: list[bytes]) -> None:
         if not self._free_slots:
             self._grow_slots(len(self._lengths))
         slot = self._free_slots.pop()
         self._lengths[slot] = length
-        self._known[slot] = -1 if tokens is None else len(tokens)
+        if tokens is None:
+            self._known[slot] = -1
+        else:
+            self._reserve_tokens(len(tokens))
+            self._tokens[slot, : len(tokens)] = tokens
+            self._known[slot] = len(tokens)
         self._set_pages(slot, pages)
-        self._seqs[seq_id] = _Sequence(seq_id, slot, tokens, keys)
+        self._seqs[seq_id] = _Sequence(seq_id, slot, keys)
+
+    def _reserve_tokens(self, length: int) -> None:
+        """Room for `length` token ids per slot: whole pages, doubling until they fit."""
+        capacity = self._tokens.shape[1]
+        if length > capacity:
+            doubled = min(2 * capacity // self.page_size, self._pages_for(self.collection.max_seq_len))
+            pages = max(self._pages_for(length), doubled)
+            grown = np.zeros((len(self._tokens), pages * self.page_size), dtype=TOKEN_DTYPE)
+            grown[:, :capacity] = self._tokens
+            self._tokens = grown
+
+    def _token_ids(self, seq: _Sequence) -> list[int] | None:
+        """Known token ids of `seq` from position 0 (may run past its length: the prompt), or None."""
+        known = int(self._known[seq.slot])
+        return self._tokens[seq.slot, :known].tolist() if known >= 0 else None
+
+    def _append_tokens(self, step: _Step, old_lengths: np.ndarray, known: np.ndarray) -> np.ndarray:
+        """Store the committed step's token ids; returns the rows' new known counts.
+
+        A row whose ids are known up to its old length gets the new ids written there (over the
+        rest of a remembered prompt: they are what ran); any other row stops caching pages (-1).
+        """
+        ok = known >= old_lengths
+        rows, cols, ids = step.slots, old_lengths, step.token_ids
+        if len(ids) != len(rows):  # some row has several new tokens: one (row, col) per id
+            starts = np.cumsum(step.num_new) - step.num_new
+            cols = np.repeat(old_lengths - starts, step.num_new) + np.arange(len(ids))
+            rows = np.repeat(rows, step.num_new)
+        if ok.all():
+            known = step.new_lengths
+        else:
+            select = np.repeat(ok, step.num_new)
+            rows, cols, ids = rows[select], cols[select], ids[select]
+            known = np.where(ok, step.new_lengths, -1)
+        self._tokens[rows, cols] = ids  # prepare_step made room
+        self._known[step.slots] = known
+        return known
 
     def _pages(self, seq: _Sequence) -> list[int]:
         """Physical pages of `seq`, in order (its table row is the only record of them)."""
@@ -491,14 +540,19 @@ class KVCacheManager:
         self._table[seq.slot, : self._num_pages[seq.slot]] = layout.NULL_PAGE
         self._num_pages[seq.slot] = 0
 
-    def _register_full_pages(self, seq: _Sequence, length: int) -> None:
-        if seq.tokens is None:
+    def _register_full_pages(self, seqs: list[_Sequence], num_full: Sequence[int]) -> None:
+        """Cache the pages of `seqs[i]` below page `num_full[i]` not yet keyed (their ids are known)."""
+        ps, width, root, register = self.page_size, 8 * self.page_size, self._root, self._pool.register
+        todo = [(seq, i) for seq, n in zip(seqs, num_full) for i in range(len(seq.keys), n)]
+        if not todo:
             return
-        ps, tokens, keys, row = self.page_size, seq.tokens, seq.keys, self._table[seq.slot]
-        for i in range(len(keys), min(length, len(tokens)) // ps):
-            key = page_key(keys[-1] if keys else self._root, tokens[i * ps:(i + 1) * ps])
+        slots, index = [seq.slot for seq, _ in todo], [i for _, i in todo]
+        data = self._tokens.reshape(len(self._tokens), -1, ps)[slots, index].tobytes()  # one page a row
+        for (seq, _), page, start in zip(todo, self._table[slots, index].tolist(), range(0, len(data), width)):
+            keys = seq.keys  # a sequence's pages come in order: each chains over the one before
+            key = page_key_of_bytes(keys[-1] if keys else root, data[start: start + width])
             keys.append(key)
-            self._pool.register(int(row[i]), key)
+            register(page, key)
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         device = self.collection.device

@@ -1,6 +1,6 @@
 """Page ownership for the manager: refcounts, free pages, and the prefix cache of full pages.
 
-A full page is keyed by `sha256(parent_key + token ids as int64)`, chained from
+A full page is keyed by `sha256(parent_key + token ids as little-endian int64)`, chained from
 `root_key(salt)`, so a key names the whole token prefix up to the end of that page. A cached page
 nobody references stays cached ("evictable") until an allocation needs it; evictable pages leave
 in the order they became unreferenced (least recently used first).
@@ -9,9 +9,10 @@ in the order they became unreferenced (least recently used first).
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 from .layout import NULL_PAGE
 
@@ -21,9 +22,18 @@ def root_key(salt: bytes | None) -> bytes:
     return hashlib.sha256(b"torch_paged_kv/prefix/" + (salt or b"")).digest()
 
 
-def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Key of a full page holding `tokens`, chained over its parent page's key."""
-    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+TOKEN_DTYPE = np.dtype("<i8")
+"""How token ids enter keys: little-endian int64."""
+
+
+def page_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Key of a full page holding `tokens` (ints), chained over its parent page's key."""
+    return page_key_of_bytes(parent, np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+
+
+def page_key_of_bytes(parent: bytes, token_bytes: bytes) -> bytes:
+    """`page_key` of a page whose token ids are given as `TOKEN_DTYPE` bytes."""
+    return hashlib.sha256(parent + token_bytes).digest()
 
 
 class PagePool:
