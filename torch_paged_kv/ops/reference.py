@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-SCORE_BUDGET_BYTES = 64 * 2**20  # fp32 scores of one (query chunk, KV head)
+SCORE_BUDGET_BYTES = 64 * 2**20  # fp32 scores of one query chunk and head group
+SMALL_KV_BYTES = 4 * 2**20  # K of one call below this: all KV heads in one matmul
 
 _scratch_buffers = threading.local()
 
@@ -118,13 +119,22 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         kv.append(tokens)
     key, value = kv
 
-    seq, tok = _row_coordinates(input_row_offsets, total)
-    q_padded = q.new_zeros(batch, max_new, num_kv_heads, group, head_dim, dtype=torch.float32)
-    q_padded.view(batch, max_new, num_q_heads, head_dim)[seq, tok] = q.float()
+    decode = max_new == 1 and total == batch  # one new token per sequence: no query padding
+    if decode:
+        q_padded = q.float().view(batch, 1, num_kv_heads, group, head_dim)
+    else:
+        seq, tok = _row_coordinates(input_row_offsets, total)
+        q_padded = q.new_zeros(batch, max_new, num_kv_heads, group, head_dim, dtype=torch.float32)
+        q_padded.view(batch, max_new, num_q_heads, head_dim)[seq, tok] = q.float()
     out = torch.empty_like(q_padded)
 
+    # Heads per matmul: all at once while K/V are small (the head-major copy is cheap), else one at
+    # a time through strided views (no transposed copy of a large K/V).
+    small = key.numel() * key.element_size() <= SMALL_KV_BYTES
+    head_slices = [slice(None)] if small else [slice(h, h + 1) for h in range(num_kv_heads)]
+    heads = num_kv_heads if small else 1
     key_pos = torch.arange(max_kv, device=q.device)
-    chunk = max(1, SCORE_BUDGET_BYTES // (4 * batch * group * max_kv))
+    chunk = max(1, SCORE_BUDGET_BYTES // (4 * batch * heads * group * max_kv))
     for start in range(0, max_new, chunk):
         stop = min(start + chunk, max_new)
         n = stop - start
@@ -134,17 +144,21 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
             allowed = allowed & (key_pos <= q_pos)
         if sliding_window > 0:
             allowed = allowed & (q_pos - key_pos < sliding_window)
-        blocked = ~allowed.expand(batch, n, max_kv)[:, :, None]  # [batch, n, 1, max_kv]
-        for head in range(num_kv_heads):
-            q_rows = q_padded[:, start:stop, head].reshape(batch, n * group, head_dim)
-            scores = torch.bmm(q_rows, key[:, :, head].transpose(1, 2)).view(batch, n, group, max_kv)
+        blocked = ~allowed.expand(batch, n, max_kv)[:, None, :, None]  # [batch, 1, n, 1, max_kv]
+        for hs in head_slices:
+            q_rows = q_padded[:, start:stop, hs].transpose(1, 2).reshape(batch * heads, n * group, head_dim)
+            k = key[:, :, hs].transpose(1, 2).reshape(batch * heads, max_kv, head_dim)
+            v = value[:, :, hs].transpose(1, 2).reshape(batch * heads, max_kv, head_dim)
+            scores = torch.bmm(q_rows, k.transpose(1, 2)).view(batch, heads, n, group, max_kv)
             scores.mul_(softmax_scale)
             if softcap > 0:
                 scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
             scores.masked_fill_(blocked, float("-inf"))
             probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padded query rows see no key
-            out[:, start:stop, head] = torch.bmm(probs.view(batch, n * group, max_kv),
-                                                 value[:, :, head]).view(batch, n, group, head_dim)
+            out[:, start:stop, hs] = torch.bmm(probs.view(batch * heads, n * group, max_kv), v).view(
+                batch, heads, n, group, head_dim).transpose(1, 2)
+    if decode:
+        return out.view(total, num_q_heads, head_dim).to(q.dtype)
     return out.view(batch, max_new, num_q_heads, head_dim)[seq, tok].to(q.dtype)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from ..layout import NULL_PAGE
@@ -131,52 +132,56 @@ def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
 
 
 # -- value checks (real tensors only) ---------------------------------------------------------
+# Done in numpy on host arrays: a view of CPU tensors (no copy; an order of magnitude cheaper per
+# operation than torch on tiny index tensors), one small device-to-host copy of each index tensor
+# on other devices (the sync the module docstring mentions).
 
-def _first(mask: torch.Tensor) -> int:
-    return int(mask.nonzero()[0, 0])
+def _host(t: torch.Tensor) -> np.ndarray:
+    return (t if t.device.type == "cpu" else t.cpu()).numpy().astype(np.int64, copy=False)
 
 
 def _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None,
-                   rows_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checks offsets and lengths; returns (cache_lengths, kv_len) as int64."""
-    offsets = input_row_offsets.long()
-    new = offsets[1:] - offsets[:-1]
-    lengths = cache_lengths.long()
+                   rows_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Checks offsets and lengths; returns (cache_lengths, kv_len) as int64 host arrays."""
+    offsets, lengths = _host(input_row_offsets), _host(cache_lengths)
+    new = np.diff(offsets)
     kv_len = lengths + new
     capacity = blocks.shape[3] * (lookup_table.shape[1] if lookup_table.dim() == 2 else 1)
-    flags = torch.stack([offsets[0] != 0, (new < 0).any(), (lengths < 0).any(), (kv_len > capacity).any()])
-    bad_first, bad_order, bad_len, too_long = flags.tolist()
-    if bad_first:
-        _fail("input_row_offsets", f"must start at 0, got {int(offsets[0])}")
-    if bad_order:
-        _fail("input_row_offsets", f"must be non-decreasing; entry {_first(new < 0) + 1} goes down")
-    if bad_len:
-        b = _first(lengths < 0)
-        _fail("cache_lengths", f"sequence {b} has negative length {int(lengths[b])}")
-    if too_long:
-        b = _first(kv_len > capacity)
-        _fail("cache_lengths", f"sequence {b} would reach {int(kv_len[b])} tokens, past the "
+    if offsets[0] != 0:
+        _fail("input_row_offsets", f"must start at 0, got {offsets[0]}")
+    if (new < 0).any():
+        _fail("input_row_offsets", f"must be non-decreasing; entry {np.flatnonzero(new < 0)[0] + 1} goes down")
+    if (lengths < 0).any():
+        b = np.flatnonzero(lengths < 0)[0]
+        _fail("cache_lengths", f"sequence {b} has negative length {lengths[b]}")
+    if (kv_len > capacity).any():
+        b = np.flatnonzero(kv_len > capacity)[0]
+        _fail("cache_lengths", f"sequence {b} would reach {kv_len[b]} tokens, past the "
                                f"{capacity} its lookup_table row can address")
-    if total_rows is not None and int(offsets[-1]) != total_rows:
-        _fail("input_row_offsets", f"last entry {int(offsets[-1])} must equal the {total_rows} rows of {rows_name}")
+    if total_rows is not None and offsets[-1] != total_rows:
+        _fail("input_row_offsets", f"last entry {offsets[-1]} must equal the {total_rows} rows of {rows_name}")
     return lengths, kv_len
 
 
-def _check_pages(blocks, lookup_table, first_tok: torch.Tensor, end_tok: torch.Tensor) -> None:
+def _check_pages(blocks, lookup_table, first_tok: np.ndarray, end_tok: np.ndarray) -> None:
     """Every page holding tokens [first_tok[b], end_tok[b]) of each sequence is a real page of
     `blocks`: inside it and not the null page (which pads tables and holds no sequence's tokens)."""
+    live = end_tok > first_tok
+    if not live.any():
+        return
     page_size = blocks.shape[3]
-    table = lookup_table.long() if lookup_table.dim() == 2 else lookup_table.long()[:, None]
-    cols = torch.arange(table.shape[1], device=table.device)
     if lookup_table.dim() == 2:
-        used = (cols[None] >= first_tok[:, None] // page_size) & (cols[None] * page_size < end_tok[:, None])
+        num_cols = int(-(-end_tok.max() // page_size))
+        table = _host(lookup_table[:, :num_cols])
+        cols = np.arange(num_cols)
+        used = (cols >= (first_tok // page_size)[:, None]) & (cols * page_size < end_tok[:, None]) & live[:, None]
     else:
-        used = torch.ones_like(table, dtype=torch.bool)
-    used &= (end_tok > first_tok)[:, None]
+        table = _host(lookup_table)[:, None]
+        used = live[:, None]
     bad = used & ((table <= NULL_PAGE) | (table >= blocks.shape[0]))
-    if bool(bad.any()):
-        b, col = bad.nonzero()[0].tolist()
-        page = int(table[b, col])
+    if bad.any():
+        b, col = np.argwhere(bad)[0]
+        page = table[b, col]
         if page == NULL_PAGE:
             _fail("lookup_table", f"sequence {b} has no page for its tokens at entry {col} (it holds the "
                                   f"null page {NULL_PAGE}): allocate pages before storing or reading them")
@@ -192,19 +197,20 @@ def check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, tota
                     max_kv_len: int | None = None) -> None:
     """Checks for the ops that read every cached token (flash_attention, gather_kv)."""
     _, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
-    if max_kv_len is not None and kv_len.numel() and int(kv_len.max()) > max_kv_len:
-        b = int(kv_len.argmax())
-        _fail("max_kv_len", f"sequence {b} holds {int(kv_len[b])} tokens, more than max_kv_len={max_kv_len}")
-    _check_pages(blocks, lookup_table, torch.zeros_like(kv_len), kv_len)
+    if max_kv_len is not None and kv_len.size and kv_len.max() > max_kv_len:
+        b = kv_len.argmax()
+        _fail("max_kv_len", f"sequence {b} holds {kv_len[b]} tokens, more than max_kv_len={max_kv_len}")
+    _check_pages(blocks, lookup_table, np.zeros_like(kv_len), kv_len)
 
 
 def check_copy_pages_data(blocks, src_pages, dst_pages) -> None:
     num_pages = blocks.shape[0]
-    for name, pages in (("src_pages", src_pages), ("dst_pages", dst_pages)):
+    dst = _host(dst_pages)
+    for name, pages in (("src_pages", _host(src_pages)), ("dst_pages", dst)):
         bad = (pages < 0) | (pages >= num_pages)
-        if bool(bad.any()):
-            _fail(name, f"page id {int(pages[_first(bad)])} is outside blocks' {num_pages} pages")
-    if bool((dst_pages == NULL_PAGE).any()):
+        if bad.any():
+            _fail(name, f"page id {pages[np.flatnonzero(bad)[0]]} is outside blocks' {num_pages} pages")
+    if (dst == NULL_PAGE).any():
         _fail("dst_pages", f"lists the null page {NULL_PAGE}, which pads every table and must stay as it is")
-    if dst_pages.numel() and torch.unique(dst_pages).numel() != dst_pages.numel():
+    if np.unique(dst).size != dst.size:
         _fail("dst_pages", "lists a page more than once; the result would be ambiguous")
