@@ -58,9 +58,5 @@ def _flash_attention_supports(*args: Any) -> bool:
     return supports(*args)
 
 
-def register() -> None:
-    """Declare backend "cute" and its flash_attention (decode) kernel with the dispatcher."""
-    from ..ops import dispatch
-
-    dispatch.register_backend("cute", unavailable_reason)
-    dispatch.register_kernel("cute", "flash_attention", _flash_attention, _flash_attention_supports)
+KERNELS = {"flash_attention": (_flash_attention, _flash_attention_supports)}
+"""op -> (kernel, supports): what `ops/backends.py` registers as backend "cute"."""

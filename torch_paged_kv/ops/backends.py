@@ -1,17 +1,21 @@
-"""Registers every backend that can load in this environment, in one place."""
+"""Registers every backend with the dispatcher, in one place (kernel packages never import dispatch).
+
+Declaring a backend imports neither its kernels nor triton / cutlass: that happens on first use.
+"""
 
 from __future__ import annotations
 
+from .. import cute
 from . import dispatch, reference
+from . import triton as triton_kernels
 
-dispatch.register_backend("reference", lambda device: None)
-for _op in dispatch.OPS:
-    dispatch.register_kernel("reference", _op, getattr(reference, _op))
 
-from .triton import register as _register_triton  # noqa: E402  (declares "triton"; imports no kernels)
+def _register(name: str, unavailable_reason, kernels: dict) -> None:
+    dispatch.register_backend(name, unavailable_reason)
+    for op, (kernel, supports) in kernels.items():
+        dispatch.register_kernel(name, op, kernel, supports)
 
-_register_triton()
 
-from ..cute import register as _register_cute  # noqa: E402  (declares "cute"; imports no kernels, no cutlass)
-
-_register_cute()
+_register("reference", lambda device: None, {op: (getattr(reference, op), None) for op in dispatch.OPS})
+_register("triton", triton_kernels.unavailable_reason, triton_kernels.KERNELS)
+_register("cute", cute.unavailable_reason, cute.KERNELS)

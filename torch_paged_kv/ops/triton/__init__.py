@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 import torch
 
-from .. import dispatch
-
 _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
 
 
@@ -66,9 +64,5 @@ def _flash_attention_supports(*args: Any) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
 
 
-def register() -> None:
-    """Declare backend "triton" and its four kernels with the dispatcher."""
-    dispatch.register_backend("triton", unavailable_reason)
-    for op in _OPS:
-        supports = _flash_attention_supports if op == "flash_attention" else None
-        dispatch.register_kernel("triton", op, _lazy(op), supports)
+KERNELS = {op: (_lazy(op), _flash_attention_supports if op == "flash_attention" else None) for op in _OPS}
+"""op -> (kernel, supports): what `ops/backends.py` registers as backend "triton"."""
