@@ -18,10 +18,8 @@ _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
 
 
 def _interpreter_mode() -> bool:
-    """Whether Triton kernels in this process run in the interpreter (see `common`)."""
-    common = sys.modules.get(__name__ + ".common")
-    if common is not None:
-        return common.INTERPRET
+    """Whether Triton kernels in this process run in its interpreter. Triton fixes that when it is
+    first imported (by `TRITON_INTERPRET` then), so once imported, ask triton itself."""
     if "triton" in sys.modules:
         from triton.language import standard
         from triton.runtime.interpreter import InterpretedFunction

@@ -7,12 +7,7 @@ set before triton is first imported; kernels on CUDA tensors need it unset.
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-"""Whether this package's kernels were built for the interpreter (fixed when first imported)."""
 
 
 def is_interpreted(t: torch.Tensor) -> bool:
