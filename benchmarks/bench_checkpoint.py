@@ -4,29 +4,24 @@
 
 GB/s counts the page bytes stored (every stored page once). Anchors in the same run: writing the
 same bytes to a file with fsync (the disk), and safetensors' own `save_file`/`load_file` of one
-tensor holding those pages (which needs them all in host memory). Writes markdown and JSON to
-benchmarks/results/ (git-ignored). Medians of `--repeats` runs after one warm-up.
+tensor holding those pages (which needs them all in host memory). Writes
+benchmarks/results/checkpoint_<device>.{md,json} (git-ignored). Medians of `--repeats` runs after one warm-up.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from harness import report, time_ms
 from torch_paged_kv import KVCacheParams, PagedKVCacheCollection
 from torch_paged_kv.checkpoint import load_cache, save_cache, verify
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def make_cache(size_mb: int, device: str) -> PagedKVCacheCollection:
@@ -42,24 +37,6 @@ def make_cache(size_mb: int, device: str) -> PagedKVCacheCollection:
     c.lookup_table[:, :per_row] = order.to(device)
     c.cache_lengths.fill_(per_row * params.page_size)
     return c
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], repeats: int, device: str) -> float:
-    """Median seconds of `repeats` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def raw_write(path: Path, data: memoryview) -> None:
@@ -107,22 +84,13 @@ def main() -> None:
                                                                                    device=args.device))),
         ]
         for name, fn in cases:
-            seconds = timed(fn, args.repeats, args.device)
-            rows.append({"op": name, "seconds": seconds, "GB/s": nbytes / seconds / 1e9})
-            print(f"{name:45s} {seconds * 1e3:9.1f} ms {nbytes / seconds / 1e9:7.2f} GB/s", flush=True)
+            ms = time_ms(fn, warmup=1, repeats=args.repeats)
+            rows.append({"op": name, "ms": ms, "GB/s": nbytes / ms / 1e6})
+            print(f"{name:45s} {ms:9.1f} ms {nbytes / ms / 1e6:7.2f} GB/s", flush=True)
 
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    result = {"device": args.device, "device_name": device_name, "cpus": os.cpu_count(), "bytes": nbytes,
-              "torch": torch.__version__, "params": cache.params.to_dict(), "pages": ids.numel(), "rows": rows}
-    RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"checkpoint_{args.device.split(':')[0]}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    lines = [f"# Checkpoint throughput ({args.device}: {device_name}, {os.cpu_count()} CPUs, torch {torch.__version__})",
-             "", f"{nbytes / 2**20:.0f} MiB of bf16 pages ({ids.numel()} pages of 2 MiB, shuffled), median of "
-             f"{args.repeats}.", "", "| op | ms | GB/s |", "|---|---:|---:|"]
-    lines += [f"| {r['op']} | {r['seconds'] * 1e3:.1f} | {r['GB/s']:.2f} |" for r in rows]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {stem}.md and .json")
+    setup = {"device": args.device, "cpus": os.cpu_count(), "bytes": nbytes, "pages": ids.numel(),
+             "layout": "bf16 pages of 2 MiB, shuffled", "repeats": args.repeats, "params": cache.params.to_dict()}
+    print(report(f"checkpoint_{args.device.split(':')[0]}", rows, setup))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,18 @@
 """Paged decode attention vs SDPA on the same K/V already contiguous (the no-paging bound).
 
-    python benchmarks/bench_decode.py [--device cuda] [--batch 8] [--context 2048]
+    PYTHONPATH=. python benchmarks/bench_decode.py [--device cuda] [--batch 8] [--context 2048]
 
-Rows: each backend that can run on the device, and SDPA; `vs_sdpa` is time / SDPA time.
-Bytes counted: K and V of every cached token read once, q read and out written once.
+Rows: SDPA, then each backend that can run on the device (reference; Triton on CUDA), each checked
+against SDPA before it is timed; `vs_sdpa` is time / SDPA time. Bytes: `harness.decode_bytes`.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
-import torch.nn.functional as F
 
-import torch_paged_kv as pk
-from harness import report, time_ms
+from harness import check_close, decode_bytes, median_us, paged_decode_inputs, report, sdpa_decode
 
 
 def main() -> None:
@@ -32,51 +29,33 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.init()
-    gen = torch.Generator().manual_seed(0)
-    rows = []
     backends = ["reference"] + (["triton"] if device.type == "cuda" else [])
+    rows = []
     for dtype_name in args.dtypes.split(","):
-        dtype = getattr(torch, dtype_name)
         for page_size in map(int, args.page_sizes.split(",")):
-            rows += _compare(args, device, dtype, page_size, backends, gen)
+            rows += compare(args, device, getattr(torch, dtype_name), page_size, backends)
     print(report("bench_decode", rows))
 
 
-def _compare(args, device, dtype, page_size, backends, gen) -> list[dict]:
-    batch, context, head_dim = args.batch, args.context, args.head_dim
-    pages_per_seq = -(-context // page_size)
-    params = pk.KVCacheParams(dtype, 1, args.kv_heads, head_dim, page_size)
-    collection = pk.PagedKVCacheCollection(params, batch * pages_per_seq, batch, context, device)
-    collection.blocks.copy_(torch.randn(collection.blocks.shape, generator=gen).to(dtype))
-    pages = torch.randperm(batch * pages_per_seq, generator=gen) + 1
-    collection.lookup_table[:, :pages_per_seq] = pages.view(batch, pages_per_seq).int().to(device)
-    step = collection.step_tensors(batch)
-    step.cache_lengths.fill_(context - 1)
-    step.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32))
-    q = torch.randn(batch, args.q_heads, head_dim, generator=gen).to(dtype).to(device)
-    key, value = pk.gather_kv(collection.blocks, *step, 0, context)
-    key, value = key.transpose(1, 2).contiguous(), value.transpose(1, 2).contiguous()
-    scale = head_dim ** -0.5
+def compare(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, page_size: int,
+            backends: list[str]) -> list[dict]:
+    """SDPA on contiguous K/V, then each paged backend on the same K/V."""
+    x = paged_decode_inputs(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim, page_size,
+                            dtype, device)
+    key, value, expected = x.sdpa_reference()
+    nbytes = decode_bytes(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim, dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
 
-    def sdpa():
-        return F.scaled_dot_product_attention(q[:, :, None], key, value, scale=scale, enable_gqa=True)
+    def row(kernel: str, page: int | str, ms: float) -> dict:
+        return dict(kernel=kernel, dtype=dtype_name, page_size=page, batch=args.batch, context=args.context, ms=ms,
+                    GBps=nbytes / ms / 1e6, vs_sdpa=ms / sdpa_ms)
 
-    nbytes = 2 * key.numel() * key.element_size() + 2 * q.numel() * q.element_size()
-    sdpa_ms = time_ms(sdpa)
-    rows = [dict(kernel="sdpa (contiguous)", dtype=str(dtype)[6:], page_size="-", batch=batch, context=context,
-                 ms=sdpa_ms, GBps=nbytes / sdpa_ms / 1e6, vs_sdpa=1.0)]
+    sdpa_ms = median_us(lambda: sdpa_decode(x.q, key, value, x.scale), device) / 1e3
+    rows = [row("sdpa (contiguous)", "-", sdpa_ms)]
     for backend in backends:
-        os.environ["TORCH_PAGED_KV_BACKEND"] = backend
-        try:
-            def paged():
-                return pk.flash_attention(q, collection.blocks, *step, 0, scale)
-            out = paged()
-            torch.testing.assert_close(out, sdpa()[:, :, 0], atol=2e-2, rtol=2e-2)  # same K/V, same answer
-            ms = time_ms(paged)
-        finally:
-            del os.environ["TORCH_PAGED_KV_BACKEND"]
-        rows.append(dict(kernel=f"paged {backend}", dtype=str(dtype)[6:], page_size=page_size, batch=batch,
-                         context=context, ms=ms, GBps=nbytes / ms / 1e6, vs_sdpa=ms / sdpa_ms))
+        paged = x.paged_attention(backend)
+        check_close(paged(), expected, f"paged {backend}")
+        rows.append(row(f"paged {backend}", page_size, median_us(paged, device) / 1e3))
     return rows
 
 

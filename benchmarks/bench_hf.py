@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import time
+
 import torch
 from transformers import Cache, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 
-from harness import RESULTS_DIR, report
+from harness import report
 from torch_paged_kv.integrations.transformers import PagedCache
 
 
@@ -107,12 +107,10 @@ def main() -> None:
     static = next(r["tokens/s"] for r in rows if r["cache"] == "StaticCache")
     for row in rows:
         row["vs StaticCache"] = round(row["tokens/s"] / static, 2)
-    name = "bench_hf_compiled" if args.compile else "bench_hf"
-    table = report(name, rows)
-    setup = (f"batch {args.batch}, prompts {args.prompt // 2}..{args.prompt} left-padded, {args.new_tokens} new "
-             f"tokens, Llama {args.layers} layers x {args.hidden} hidden, page_size {args.page_size}, {device}")
-    pathlib.Path(RESULTS_DIR / f"{name}.md").write_text(f"{table}\n\n{setup}\n")
-    print(f"{table}\n\n{setup}")
+    setup = {"batch": args.batch, "prompts": f"{args.prompt // 2}..{args.prompt} left-padded",
+             "new tokens": args.new_tokens, "model": f"Llama {args.layers} layers x {args.hidden} hidden",
+             "page_size": args.page_size, "device": device}
+    print(report("bench_hf_compiled" if args.compile else "bench_hf", rows, setup))
 
 
 if __name__ == "__main__":
