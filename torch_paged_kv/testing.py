@@ -2,8 +2,8 @@
 
 Used by the project's tests on every backend; handy for users testing their own kernels. The
 cached prefix is written into `blocks` by direct indexing (not through `store_kv`), and every
-unused slot of the pool, null page included, holds random values, so a kernel that reads past a
-sequence or ignores the table shows up.
+unused slot of the pool, null page included, holds random values (or a chosen `fill`), so a
+kernel that reads past a sequence or ignores the table shows up.
 """
 
 from __future__ import annotations
@@ -53,11 +53,14 @@ class PagedBatch:
 def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *, page_size: int,
                      num_kv_heads: int = 2, head_dim: int = 32, group: int = 1, num_layers: int = 2,
                      layer_idx: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     continuous: bool = False, spare_pages: int = 3, seed: int = 0) -> PagedBatch:
+                     continuous: bool = False, spare_pages: int = 3, seed: int = 0,
+                     fill: float | None = None) -> PagedBatch:
     """A random batch: shuffled physical pages, cached prefixes written, new K/V not yet stored.
 
     `continuous=True` builds the continuous-batching layout (1-D table, one slot per row, slot
-    length `page_size`, which must hold every sequence).
+    length `page_size`, which must hold every sequence). `fill` puts that value, instead of random
+    ones, in every pool slot the batch does not write: a large finite value (300, say) makes a
+    kernel that reads a key it must not see give a visibly wrong answer.
     """
     gen = torch.Generator().manual_seed(seed)
     batch = len(cache_lengths)
@@ -70,7 +73,8 @@ def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *
     else:
         pages_per_seq = [math.ceil(n / page_size) for n in kv_lens]
     num_pages = 1 + sum(pages_per_seq) + spare_pages
-    blocks = torch.randn(num_pages, planes, num_layers, page_size, num_kv_heads, head_dim, generator=gen)
+    pool_shape = (num_pages, planes, num_layers, page_size, num_kv_heads, head_dim)
+    blocks = torch.randn(pool_shape, generator=gen) if fill is None else torch.full(pool_shape, fill)
     blocks = blocks.to(dtype)
 
     physical = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # never the null page
