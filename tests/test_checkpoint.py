@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from torch_paged_kv import ContinuousBatchingKVCacheCollection, KVCacheParams, PagedKVCacheCollection
-from torch_paged_kv import checkpoint
+from torch_paged_kv import checkpoint, page_stream
 from torch_paged_kv.checkpoint import CheckpointError, load_cache, load_pages, read_info, save_cache, verify
 from torch_paged_kv.safetensors_stream import SafetensorsWriter
 
@@ -88,7 +88,7 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
 def test_paged_round_trip_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                     in_place: bool) -> None:
     if in_place:  # write runs of consecutive pages straight from the pool instead of gathering
-        monkeypatch.setattr(checkpoint, "DIRECT_RUN_BYTES", 1)
+        monkeypatch.setattr(page_stream, "DIRECT_RUN_BYTES", 1)
     src = make_paged(dtype)
     save_cache(src, tmp_path / "kv.safetensors", metadata={"model": "tiny"})
     loaded = load_cache(tmp_path / "kv.safetensors")
@@ -124,7 +124,7 @@ def test_partial_reordered_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert loaded.num_pages == 5  # rows 2 and 0 share two pages
     assert loaded.lookup_table[0, :2].tolist() == loaded.lookup_table[1, :2].tolist()
     cb = make_continuous(torch.float16, seed=2)
-    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 100)  # trimmed slots, one (page, plane, layer) per chunk
+    monkeypatch.setattr(page_stream, "CHUNK_BYTES", 100)  # trimmed slots, one (page, plane, layer) per chunk
     save_cache(cb, tmp_path / "cb.safetensors", batch_indices=[3, 1])
     assert_rows_equal(cb, load_cache(tmp_path / "cb.safetensors"), [3, 1])
 
@@ -164,7 +164,7 @@ def test_readable_by_safetensors(tmp_path: Path) -> None:
 def test_sharded_round_trip_and_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = make_paged(torch.float16, seed=5)
     page_bytes = src.blocks[0].numel() * 2
-    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", page_bytes // 3)  # chunks of layer ranges within a page
+    monkeypatch.setattr(page_stream, "CHUNK_BYTES", page_bytes // 3)  # chunks of layer ranges within a page
     save_cache(src, tmp_path / "kv.safetensors", shard_bytes=3 * page_bytes)
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) == 5  # 13 pages, 3 per file: the main file and 4 shards
@@ -180,7 +180,7 @@ def test_sharded_round_trip_and_chunking(tmp_path: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("chunk_bytes", [None, 100])
 def test_load_pages_into_live_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_bytes) -> None:
     if chunk_bytes:
-        monkeypatch.setattr(checkpoint, "CHUNK_BYTES", chunk_bytes)
+        monkeypatch.setattr(page_stream, "CHUNK_BYTES", chunk_bytes)
     src = make_paged(torch.float32, seed=12)
     save_cache(src, tmp_path / "kv.safetensors", batch_indices=[1, 2], shard_bytes=5000)
     loaded = load_cache(tmp_path / "kv.safetensors")

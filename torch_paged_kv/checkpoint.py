@@ -2,22 +2,20 @@
 
 Only the pages the saved rows use are stored, compacted and renumbered `1..n` in first-use order
 (shared pages once, and still shared after load). Files are written through bounded host memory
-(chunks of `CHUNK_BYTES`), atomically (temporary files, fsync, rename), and split into shards of
+(`page_stream.PageStream`), atomically (temporary files, fsync, rename), and split into shards of
 `shard_bytes` of page data. See docs/checkpoints.md for the format.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import uuid
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -28,14 +26,13 @@ import torch_paged_kv
 from . import layout
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
 from .params import KVCacheParams
+from .page_stream import PageStream
 from .safetensors_stream import (CHECKSUM_KEY, DTYPE_NAMES, SafetensorsFormatError, SafetensorsWriter, TensorSpec,
-                                 format_crc, read_header, read_into)
+                                 format_crc, read_header)
 
 FORMAT = "torch_paged_kv.kv_cache"
 FORMAT_VERSION = 1
 DEFAULT_SHARD_BYTES = 4 << 30
-CHUNK_BYTES = 64 << 20
-DIRECT_RUN_BYTES = 1 << 20
 PROGRESS_MIN_BYTES = 512 << 20
 PAGED, CONTINUOUS = "paged", "continuous_batching"
 
@@ -104,122 +101,6 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
     return _Plan(CONTINUOUS, rows, lengths, new_table, source_pages, page_tokens)
 
 
-def _write_all(writer: SafetensorsWriter, parts: list[torch.Tensor]) -> None:
-    for part in parts:
-        writer.write(part)
-
-
-class _PageIO:
-    """Moves stored pages between `blocks` (seen as uint8 `[pages, planes, layers, unit]`, a unit
-    being one page's tokens of one layer and plane) and files, in chunks of about `CHUNK_BYTES`
-    through at most two reused host buffers (pinned for CUDA) and a device staging buffer."""
-
-    def __init__(self, params: KVCacheParams, page_tokens: int, blocks: torch.Tensor | None) -> None:
-        self.planes, self.layers = params.num_planes, params.num_layers
-        itemsize = torch.empty((), dtype=params.dtype).element_size()
-        self.unit = page_tokens * params.num_kv_heads * params.head_dim * itemsize
-        self.page_bytes = self.planes * self.layers * self.unit
-        self.view = None if blocks is None else blocks[:, :, :, :page_tokens].flatten(3).view(torch.uint8)
-        self.cuda = blocks is not None and blocks.device.type == "cuda"
-        self._host: list[torch.Tensor] = []
-        self._staging: torch.Tensor | None = None
-
-    def chunks(self, num_pages: int) -> list[tuple[slice, slice, slice, int, int]]:
-        """`(pages, planes, layers, byte offset, bytes)` covering `num_pages` pages in row-major
-        order: whole pages when a page fits in a chunk, else layer ranges of one page and plane."""
-        out = []
-        if self.page_bytes <= CHUNK_BYTES:
-            step = max(1, CHUNK_BYTES // max(self.page_bytes, 1))
-            for a in range(0, num_pages, step):
-                b = min(num_pages, a + step)
-                out.append((slice(a, b), slice(0, self.planes), slice(0, self.layers), a * self.page_bytes,
-                            (b - a) * self.page_bytes))
-            return out
-        step = max(1, CHUNK_BYTES // self.unit)
-        for p in range(num_pages):
-            for j in range(self.planes):
-                for a in range(0, self.layers, step):
-                    b = min(self.layers, a + step)
-                    offset = ((p * self.planes + j) * self.layers + a) * self.unit
-                    out.append((slice(p, p + 1), slice(j, j + 1), slice(a, b), offset, (b - a) * self.unit))
-        return out
-
-    def _host_buffer(self, i: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Host buffer `i` (of two) viewed as `shape`; grown on demand, then reused."""
-        nbytes = math.prod(shape)
-        while len(self._host) <= i:
-            self._host.append(torch.empty(0, dtype=torch.uint8))
-        if self._host[i].numel() < nbytes:
-            self._host[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
-        return self._host[i][:nbytes].view(shape)
-
-    def _runs(self, ids: torch.Tensor) -> list[tuple[int, int]] | None:
-        """`(first id, count)` runs of consecutive ids when CPU pages can be written in place
-        (contiguous pages, runs of at least `DIRECT_RUN_BYTES` on average); else None."""
-        if self.cuda or not self.view[:1].is_contiguous() or not ids.numel():
-            return None
-        starts = torch.ones(ids.numel(), dtype=torch.bool)
-        starts[1:] = ids[1:] != ids[:-1] + 1
-        first = starts.nonzero().flatten()
-        if first.numel() * DIRECT_RUN_BYTES > ids.numel() * self.page_bytes:
-            return None
-        counts = torch.diff(first, append=torch.tensor([ids.numel()]))
-        return list(zip(ids[first].tolist(), counts.tolist()))
-
-    def write(self, writer: SafetensorsWriter, ids: torch.Tensor, bar: tqdm) -> None:
-        """Write pages `ids` (on the blocks' device) in order: CPU pages in place when they lie in
-        long runs, else gathered chunk by chunk, each write overlapping the next gather."""
-        assert self.view is not None
-        with ThreadPoolExecutor(1) as pool:
-            pending = None
-            for i, (pages, planes, layers, _, nbytes) in enumerate(self.chunks(ids.numel())):
-                src = self.view[:, planes, layers]
-                runs = self._runs(ids[pages])
-                if runs is not None:
-                    job = [src[first: first + count] for first, count in runs]
-                else:
-                    job = [self._gather(i % 2, src, ids[pages])]
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(_write_all, writer, job)
-                bar.update(nbytes)
-            if pending is not None:
-                pending.result()
-
-    def _gather(self, i: int, src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Pages `ids` of `src`, copied into host buffer `i`."""
-        shape = (ids.numel(), *src.shape[1:])
-        host = self._host_buffer(i, shape)
-        if not self.cuda:
-            return torch.index_select(src, 0, ids, out=host)
-        nbytes = math.prod(shape)
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
-        staging = torch.index_select(src, 0, ids, out=self._staging[:nbytes].view(shape))
-        return host.copy_(staging)
-
-    def read(self, file: BinaryIO, offset: int, dst_ids: torch.Tensor | None, count: int, bar: tqdm) -> int:
-        """CRC-32 of `count` stored pages at `offset`, copied to pages `dst_ids` (int64, CPU) unless
-        None: straight into the pool where they are consecutive CPU pages, else through a buffer."""
-        crc = 0
-        for i, (pages, planes, layers, chunk_offset, nbytes) in enumerate(self.chunks(count)):
-            shape = (pages.stop - pages.start, planes.stop - planes.start, layers.stop - layers.start, self.unit)
-            ids = None if dst_ids is None or self.view is None else dst_ids[pages]
-            dst = None
-            if ids is not None and torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
-                dst = self.view[int(ids[0]): int(ids[0]) + ids.numel(), planes, layers]
-            direct = dst is not None and not self.cuda and dst.is_contiguous()
-            target = dst if direct else self._host_buffer(i % 2, shape)
-            read_into(file, offset + chunk_offset, target)
-            crc = zlib.crc32(memoryview(target.numpy()).cast("B"), crc)
-            if dst is not None and not direct:
-                dst.copy_(target)
-            elif ids is not None and dst is None:
-                self.view[:, planes, layers].index_copy_(0, ids.to(self.view.device), target.to(self.view.device))
-            bar.update(nbytes)
-        return crc
-
-
 def _piece_name(k: int) -> str:
     return f"blocks.{k:05d}"
 
@@ -262,7 +143,7 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
         raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
     plan = _plan(collection, batch_indices)
     params = collection.params
-    io = _PageIO(params, plan.page_tokens, collection.blocks)
+    io = PageStream(params, plan.page_tokens, collection.blocks)
     piece_shape = (params.num_planes, params.num_layers, plan.page_tokens, params.num_kv_heads, params.head_dim)
     n = plan.source_pages.numel()
     per_file = max(1, shard_bytes // io.page_bytes) if io.page_bytes else max(n, 1)
@@ -451,7 +332,7 @@ def _stream_pages(info: CheckpointInfo, blocks: torch.Tensor | None, pages: torc
                   progress: bool | None) -> None:
     """Read every page tensor in chunks and verify its checksum; stored page j (from 0) goes to
     `blocks[pages[j]]` when `blocks` is given."""
-    io = _PageIO(info.params, info.page_tokens, blocks)
+    io = PageStream(info.params, info.page_tokens, blocks)
     bar = tqdm(total=info.num_pages * io.page_bytes, unit="B", unit_scale=True, desc=f"load {info.path.name}",
                disable=not _show_progress(progress, info.num_pages * io.page_bytes))
     first = 0

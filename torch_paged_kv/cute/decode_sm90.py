@@ -79,7 +79,7 @@ class PagedDecodeSm90:
                mCacheLen: cute.Tensor, mOffsets: cute.Tensor, mOutPartial: cute.Tensor, mLse: cute.Tensor,
                num_rows: Int32, page_stride: Int32, k_offset: Int32, v_offset: Int32, scale_log2: Float32,
                window: Int32, causal: Int32, num_splits: Int32) -> None:
-        N, D, G, C, E = self.tile_n, self.head_dim, self.group, self.consumer_warps, self.elems
+        N, D, G, C = self.tile_n, self.head_dim, self.group, self.consumer_warps
         tidx, _, _ = cute.arch.thread_idx()
         split, kv_head, row = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
