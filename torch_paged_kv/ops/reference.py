@@ -2,12 +2,13 @@
 
 The oracle the other backends are tested against, and the CPU default. Inputs are validated
 before these run. Prefill, chunked prefill, decode and ragged mixes all take one path: gather
-each sequence's pages (padded to the longest), pad the queries, and per KV head one masked
-softmax over a chunk of query positions. No loop runs per token.
+each sequence's pages (padded to the longest) in fp32, pad the queries, and attend per chunk of
+query positions under the contract's mask, with torch's SDPA in fp32 (an explicit masked softmax
+when `softcap` is set, which SDPA lacks). No loop runs per token.
 
 Speed on CPU: gathers land in reused per-thread scratch buffers (a fresh large CPU allocation
-page-faults on every call and costs more than the gather itself), and the per-head matmuls read
-K/V through strided views instead of transposed copies.
+page-faults on every call and costs more than the gather itself), and SDPA reads K/V through
+strided views instead of head-major copies.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import math
 import threading
 
 import torch
+import torch.nn.functional as F
 
-SCORE_BUDGET_BYTES = 64 * 2**20  # fp32 scores of one query chunk and head group
-SMALL_KV_BYTES = 4 * 2**20  # K of one call below this: all KV heads in one matmul
+CHUNK_BUDGET_BYTES = 256 * 2**20  # mask (or, with softcap, fp32 scores) of one chunk of query positions
 
 _scratch_buffers = threading.local()
 
@@ -79,6 +80,15 @@ def gather_tokens(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table
     return out
 
 
+def _gather_fp32(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table: torch.Tensor,
+                 max_len: int) -> torch.Tensor:
+    """`[batch, max_len, heads, head_dim]` fp32: `gather_tokens` in scratch (valid until the next call)."""
+    tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, f"gather{plane}")[:, :max_len]
+    if tokens.dtype == torch.float32:
+        return tokens
+    return _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, tokens.device).copy_(tokens)
+
+
 def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
               input_row_offsets: torch.Tensor, layer_idx: int, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = input_row_offsets.long()
@@ -100,8 +110,7 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
                     softmax_scale: float, causal: bool = True, sliding_window: int = -1,
                     softcap: float = 0.0) -> torch.Tensor:
     total, num_q_heads, head_dim = q.shape
-    batch, num_kv_heads = cache_lengths.shape[0], blocks.shape[4]
-    group = num_q_heads // num_kv_heads
+    batch = cache_lengths.shape[0]
     if total == 0:
         return q.new_empty(q.shape)
     offsets = input_row_offsets.long()
@@ -109,57 +118,50 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     lengths = cache_lengths.long()
     kv_len = lengths + new
     max_new, max_kv = (int(x) for x in torch.stack([new.max(), kv_len.max()]).tolist())
-
-    # K and V as [batch, max_kv, kv_heads, head_dim] fp32 views into scratch buffers
-    kv = []
-    for plane in (0, 1):
-        tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_kv, f"gather{plane}")[:, :max_kv]
-        if tokens.dtype != torch.float32:
-            tokens = _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, q.device).copy_(tokens)
-        kv.append(tokens)
-    key, value = kv
+    # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
+    key, value = (_gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv).transpose(1, 2) for plane in (0, 1))
 
     decode = max_new == 1 and total == batch  # one new token per sequence: no query padding
     if decode:
-        q_padded = q.float().view(batch, 1, num_kv_heads, group, head_dim)
+        q_padded = q.float().view(batch, 1, num_q_heads, head_dim)
     else:
         seq, tok = _row_coordinates(input_row_offsets, total)
-        q_padded = q.new_zeros(batch, max_new, num_kv_heads, group, head_dim, dtype=torch.float32)
-        q_padded.view(batch, max_new, num_q_heads, head_dim)[seq, tok] = q.float()
+        q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
+        q_padded[seq, tok] = q.float()
     out = torch.empty_like(q_padded)
 
-    # Heads per matmul: all at once while K/V are small (the head-major copy is cheap), else one at
-    # a time through strided views (no transposed copy of a large K/V).
-    small = key.numel() * key.element_size() <= SMALL_KV_BYTES
-    head_slices = [slice(None)] if small else [slice(h, h + 1) for h in range(num_kv_heads)]
-    heads = num_kv_heads if small else 1
     key_pos = torch.arange(max_kv, device=q.device)
-    chunk = max(1, SCORE_BUDGET_BYTES // (4 * batch * heads * group * max_kv))
+    per_query = batch * max_kv * (4 * num_q_heads if softcap > 0 else 1)  # mask bytes, or fp32 scores
+    chunk = max(1, CHUNK_BUDGET_BYTES // per_query)
     for start in range(0, max_new, chunk):
         stop = min(start + chunk, max_new)
-        n = stop - start
         q_pos = lengths[:, None, None] + torch.arange(start, stop, device=q.device)[None, :, None]
         allowed = key_pos < kv_len[:, None, None]  # [batch, n, max_kv] once broadcast
         if causal:
             allowed = allowed & (key_pos <= q_pos)
         if sliding_window > 0:
             allowed = allowed & (q_pos - key_pos < sliding_window)
-        blocked = ~allowed.expand(batch, n, max_kv)[:, None, :, None]  # [batch, 1, n, 1, max_kv]
-        for hs in head_slices:
-            q_rows = q_padded[:, start:stop, hs].transpose(1, 2).reshape(batch * heads, n * group, head_dim)
-            k = key[:, :, hs].transpose(1, 2).reshape(batch * heads, max_kv, head_dim)
-            v = value[:, :, hs].transpose(1, 2).reshape(batch * heads, max_kv, head_dim)
-            scores = torch.bmm(q_rows, k.transpose(1, 2)).view(batch, heads, n, group, max_kv)
-            scores.mul_(softmax_scale)
-            if softcap > 0:
-                scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
-            scores.masked_fill_(blocked, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # padded query rows see no key
-            out[:, start:stop, hs] = torch.bmm(probs.view(batch * heads, n * group, max_kv), v).view(
-                batch, heads, n, group, head_dim).transpose(1, 2)
+        allowed = allowed.expand(batch, stop - start, max_kv)[:, None]  # [batch, 1, n, max_kv]
+        q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
+        out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap).transpose(1, 2)
     if decode:
         return out.view(total, num_q_heads, head_dim).to(q.dtype)
-    return out.view(batch, max_new, num_q_heads, head_dim)[seq, tok].to(q.dtype)
+    return out[seq, tok].to(q.dtype)
+
+
+def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
+            softcap: float) -> torch.Tensor:
+    """fp32 attention of `q` `[batch, q_heads, n, d]` over `key`/`value` `[batch, kv_heads, s, d]`
+    where `allowed` `[batch, 1, n, s]`; rows that may see no key (padding) are garbage."""
+    group = q.shape[1] // key.shape[1]
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
+    batch, kv_heads, n = key.shape[0], key.shape[1], q.shape[2]
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * n, -1), key.transpose(-1, -2)).mul_(scale)
+    scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(batch, kv_heads, group, n, -1)
+    scores.masked_fill_(~allowed[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * n, -1)
+    return torch.matmul(probs, value).view(q.shape)
 
 
 def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
