@@ -6,6 +6,7 @@ light. Interpreter or compiled mode is fixed per process (see `common`).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -27,9 +28,14 @@ def _interpreter_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the Triton kernels cannot run on `device` in this process; None if they can."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return "triton is not installed"
     if device.type == "cuda":
         if _interpreter_mode():
