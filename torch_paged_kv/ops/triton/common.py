@@ -7,7 +7,20 @@ set before triton is first imported; kernels on CUDA tensors need it unset.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
+
+
+class Launch(NamedTuple):
+    """One kernel launch planned from shapes: what a wrapper runs, and what `aot` compiles."""
+    kernel: Any  # a triton JITFunction
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]  # constexprs and launch options (num_warps)
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
 
 def is_interpreted(t: torch.Tensor) -> bool:

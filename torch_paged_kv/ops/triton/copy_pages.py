@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import Launch
+
 BLOCK = 1024
 
 
@@ -33,13 +35,21 @@ def _copy_kernel(src, src_pages, dst, dst_pages, num_pages, page_numel,
     tl.store(dst + dst_off + idx, tl.load(src + src_off + idx, mask=mask), mask=mask)
 
 
-def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+def plan_copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[Launch]:
+    """Two launches (sources to scratch, scratch to destinations); allocates the scratch."""
     count = src_pages.shape[0]
     if count == 0:
-        return
+        return []
     page_numel = blocks[0].numel()
     scratch = torch.empty((count, page_numel), dtype=blocks.dtype, device=blocks.device)
     grid = (count, triton.cdiv(page_numel, BLOCK))
     num_pages = blocks.shape[0]
-    _copy_kernel[grid](blocks, src_pages, scratch, dst_pages, num_pages, page_numel, FROM_BLOCKS=True, BLOCK=BLOCK)
-    _copy_kernel[grid](scratch, src_pages, blocks, dst_pages, num_pages, page_numel, FROM_BLOCKS=False, BLOCK=BLOCK)
+    return [Launch(_copy_kernel, grid, (blocks, src_pages, scratch, dst_pages, num_pages, page_numel),
+                   dict(FROM_BLOCKS=True, BLOCK=BLOCK)),
+            Launch(_copy_kernel, grid, (scratch, src_pages, blocks, dst_pages, num_pages, page_numel),
+                   dict(FROM_BLOCKS=False, BLOCK=BLOCK))]
+
+
+def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    for launch in plan_copy_pages(blocks, src_pages, dst_pages):
+        launch()

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import blocks_strides, is_interpreted, search_steps
-from .flash_merge import merge_splits
+from .common import Launch, blocks_strides, is_interpreted, search_steps
+from .flash_merge import plan_merge
 
 MIN_SPLIT_TOKENS = 256
 """Fewest keys a decode split covers: below this the merge costs more than the parallelism gains."""
@@ -130,17 +130,25 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
 
 @functools.lru_cache(maxsize=None)
 def _target_programs(device: torch.device) -> int:
-    """Programs that keep `device` busy: a few per SM on CUDA, a handful under the interpreter."""
+    """Programs that keep `device` busy: a few per SM on CUDA (on "meta", used to plan launches
+    for ahead-of-time compiles, an H100's 132 SMs), a handful under the interpreter."""
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "meta":
+        return 4 * 132
     return 16
 
 
-def _blocks_for(head_dim: int, group: int, decode: bool, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_N, num_warps): decode packs >= 16 rows; prefill ~64 rows x 64 keys."""
+def _blocks_for(head_dim: int, group: int, decode: bool, interpret: bool, fp32: bool) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_N, num_warps): decode packs >= 16 rows; prefill ~64 rows x 64 keys.
+    fp32 `tl.dot` runs on FMAs with every operand in registers: 16-32 rows x 16-32 keys over
+    8 warps, the largest tiles that compile without spills on sm_80 and sm_90 (see `aot`)."""
     group_p = triton.next_power_of_2(group)
     if interpret:
         return max(1, 16 // group_p), 16, 4
+    if fp32:
+        rows, block_n = (16, 32 if head_dim <= 128 else 16) if decode else (32, 16)
+        return max(1, rows // group_p), block_n, 8
     block_n = 64 if head_dim <= 128 else 32
     rows = 16 if decode else 64
     return max(1, rows // group_p), block_n, 4 if decode or head_dim <= 64 else 8
@@ -152,19 +160,20 @@ def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, devi
     return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
 
 
-def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-                    lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
-                    softmax_scale: float, causal: bool = True, sliding_window: int = -1,
-                    softcap: float = 0.0) -> torch.Tensor:
+def plan_flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
+                         lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
+                         softmax_scale: float, causal: bool = True, sliding_window: int = -1,
+                         softcap: float = 0.0) -> tuple[torch.Tensor, list[Launch]]:
+    """The output, allocated, and the launches that fill it (attention, then the split merge)."""
     total, num_q_heads, head_dim = q.shape
     batch, num_kv_heads, page_size = cache_lengths.shape[0], blocks.shape[4], blocks.shape[3]
     out = torch.empty((total, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if total == 0 or batch == 0:
-        return out
+        return out, []
     q = q if q.stride(2) == 1 else q.contiguous()
     group = num_q_heads // num_kv_heads
     interpret = is_interpreted(q)
-    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret)
+    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret, q.dtype == torch.float32)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     max_context = width * page_size  # upper bound of every kv_len: no lengths are read on the host
     window = sliding_window > 0
@@ -178,16 +187,28 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         part_lse = torch.empty((splits, total, num_q_heads), dtype=torch.float32, device=q.device)
 
     grid = (total // block_q + batch, num_kv_heads, splits)
-    _attention_kernel[grid](
+    launches = [Launch(_attention_kernel, grid, (
         q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
         batch, total, num_q_heads, blocks.shape[0], width, table_stride, page_size, layer_idx,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *blocks_strides(blocks),
         splits, float(softmax_scale), float(softcap), int(sliding_window),
+    ), dict(
         GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=block_n,
         HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window, SOFTCAP=softcap > 0,
         SPLIT=splits > 1, UPCAST=interpret, PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
         STEPS=search_steps(batch), num_warps=num_warps,
-    )
+    ))]
     if splits > 1:
-        merge_splits(part_out, part_lse, out)
+        launches.append(plan_merge(part_out, part_lse, out))
+    return out, launches
+
+
+def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
+                    lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
+                    softmax_scale: float, causal: bool = True, sliding_window: int = -1,
+                    softcap: float = 0.0) -> torch.Tensor:
+    out, launches = plan_flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx,
+                                         softmax_scale, causal, sliding_window, softcap)
+    for launch in launches:
+        launch()
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import Launch
+
 
 @triton.jit
 def _merge_kernel(part_out, part_lse, out, total, num_q_heads, out_stride_row, out_stride_head,
@@ -24,11 +26,10 @@ def _merge_kernel(part_out, part_lse, out, total, num_q_heads, out_stride_row, o
     tl.store(out + row.to(tl.int64) * out_stride_row + head * out_stride_head + dim, merged.to(out.dtype.element_ty))
 
 
-def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+def plan_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> Launch:
     """Combine `part_out [splits, total, heads, head_dim]` (normalized, fp32) with log2-sum-exp
     `part_lse [splits, total, heads]` into `out [total, heads, head_dim]`."""
     splits, total, num_q_heads, head_dim = part_out.shape
-    _merge_kernel[(total, num_q_heads)](
-        part_out, part_lse, out, total, num_q_heads, out.stride(0), out.stride(1),
-        SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-    )
+    return Launch(_merge_kernel, (total, num_q_heads),
+                  (part_out, part_lse, out, total, num_q_heads, out.stride(0), out.stride(1)),
+                  dict(SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM=head_dim))

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import blocks_strides
+from .common import Launch, blocks_strides
 
 
 @triton.jit
@@ -35,22 +35,30 @@ def _gather_kv_kernel(blocks, key_out, value_out, cache_lengths, lookup_table, i
     tl.store(value_out + dst, v, mask=store_mask)
 
 
-def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-              input_row_offsets: torch.Tensor, layer_idx: int, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+                   input_row_offsets: torch.Tensor, layer_idx: int,
+                   max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """The (key, value) outputs, allocated, and the launch that fills them."""
     batch, num_kv_heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     shape = (batch, max_kv_len, num_kv_heads, head_dim)
     key = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
     value = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
     if key.numel() == 0:
-        return key, value
+        return key, value, []
     row = num_kv_heads * head_dim
     block_r = min(triton.next_power_of_2(row), 1024)
     block_t = max(1, min(64, 4096 // block_r, triton.next_power_of_2(max_kv_len)))
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     grid = (batch, triton.cdiv(max_kv_len, block_t), triton.cdiv(row, block_r))
-    _gather_kv_kernel[grid](
+    return key, value, [Launch(_gather_kv_kernel, grid, (
         blocks, key, value, cache_lengths, lookup_table, input_row_offsets,
         blocks.shape[0], width, table_stride, blocks.shape[3], layer_idx, max_kv_len, *blocks_strides(blocks),
-        ROW=row, BLOCK_T=block_t, BLOCK_R=block_r,
-    )
+    ), dict(ROW=row, BLOCK_T=block_t, BLOCK_R=block_r))]
+
+
+def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
+              input_row_offsets: torch.Tensor, layer_idx: int, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key, value, launches = plan_gather_kv(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len)
+    for launch in launches:
+        launch()
     return key, value

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import blocks_strides, search_steps
+from .common import Launch, blocks_strides, search_steps
 
 
 @triton.jit
@@ -41,20 +41,25 @@ def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_
     tl.store(blocks + slot + stride_plane, v, mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-             lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> None:
+def plan_store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
+                  lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> list[Launch]:
     total, num_kv_heads, head_dim = key.shape
     batch = cache_lengths.shape[0]
     if total == 0 or batch == 0:
-        return
+        return []
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()
     row = num_kv_heads * head_dim
     block = min(triton.next_power_of_2(row), 4096)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
-    _store_kv_kernel[(total, triton.cdiv(row, block))](
+    return [Launch(_store_kv_kernel, (total, triton.cdiv(row, block)), (
         key, value, blocks, cache_lengths, lookup_table, input_row_offsets,
         batch, blocks.shape[0], width, table_stride, blocks.shape[3], layer_idx,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), *blocks_strides(blocks),
-        HEAD_DIM=head_dim, ROW=row, BLOCK=block, STEPS=search_steps(batch),
-    )
+    ), dict(HEAD_DIM=head_dim, ROW=row, BLOCK=block, STEPS=search_steps(batch)))]
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
+             lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> None:
+    for launch in plan_store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx):
+        launch()

@@ -1,0 +1,58 @@
+"""The Triton kernels compile for real GPUs, without one: `torch_paged_kv.ops.triton.aot --quick`
+(a representative subset of the launched variants) for sm_80 and sm_90, in a subprocess with
+triton in compiled mode (this session's triton may be in interpreter mode)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROW = re.compile(r"^sm(\d+)\s+(.+?)\s+(\d+)\s+(\d+)\s+(\S+)\s+[\d.]+$")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> tuple[dict[tuple[int, str], tuple[int, int, str]], Path]:
+    """(arch, variant) -> (registers, spill bytes, tensor-core instructions), and the kept asm."""
+    keep = tmp_path_factory.mktemp("aot")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch_paged_kv.ops.triton.aot", "--arch", "90", "80", "--quick",
+                          "--keep", str(keep)], env=env, capture_output=True, text=True, timeout=600)
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout + run.stderr[-5000:]
+    rows = {(int(m[1]), m[2]): (int(m[3]), int(m[4]), m[5]) for m in map(ROW.match, run.stdout.splitlines()) if m}
+    return rows, keep
+
+
+def test_every_kernel_compiles_for_both_targets(compiled):
+    rows, _ = compiled
+    for arch in (80, 90):
+        kernels = {name.split()[0] for a, name in rows if a == arch}
+        assert kernels == {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}, arch
+
+
+def test_no_variant_spills_more_than_a_few_registers(compiled):
+    """ptxas sometimes spills a word or two to keep occupancy (16-24 bytes in a few full-set variants);
+    tiles too large for the register file spill kilobytes (fp32 attention did, before its tiles shrank)."""
+    rows, _ = compiled
+    spilling = {key: row for key, row in rows.items() if row[1] > 64}
+    assert not spilling, spilling
+
+
+def test_16_bit_attention_uses_tensor_cores(compiled):
+    """sm_80 and decode tiles (16 rows) emit mma.sync; sm_90 prefill tiles (64 rows) emit wgmma."""
+    rows, keep = compiled
+    attention = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("attention_kernel")}
+    for (arch, name), (_, _, cores) in attention.items():
+        expected = "-" if " fp32 " in name else "wgmma" if arch == 90 and " prefill " in name else "mma"
+        assert cores == expected, (arch, name)
+    ptx = (keep / "sm90" / "attention_kernel_bf16_d128_g1_prefill_causal.ptx").read_text()
+    assert "wgmma.mma_async.sync.aligned" in ptx and "wgmma.wait_group" in ptx
+    ptx = (keep / "sm80" / "attention_kernel_bf16_d128_g4_decode-split_causal.ptx").read_text()
+    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)

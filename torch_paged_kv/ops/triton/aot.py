@@ -1,0 +1,192 @@
+"""Compile every Triton kernel variant the wrappers launch, ahead of time, for a GPU this machine
+need not have: `python -m torch_paged_kv.ops.triton.aot --arch 90 80 [--quick] [--keep DIR]`.
+
+Variants are planned by the wrappers' own `plan_*` functions on meta tensors, and the arguments go
+through the binder a real launch uses, so constexprs, `num_warps` and Triton's launch
+specialisation (ints equal to 1 become constants, ints and pointers divisible by 16 are marked so)
+are those of a launch on that shape. Registers and spills come from the `ptxas -v` log.
+Triton must be in compiled mode: run this in a process without `TRITON_INTERPRET=1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from .common import Launch
+from .copy_pages import plan_copy_pages
+from .flash_attention import plan_flash_attention
+from .gather_kv import plan_gather_kv
+from .store_kv import plan_store_kv
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 4, 8, 16)
+MODES = ("decode-split", "decode", "prefill")
+OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap")
+KV_HEADS = 8
+LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
+
+
+class Compiled(NamedTuple):
+    regs: int
+    spills: int  # bytes of spill stores
+    seconds: float
+    tensor_cores: str  # "wgmma", "mma", or "" when tl.dot lowers to FMAs
+    asm: dict[str, str | bytes]
+
+
+def _paged(dtype: torch.dtype, head_dim: int, batch: int, new: int, context: int,
+           page_size: int = 16) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of a step: blocks, cache_lengths, lookup_table, input_row_offsets, new K/V rows."""
+    width = triton.cdiv(context, page_size) + 8
+    blocks = torch.empty(batch * width + 1, 2, 4, page_size, KV_HEADS, head_dim, dtype=dtype, device="meta")
+    index = [torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))]
+    rows = torch.empty(batch * new, KV_HEADS, head_dim, dtype=dtype, device="meta")
+    return blocks, *index, rows
+
+
+def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) -> list[Launch]:
+    # decode-split: batch 1 over 32k keys; decode: batch 64, a 256-key table (one split); prefill: 4 x 256 new.
+    batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
+    blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context)
+    q = torch.empty(batch * new, KV_HEADS * group, head_dim, dtype=DTYPES[dtype], device="meta")
+    _, launches = plan_flash_attention(q, blocks, cache_lengths, table, offsets, LAYER, head_dim ** -0.5,
+                                       causal=option != "non-causal", sliding_window=512 if "window" in option else -1,
+                                       softcap=30.0 if "softcap" in option else 0.0)
+    return launches
+
+
+def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
+    if quick:  # the corners: each dtype, head_dim, group, mode and option at least once
+        yield from [("bf16", 128, 4, "decode-split", "causal"), ("bf16", 128, 1, "prefill", "causal"),
+                    ("bf16", 64, 16, "decode", "window+softcap"), ("fp16", 256, 8, "prefill", "non-causal"),
+                    ("fp16", 64, 1, "decode-split", "softcap"), ("fp32", 256, 16, "prefill", "window"),
+                    ("fp32", 128, 4, "decode-split", "causal")]
+        return
+    for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):
+        yield dtype, head_dim, group, mode, "causal"
+    for dtype, mode, option in itertools.product(DTYPES, MODES, OPTIONS[1:]):
+        yield dtype, 128, 4, mode, option
+
+
+def variants(quick: bool = False) -> list[tuple[str, Launch]]:
+    """(name, launch) for every distinct kernel variant; `quick` keeps a representative subset."""
+    found: list[tuple[str, Launch]] = []
+    for dtype, head_dim, group, mode, option in _attention_cases(quick):
+        for launch in _attention(dtype, head_dim, group, mode, option):
+            found.append((f"{launch.kernel.__name__.strip('_')} {dtype} d{head_dim} g{group} {mode} {option}", launch))
+    for dtype, head_dim in itertools.product(DTYPES, (128,) if quick else HEAD_DIMS):
+        for mode, (batch, new) in {"decode": (64, 1), "prefill": (4, 256)}.items():
+            blocks, cache_lengths, table, offsets, rows = _paged(DTYPES[dtype], head_dim, batch, new, 1024)
+            for launch in plan_store_kv(rows, rows, blocks, cache_lengths, table, offsets, LAYER):
+                found.append((f"store_kv {dtype} d{head_dim} {mode}", launch))
+        blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, 4, 1, 1024)
+        for launch in plan_gather_kv(blocks, cache_lengths, table, offsets, LAYER, 1024)[2]:
+            found.append((f"gather_kv {dtype} d{head_dim}", launch))
+        pages = torch.empty(7, dtype=torch.int32, device="meta")
+        for i, launch in enumerate(plan_copy_pages(blocks, pages, pages)):
+            found.append((f"copy_pages {dtype} d{head_dim} pass{i + 1}", launch))
+    return found
+
+
+def _source(launch: Launch, backend) -> tuple[ASTSource, dict]:
+    """What `kernel[grid](*args, **kwargs)` would compile: Triton's own binder and packing."""
+    kernel = launch.kernel
+    kwargs = {**launch.kwargs, "debug": False, "instrumentation_mode": "", "fpsan_homomorphic_casts": False}
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(kernel, signature, constexprs, attrs), options.__dict__
+
+
+def compile_key(launch: Launch, arch: int) -> str:
+    """Equal for launches that compile to the same kernel."""
+    source, options = _source(launch, make_backend(GPUTarget("cuda", arch, 32)))
+    return f"{source.hash()}-{sorted(options.items())}"
+
+
+def compile_launch(launch: Launch, arch: int) -> Compiled:
+    """Compile `launch` for sm_`arch` (always compiling: the ptxas log is read fresh)."""
+    target = GPUTarget("cuda", arch, 32)
+    source, options = _source(launch, make_backend(target))
+    triton.knobs.nvidia.dump_ptxas_log = True
+    triton.knobs.compilation.always_compile = True
+    log = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(source, target=target, options=options)
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    if regs is None or spills is None:
+        raise RuntimeError(f"no register/spill report in the ptxas log: {text!r}")
+    ptx = kernel.asm["ptx"]
+    cores = "wgmma" if "wgmma.mma_async" in ptx else "mma" if re.search(r"\bmma\.sync", ptx) else ""
+    return Compiled(int(regs[1]), int(spills[1]), seconds, cores, kernel.asm)
+
+
+def _keep(directory: Path, arch: int, name: str, asm: dict[str, str | bytes]) -> None:
+    stem = directory / f"sm{arch}" / re.sub(r"[^\w.+-]+", "_", name)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for ext, text in asm.items():
+        path = stem.with_name(f"{stem.name}.{ext}")
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90], help="SM versions, e.g. 90 80")
+    parser.add_argument("--quick", action="store_true", help="a representative subset (what CI compiles)")
+    parser.add_argument("--keep", type=Path, help="write each variant's ttir/ttgir/llir/ptx/cubin here")
+    args = parser.parse_args(argv)
+    if triton.knobs.runtime.interpret:
+        parser.error("triton is in interpreter mode: unset TRITON_INTERPRET")
+    found = variants(args.quick)
+    compiled = failures = 0
+    with tempfile.TemporaryDirectory() as cache:
+        triton.knobs.cache.dir = cache  # leave the user's cache alone
+        print(f"{'arch':<5} {'variant':<58} {'regs':>4} {'spills':>6} {'mma':>5} {'s':>6}")
+        for arch in args.arch:
+            seen: set[str] = set()
+            for name, launch in found:
+                if (key := compile_key(launch, arch)) not in seen:
+                    seen.add(key)
+                    failures += not _report(arch, name, launch, args.keep)
+                    compiled += 1
+    print(f"{compiled - failures} of {compiled} distinct variants compiled ({', '.join(f'sm_{a}' for a in args.arch)})")
+    return 1 if failures else 0
+
+
+def _report(arch: int, name: str, launch: Launch, keep: Path | None) -> bool:
+    """Compile and print one table row; False (with the traceback on stderr) if it failed."""
+    try:
+        c = compile_launch(launch, arch)
+    except Exception as error:  # report every failing variant; main exits non-zero
+        print(f"sm{arch:<3} {name:<58} FAILED: {str(error).strip().splitlines()[0][:200]}", flush=True)
+        traceback.print_exc(file=sys.stderr)
+        return False
+    print(f"sm{arch:<3} {name:<58} {c.regs:>4} {c.spills:>6} {c.tensor_cores or '-':>5} {c.seconds:>6.2f}", flush=True)
+    if keep:
+        _keep(keep, arch, name, c.asm)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
