@@ -138,3 +138,18 @@ def test_attention_in_query_chunks_matches_fp64(monkeypatch, softcap):
     kwargs = dict(sliding_window=40, softcap=softcap)
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.2, **kwargs)
     assert _max_error(_store_then_attend(batch, 0.2, **kwargs), ref) <= TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("new, causal, sliding_window", [
+    ([1, 1, 1], True, -1),     # decode, equal lengths: every query sees its whole sequence (no mask)
+    ([1, 1, 1], True, 500),    # a window longer than the sequences changes nothing (no mask)
+    ([1, 1, 1], True, 9),      # a window that cuts in needs the mask
+    ([6, 6, 6], False, -1),    # non-causal prefill over equal lengths (no mask)
+    ([6, 6, 6], True, -1),     # causal prefill needs the mask
+])
+def test_attention_with_equal_lengths_matches_fp64(new, causal, sliding_window):
+    cached = [30 - n for n in new]
+    batch = make_paged_batch(cached, new, page_size=8, group=2, seed=sum(new) + sliding_window)
+    kwargs = dict(causal=causal, sliding_window=sliding_window)
+    ref = attention_fp64(batch.q, batch.keys, batch.values, cached, 0.3, **kwargs)
+    assert _max_error(_store_then_attend(batch, 0.3, **kwargs), ref) <= TOLERANCE[torch.float32]

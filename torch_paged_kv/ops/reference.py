@@ -117,7 +117,7 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     new = offsets[1:] - offsets[:-1]
     lengths = cache_lengths.long()
     kv_len = lengths + new
-    max_new, max_kv = (int(x) for x in torch.stack([new.max(), kv_len.max()]).tolist())
+    max_new, max_kv, min_kv = (int(x) for x in torch.stack([new.max(), kv_len.max(), kv_len.min()]).tolist())
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
     key, value = (_gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv).transpose(1, 2) for plane in (0, 1))
 
@@ -129,19 +129,15 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
         q_padded[seq, tok] = q.float()
     out = torch.empty_like(q_padded)
+    # No mask when it would allow every key: equal lengths, each query seeing its whole sequence.
+    sees_all = min_kv == max_kv and (decode or not causal) and (sliding_window <= 0 or sliding_window >= max_kv)
 
     key_pos = torch.arange(max_kv, device=q.device)
     per_query = batch * max_kv * (4 * num_q_heads if softcap > 0 else 1)  # mask bytes, or fp32 scores
     chunk = max(1, CHUNK_BUDGET_BYTES // per_query)
     for start in range(0, max_new, chunk):
         stop = min(start + chunk, max_new)
-        q_pos = lengths[:, None, None] + torch.arange(start, stop, device=q.device)[None, :, None]
-        allowed = key_pos < kv_len[:, None, None]  # [batch, n, max_kv] once broadcast
-        if causal:
-            allowed = allowed & (key_pos <= q_pos)
-        if sliding_window > 0:
-            allowed = allowed & (q_pos - key_pos < sliding_window)
-        allowed = allowed.expand(batch, stop - start, max_kv)[:, None]  # [batch, 1, n, max_kv]
+        allowed = None if sees_all else _allowed(lengths, kv_len, key_pos, start, stop, causal, sliding_window)
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap).transpose(1, 2)
     if decode:
@@ -149,17 +145,30 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     return out[seq, tok].to(q.dtype)
 
 
-def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor, scale: float,
+def _allowed(lengths: torch.Tensor, kv_len: torch.Tensor, key_pos: torch.Tensor, start: int, stop: int,
+             causal: bool, sliding_window: int) -> torch.Tensor:
+    """`[batch, 1, n, max_kv]`: which keys the queries at new-token indices start..stop-1 may see."""
+    q_pos = lengths[:, None, None] + torch.arange(start, stop, device=key_pos.device)[None, :, None]
+    allowed = key_pos < kv_len[:, None, None]  # [batch, n, max_kv] once broadcast
+    if causal:
+        allowed = allowed & (key_pos <= q_pos)
+    if sliding_window > 0:
+        allowed = allowed & (q_pos - key_pos < sliding_window)
+    return allowed.expand(lengths.shape[0], stop - start, key_pos.shape[0])[:, None]
+
+
+def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scale: float,
             softcap: float) -> torch.Tensor:
     """fp32 attention of `q` `[batch, q_heads, n, d]` over `key`/`value` `[batch, kv_heads, s, d]`
-    where `allowed` `[batch, 1, n, s]`; rows that may see no key (padding) are garbage."""
+    where `allowed` `[batch, 1, n, s]` (None: everywhere); rows that may see no key (padding) are garbage."""
     group = q.shape[1] // key.shape[1]
     if softcap <= 0:
         return F.scaled_dot_product_attention(q, key, value, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
     batch, kv_heads, n = key.shape[0], key.shape[1], q.shape[2]
     scores = torch.matmul(q.reshape(batch, kv_heads, group * n, -1), key.transpose(-1, -2)).mul_(scale)
     scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(batch, kv_heads, group, n, -1)
-    scores.masked_fill_(~allowed[:, :, None], float("-inf"))
+    if allowed is not None:
+        scores.masked_fill_(~allowed[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * n, -1)
     return torch.matmul(probs, value).view(q.shape)
 
