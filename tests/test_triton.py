@@ -11,18 +11,18 @@ import torch
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("a GPU is visible: tests/gpu covers the Triton kernels (TRITON_INTERPRET=1 would put every "
                 "Triton kernel in this process in the interpreter)", allow_module_level=True)
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the mode is fixed per process
 
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import BackendUnavailableError, reference
+from torch_paged_kv.ops.triton import flash_attention as triton_attention
+from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import PagedBatch, attention_fp64, make_paged_batch
 
-pytest.importorskip("triton")
-from torch_paged_kv.ops.triton import flash_attention as triton_attention  # noqa: E402
-from torch_paged_kv.ops.triton import unavailable_reason  # noqa: E402
-
-if unavailable_reason(torch.device("cpu")) is not None:  # triton was imported earlier, compiled mode
-    pytest.skip(unavailable_reason(torch.device("cpu")), allow_module_level=True)
+# Without a GPU these are the only Triton tests that run: if the interpreter cannot run, fail.
+# (tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.)
+if unavailable_reason(torch.device("cpu")) is not None:
+    pytest.fail(f"Triton kernels cannot run on CPU tensors here: {unavailable_reason(torch.device('cpu'))}",
+                pytrace=False)
 
 
 @pytest.fixture(autouse=True)
