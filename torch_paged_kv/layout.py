@@ -50,7 +50,3 @@ def tma_row(encoded: IntLike, page_size: int, page_stride: int, plane_offset: in
     """Row-view row of an encoded token index `encoded = page * page_size + offset`."""
     return (encoded // page_size) * page_stride + plane_offset + encoded % page_size
 
-
-def num_rows(num_pages: int, num_planes: int, num_layers: int, page_size: int) -> int:
-    """Height of the row view: every row of every page, layer and plane."""
-    return num_pages * page_stride_rows(num_planes, num_layers, page_size)
