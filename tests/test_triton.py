@@ -137,3 +137,18 @@ def test_forced_triton_explains_why_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
         ops.gather_kv(batch.blocks, *batch.step, 0, 3)
+
+
+def test_growing_batch_launches_the_same_kernel_variants():
+    """Constexprs do not grow with the batch size, so a serving batch that grows compiles nothing new
+    (on a GPU decode also picks split or not from the batch: two variants, whatever the batch)."""
+    from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
+    from torch_paged_kv.ops.triton.store_kv import plan_store_kv
+
+    def variants(batch: int) -> list:
+        b = make_paged_batch([5] * batch, [1] * batch, page_size=4, head_dim=16, seed=batch)
+        launches = plan_flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.5)[1]
+        launches += plan_store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+        return [(launch.kernel, launch.kwargs) for launch in launches]
+
+    assert variants(2) == variants(9) == variants(300)

@@ -28,9 +28,14 @@ def is_interpreted(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+MIN_SEARCH_STEPS = 16
+
+
 def search_steps(batch: int) -> int:
-    """Binary-search steps that find one of `batch` sequences (a compile-time constant)."""
-    return max(1, (batch - 1).bit_length())
+    """Binary-search steps that find one of `batch` sequences (a compile-time constant). The same
+    for every batch up to 2**16, so one compiled kernel serves a growing serving batch (a search
+    that has converged stays put: extra steps cost a few cached loads, never a recompile)."""
+    return max(MIN_SEARCH_STEPS, (batch - 1).bit_length())
 
 
 def blocks_strides(blocks: torch.Tensor) -> tuple[int, int, int, int]:
