@@ -67,11 +67,11 @@ def gather_tokens(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table
     plane_view = blocks[:, plane, layer_idx]  # [num_pages, page_size, heads, head_dim]
     if lookup_table.dim() == 1:  # one slot per row: take only the first max_len tokens of it
         tokens = min(max_len, page_size)
-        pages, source = lookup_table.long(), plane_view[:, :tokens].flatten(1)
+        pages, source = lookup_table, plane_view[:, :tokens].flatten(1)
     else:
         num_cols = min(-(-max_len // page_size), lookup_table.shape[1])
         tokens = num_cols * page_size
-        pages, source = lookup_table[:, :num_cols].reshape(-1).long(), plane_view.flatten(1)
+        pages, source = lookup_table[:, :num_cols].reshape(-1), plane_view.flatten(1)
     shape = (lookup_table.shape[0], tokens, heads, head_dim)
     if scratch_slot is None:
         return source.index_select(0, pages).view(shape)
@@ -113,36 +113,42 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     batch = cache_lengths.shape[0]
     if total == 0:
         return q.new_empty(q.shape)
-    offsets = input_row_offsets.long()
-    new = offsets[1:] - offsets[:-1]
-    lengths = cache_lengths.long()
-    kv_len = lengths + new
-    max_new, max_kv, min_kv = (int(x) for x in torch.stack([new.max(), kv_len.max(), kv_len.min()]).tolist())
+    new = input_row_offsets.diff()
+    kv_len = cache_lengths + new
+    min_kv, max_kv = (int(x) for x in torch.aminmax(kv_len))
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
     key, value = (_gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv).transpose(1, 2) for plane in (0, 1))
+    key_pos = torch.arange(max_kv, device=q.device)
+    if total == batch and int(new.max()) == 1:  # decode: one new token per sequence, no query padding
+        window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
+        allowed = None if min_kv == max_kv and window_covers_all else _decode_allowed(kv_len, key_pos, sliding_window)
+        q_rows = q.float().reshape(batch, num_q_heads, 1, head_dim)
+        return _attend(q_rows, key, value, allowed, softmax_scale, softcap).reshape(q.shape).to(q.dtype)
 
-    decode = max_new == 1 and total == batch  # one new token per sequence: no query padding
-    if decode:
-        q_padded = q.float().view(batch, 1, num_q_heads, head_dim)
-    else:
-        seq, tok = _row_coordinates(input_row_offsets, total)
-        q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
-        q_padded[seq, tok] = q.float()
+    max_new = int(new.max())
+    seq, tok = _row_coordinates(input_row_offsets, total)
+    q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
+    q_padded[seq, tok] = q.float()
     out = torch.empty_like(q_padded)
     # No mask when it would allow every key: equal lengths, each query seeing its whole sequence.
-    sees_all = min_kv == max_kv and (decode or not causal) and (sliding_window <= 0 or sliding_window >= max_kv)
-
-    key_pos = torch.arange(max_kv, device=q.device)
+    sees_all = min_kv == max_kv and not causal and (sliding_window <= 0 or sliding_window >= max_kv)
     per_query = batch * max_kv * (4 * num_q_heads if softcap > 0 else 1)  # mask bytes, or fp32 scores
     chunk = max(1, CHUNK_BUDGET_BYTES // per_query)
     for start in range(0, max_new, chunk):
         stop = min(start + chunk, max_new)
-        allowed = None if sees_all else _allowed(lengths, kv_len, key_pos, start, stop, causal, sliding_window)
+        allowed = None if sees_all else _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window)
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap).transpose(1, 2)
-    if decode:
-        return out.view(total, num_q_heads, head_dim).to(q.dtype)
     return out[seq, tok].to(q.dtype)
+
+
+def _decode_allowed(kv_len: torch.Tensor, key_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
+    """`[batch, 1, 1, max_kv]`: the keys each sequence's one new query (the last token) may see."""
+    last = kv_len[:, None]
+    allowed = key_pos < last
+    if sliding_window > 0:
+        allowed &= key_pos >= last - sliding_window
+    return allowed[:, None, None]
 
 
 def _allowed(lengths: torch.Tensor, kv_len: torch.Tensor, key_pos: torch.Tensor, start: int, stop: int,
