@@ -15,6 +15,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
 
 from torch_paged_kv.integrations.transformers import PagedCache  # noqa: E402
+from torch_paged_kv.ops import validate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [5, 9, 3, 7]  # uneven prompts, left-padded to 9
@@ -148,6 +149,21 @@ def test_overflow_is_rejected(model):
         forward(model, cache, torch.ones(1, 25, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="max_batch_size"):
         forward(model, cache, torch.ones(5, 3, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
+def test_step_tensors_are_checked_once_per_step(model, monkeypatch, attn):
+    """Layer 0 runs the ops' value checks; the later layers of the same step skip them."""
+    cache = paged(model, attn)
+    checked = []
+    real = validate.check_store_kv_data
+    monkeypatch.setattr(validate, "check_store_kv_data", lambda *a: checked.append(a) or real(*a))
+    forward(model, cache, torch.ones(2, 3, dtype=torch.long), 0)
+    forward(model, cache, torch.ones(2, 1, dtype=torch.long), 3)
+    assert len(checked) == 2 and model.config.num_hidden_layers > 1
+    cache.collection.lookup_table[1, 0] = 0  # row 1 loses its first page: layer 0 must notice
+    with pytest.raises(ValueError, match="^lookup_table:.*null page"):
+        forward(model, cache, torch.ones(2, 1, dtype=torch.long), 4)
 
 
 def test_forward_without_cache(model, prompts):

@@ -1,5 +1,7 @@
 """Every rejected call raises ValueError naming the argument, and leaves `blocks` bit-identical."""
 
+import threading
+
 import pytest
 import torch
 
@@ -145,6 +147,27 @@ def test_shapes_only_mode_skips_value_checks(monkeypatch):
     with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
         _store(b, lookup_table=_bad_page(b, 0, 1, 10_000))
     assert torch.equal(b.blocks, before)
+
+
+def test_skip_value_checks_is_scoped_to_the_block_and_thread():
+    b = _batch()
+    duplicate = _i32([3, 3])
+    with pytest.raises(ValueError, match="^dst_pages:"):
+        pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)
+    seen_on_other_thread = []
+    with pk.skip_value_checks():
+        pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)  # value checks skipped: accepted
+        with pytest.raises(ValueError, match="^key:"):
+            _store(b, key=b.new_keys.double())  # shape checks still run
+        worker = threading.Thread(target=lambda: seen_on_other_thread.append(
+            pytest.raises(ValueError, pk.copy_pages, b.blocks, _i32([1, 2]), duplicate)))
+        worker.start()
+        worker.join()
+    assert len(seen_on_other_thread) == 1  # the other thread still checked, and rejected
+    with pytest.raises(RuntimeError), pk.skip_value_checks():
+        raise RuntimeError  # leaving by an exception restores the checks too
+    with pytest.raises(ValueError, match="^dst_pages:"):
+        pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)
 
 
 def test_grad_is_fine_when_disabled():

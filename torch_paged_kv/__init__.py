@@ -15,13 +15,21 @@ from .compile import mark_step_dynamic
 from .checkpoint import CheckpointError, load_cache, save_cache
 from .layout import NULL_PAGE
 from .manager import KVCacheManager, OutOfPagesError
-from .ops import BackendUnavailableError, backend_info, copy_pages, flash_attention, gather_kv, store_kv
+from .ops import (
+    BackendUnavailableError,
+    backend_info,
+    copy_pages,
+    flash_attention,
+    gather_kv,
+    skip_value_checks,
+    store_kv,
+)
 from .params import KVCacheParams
 
 
 __all__ = [
     "KVCacheParams", "PagedKVCacheCollection", "ContinuousBatchingKVCacheCollection", "PagedKVCache",
     "ContinuousBatchingKVCache", "StepTensors", "NULL_PAGE", "store_kv", "flash_attention", "gather_kv",
-    "copy_pages", "backend_info", "BackendUnavailableError", "KVCacheManager", "OutOfPagesError",
+    "copy_pages", "backend_info", "BackendUnavailableError", "skip_value_checks", "KVCacheManager", "OutOfPagesError",
     "save_cache", "load_cache", "CheckpointError", "mark_step_dynamic", "__version__",
 ]

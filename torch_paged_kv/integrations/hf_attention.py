@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from .. import flash_attention, store_kv
-from .hf_cache import PendingKV
+from .hf_cache import PendingKV, layer_value_checks
 
 
 def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
@@ -51,9 +51,10 @@ def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: Pendin
         cache.begin_step(counts)
     lengths, table, offsets = cache.step_tensors(batch)
     blocks = cache.collection.blocks
-    store_kv(k, v, blocks, lengths, table, offsets, layer.layer_idx)
-    out = flash_attention(q, blocks, lengths, table, offsets, layer.layer_idx, scale, True,
-                          sliding_window or -1, softcap or 0.0)
+    with layer_value_checks(layer.layer_idx):
+        store_kv(k, v, blocks, lengths, table, offsets, layer.layer_idx)
+        out = flash_attention(q, blocks, lengths, table, offsets, layer.layer_idx, scale, True,
+                              sliding_window or -1, softcap or 0.0)
     if layer.layer_idx == cache.num_layers - 1:
         cache.end_step(batch, new)
     if ragged:

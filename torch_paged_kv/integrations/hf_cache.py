@@ -20,13 +20,14 @@ compiled decode step does not recompile.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import copy_pages, gather_kv, store_kv
+from .. import copy_pages, gather_kv, skip_value_checks, store_kv
 from ..collection import PagedKVCacheCollection
 from ..params import KVCacheParams
 
@@ -72,10 +73,11 @@ class PagedLayer(CacheLayerMixin):
         if self.layer_idx == 0:
             cache.begin_step(torch.full((batch,), new, dtype=torch.int32, device=cache.device))
         lengths, table, offsets = cache.step_tensors(batch)
-        store_kv(_rows(key_states), _rows(value_states), cache.collection.blocks, lengths, table, offsets,
-                 self.layer_idx)
-        keys, values = gather_kv(cache.collection.blocks, lengths, table, offsets, self.layer_idx,
-                                 cache.max_cache_len)
+        with layer_value_checks(self.layer_idx):
+            store_kv(_rows(key_states), _rows(value_states), cache.collection.blocks, lengths, table, offsets,
+                     self.layer_idx)
+            keys, values = gather_kv(cache.collection.blocks, lengths, table, offsets, self.layer_idx,
+                                     cache.max_cache_len)
         if self.layer_idx == cache.num_layers - 1:
             cache.end_step(batch, new)
         return keys.transpose(1, 2), values.transpose(1, 2)
@@ -90,6 +92,16 @@ class PagedLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.cache.max_cache_len
+
+    get_max_cache_shape = get_max_length  # the abstract name before transformers 5.17
+
+
+def layer_value_checks(layer_idx: int) -> contextlib.AbstractContextManager:
+    """The ops' value checks for one layer of a step: layer 0 runs them; the step tensors stay as they
+    are until the last layer, so later layers skip them. A compiled step checks every layer."""
+    if layer_idx == 0 or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return skip_value_checks()
 
 
 def _rows(states: torch.Tensor) -> torch.Tensor:
@@ -107,6 +119,10 @@ class PagedCache(Cache):
         page_size: tokens per page.
         device, dtype: of the pool; default CPU and the config's dtype.
     """
+
+    # Plain attributes set in `__init__`: they shadow `Cache`'s read-only properties (transformers < 5.20).
+    max_cache_len: int = 0
+    max_batch_size: int = 0
 
     def __init__(self, config: PreTrainedConfig, max_batch_size: int, max_cache_len: int, page_size: int = 16,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:

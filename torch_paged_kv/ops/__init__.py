@@ -10,6 +10,7 @@ import torch
 from . import library  # noqa: F401  (registers torch.ops.paged_kv.*)
 from . import backends  # noqa: F401  (registers the backends)
 from .dispatch import BackendUnavailableError, backend_info
+from .validate import skip_value_checks
 
 store_kv = torch.ops.paged_kv.store_kv.default
 """`store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)`:
@@ -27,4 +28,5 @@ gather_kv = torch.ops.paged_kv.gather_kv.default
 copy_pages = torch.ops.paged_kv.copy_pages.default
 """`copy_pages(blocks, src_pages, dst_pages)`: `blocks[dst[i]] = blocks[src[i]]`, all sources read first."""
 
-__all__ = ["store_kv", "flash_attention", "gather_kv", "copy_pages", "backend_info", "BackendUnavailableError"]
+__all__ = ["store_kv", "flash_attention", "gather_kv", "copy_pages", "backend_info", "BackendUnavailableError",
+           "skip_value_checks"]
