@@ -108,7 +108,9 @@ def variants(quick: bool = False) -> list[tuple[str, Launch]]:
 def _source(launch: Launch, backend) -> tuple[ASTSource, dict]:
     """What `kernel[grid](*args, **kwargs)` would compile: Triton's own binder and packing."""
     kernel = launch.kernel
-    kwargs = {**launch.kwargs, "debug": False, "instrumentation_mode": "", "fpsan_homomorphic_casts": False}
+    kwargs = {**launch.kwargs, "debug": False, "instrumentation_mode": ""}
+    if hasattr(triton.knobs.compilation, "fpsan_homomorphic_casts"):  # triton 3.9 has it; 3.6 rejects it
+        kwargs["fpsan_homomorphic_casts"] = False
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)

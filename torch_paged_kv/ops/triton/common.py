@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import compat  # noqa: F401  (fixes triton < 3.7's interpreter for numpy >= 2.4)
+
 
 class Launch(NamedTuple):
     """One kernel launch planned from shapes: what a wrapper runs, and what `aot` compiles."""
