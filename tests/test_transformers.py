@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
 
-from torch_paged_kv.integrations.transformers import PagedCache  # noqa: E402
+from torch_paged_kv.integrations.transformers import PagedCache, paged_kv_mask  # noqa: E402
 from torch_paged_kv.ops import validate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +164,12 @@ def test_step_tensors_are_checked_once_per_step(model, monkeypatch, attn):
     cache.collection.lookup_table[1, 0] = 0  # row 1 loses its first page: layer 0 must notice
     with pytest.raises(ValueError, match="^lookup_table:.*null page"):
         forward(model, cache, torch.ones(2, 1, dtype=torch.long), 4)
+
+
+def test_mask_of_new_tokens_is_contiguous():
+    """A compiled decode step guards on the mask's strides: a slice of the growing 2D mask would recompile."""
+    mask = paged_kv_mask(4, 1, 10, attention_mask=torch.ones(4, 10, dtype=torch.bool))
+    assert mask.shape == (4, 1) and mask.is_contiguous()
 
 
 def test_forward_without_cache(model, prompts):

@@ -18,10 +18,14 @@ from .hf_cache import PendingKV, layer_value_checks
 def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
                   mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
                   **kwargs: Any) -> torch.Tensor | None:
-    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, new]` bool)."""
+    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, new]` bool).
+
+    Contiguous: a compiled decode step guards on the mask's strides, and a slice of the growing 2D mask
+    would change them every step (transformers < 5.18 passes the slice on as is).
+    """
     if attention_mask is None:
         return None
-    return attention_mask[:, -q_length:].bool()
+    return attention_mask[:, -q_length:].bool().contiguous()
 
 
 def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: PendingKV | torch.Tensor,

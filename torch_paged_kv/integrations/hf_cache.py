@@ -93,7 +93,7 @@ class PagedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.max_cache_len
 
-    get_max_cache_shape = get_max_length  # the abstract name before transformers 5.17
+    get_max_cache_shape = get_max_length  # the abstract name before transformers 5.13
 
 
 def layer_value_checks(layer_idx: int) -> contextlib.AbstractContextManager:
