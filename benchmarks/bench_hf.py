@@ -4,9 +4,11 @@
 
 One random Llama (seeded, no download), one left-padded batch of uneven prompts, the same run for
 every cache. Each case runs one untimed `generate` (warm-up; compilation with --compile), then
-`--repeats` timed ones, round-robin over the cases so that load drifts hit all alike; reported: the
-median tokens/s (new tokens of all rows / wall time, prefill included). PagedCache runs with the paged_kv attention (from the pages) and with sdpa (gathered
-K/V), and with the ops' value checks off (`TORCH_PAGED_KV_VALIDATE=shapes`: no host syncs).
+`--repeats` timed ones, round-robin over the cases so that load drifts hit all alike; reported, as
+medians over the repeats: tokens/s (new tokens of all rows / wall time, prefill included), the
+prefill (until the first new token) and the median decode step, timed by a streamer that
+`generate` calls after every step. PagedCache runs with the paged_kv attention (from the pages) and
+with sdpa (gathered K/V), and with the ops' value checks off (`TORCH_PAGED_KV_VALIDATE=shapes`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import argparse
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 from transformers import Cache, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.generation.configuration_utils import CompileConfig
+from transformers.generation.streamers import BaseStreamer
 
 from harness import report
 from torch_paged_kv.integrations.transformers import PagedCache
@@ -39,15 +43,37 @@ def prompts(batch: int, longest: int, device: str) -> tuple[torch.Tensor, torch.
     return (torch.randint(1, 2048, (batch, longest), generator=g) * mask).to(device), mask.to(device)
 
 
-def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tuple[float, torch.Tensor]:
-    """Seconds of one `generate` call, and its output."""
+class StepClock(BaseStreamer):
+    """When `generate` hands over tokens: the prompt first, then after each step (it copies them to
+    the host first, so on a GPU each stamp follows that step's work)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class Timing(NamedTuple):
+    seconds: float  # the whole call
+    prefill: float  # until the first new token
+    decode_step: float  # median of the later steps
+
+
+def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tuple[Timing, torch.Tensor]:
+    """Timing of one `generate` call, and its output."""
     if ids.is_cuda:
         torch.cuda.synchronize()
+    clock = StepClock()
     start = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, **kwargs)
+    out = model.generate(ids, past_key_values=cache, streamer=clock, **kwargs)
     if ids.is_cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start, out
+    steps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
+    return Timing(time.perf_counter() - start, clock.stamps[1] - start, statistics.median(steps)), out
 
 
 def main() -> None:
@@ -86,27 +112,31 @@ def main() -> None:
     kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                   do_sample=False, pad_token_id=0)
     torch._dynamo.config.cache_size_limit = 64  # one graph per case, all kept
-    seconds: list[list[float]] = [[] for _ in cases]
+    timings: list[list[Timing]] = [[] for _ in cases]
     outputs = []
     for repeat in range(args.repeats + 1):  # round-robin over the cases, so load drifts hit all alike
         for i, (_, attn, validate, factory, compiles) in enumerate(cases):
             model.set_attn_implementation(attn)
             os.environ["TORCH_PAGED_KV_VALIDATE"] = validate if validate != "-" else "full"
             run_kwargs = {**kwargs, "compile_config": compile_config if compiles else None}
-            elapsed, out = timed_generate(model, factory(), ids, run_kwargs)
+            timing, out = timed_generate(model, factory(), ids, run_kwargs)
             if repeat == 0:  # warm-up (and compilation)
                 outputs.append(out)
             else:
-                seconds[i].append(elapsed)
+                timings[i].append(timing)
     rows = []
-    for (cache_name, attn, validate, _, compiles), times, out in zip(cases, seconds, outputs):
+    for (cache_name, attn, validate, _, compiles), runs, out in zip(cases, timings, outputs):
+        tokens_per_s = args.batch * args.new_tokens / statistics.median(t.seconds for t in runs)
         rows.append({"cache": cache_name, "attention": attn, "op checks": validate,
                      "compiled": bool(compile_config and compiles),
-                     "tokens/s": round(args.batch * args.new_tokens / statistics.median(times)),
+                     "tokens/s": round(tokens_per_s, 1 if tokens_per_s < 100 else None),
+                     "prefill ms": round(1e3 * statistics.median(t.prefill for t in runs), 1),
+                     "decode step ms": round(1e3 * statistics.median(t.decode_step for t in runs), 2),
                      "same tokens as DynamicCache": bool(torch.equal(out, outputs[0]))})
-    static = next(r["tokens/s"] for r in rows if r["cache"] == "StaticCache")
+    static = next(r for r in rows if r["cache"] == "StaticCache")
     for row in rows:
-        row["vs StaticCache"] = round(row["tokens/s"] / static, 2)
+        row["vs StaticCache"] = round(row["tokens/s"] / static["tokens/s"], 2)
+        row["decode vs StaticCache"] = round(static["decode step ms"] / row["decode step ms"], 2)
     setup = {"batch": args.batch, "prompts": f"{args.prompt // 2}..{args.prompt} left-padded",
              "new tokens": args.new_tokens, "model": f"Llama {args.layers} layers x {args.hidden} hidden",
              "page_size": args.page_size, "device": device}
