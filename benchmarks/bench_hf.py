@@ -76,6 +76,11 @@ def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tupl
     return Timing(time.perf_counter() - start, clock.stamps[1] - start, statistics.median(steps)), out
 
 
+def _rounded(x: float) -> float:
+    """One decimal below 100, none above."""
+    return round(x, 1) if x < 100 else round(x)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -129,8 +134,8 @@ def main() -> None:
         tokens_per_s = args.batch * args.new_tokens / statistics.median(t.seconds for t in runs)
         rows.append({"cache": cache_name, "attention": attn, "op checks": validate,
                      "compiled": bool(compile_config and compiles),
-                     "tokens/s": round(tokens_per_s, 1 if tokens_per_s < 100 else None),
-                     "prefill ms": round(1e3 * statistics.median(t.prefill for t in runs), 1),
+                     "tokens/s": _rounded(tokens_per_s),
+                     "prefill ms": _rounded(1e3 * statistics.median(t.prefill for t in runs)),
                      "decode step ms": round(1e3 * statistics.median(t.decode_step for t in runs), 2),
                      "same tokens as DynamicCache": bool(torch.equal(out, outputs[0]))})
     static = next(r for r in rows if r["cache"] == "StaticCache")

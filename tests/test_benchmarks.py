@@ -1,0 +1,43 @@
+"""Every benchmark script still runs (tiny sizes; the figures themselves are not checked here).
+
+The CPU benchmarks check their own outputs against a reference where they time one, and print a
+table; the GPU-only ones must say that no GPU is visible and exit 0.
+"""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+CPU_RUNS = {
+    "bench_decode.py": ["--device", "cpu", "--batch", "2", "--context", "64", "--q-heads", "4", "--kv-heads", "2",
+                        "--head-dim", "32", "--page-sizes", "1,16"],
+    "bench_manager.py": ["--batch", "8", "--steps", "20", "--repeats", "1"],
+    "bench_checkpoint.py": ["--device", "cpu", "--size-mb", "4", "--repeats", "1"],
+    "bench_hf.py": ["--layers", "1", "--hidden", "64", "--batch", "2", "--prompt", "8", "--new-tokens", "4",
+                    "--repeats", "1"],
+}
+GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py"]
+
+
+def _run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=BENCHMARKS)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("script", sorted(CPU_RUNS))
+def test_cpu_benchmark_prints_its_table(script):
+    out = _run(script, *CPU_RUNS[script])
+    assert "|---|" in out and "WRONG" not in out, out[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: these would measure for real")
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_gpu_benchmark_says_it_needs_a_gpu(script):
+    assert "no CUDA GPU visible" in _run(script)
