@@ -1,10 +1,12 @@
 """Every benchmark script still runs (tiny sizes; the figures themselves are not checked here).
 
 The CPU benchmarks check their own outputs against a reference where they time one, and print a
-table; the GPU-only ones must say that no GPU is visible and exit 0.
+table; the GPU-only ones must say that no GPU is visible and exit 0. They run from a copy of
+benchmarks/, so that the results/ of real runs are left alone.
 """
 
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -24,20 +26,28 @@ CPU_RUNS = {
 GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py"]
 
 
-def _run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
-                          timeout=600, cwd=BENCHMARKS)
+@pytest.fixture(scope="module")
+def benchmarks(tmp_path_factory) -> pathlib.Path:
+    copy = tmp_path_factory.mktemp("bench") / "benchmarks"
+    shutil.copytree(BENCHMARKS, copy, ignore=shutil.ignore_patterns("results", "__pycache__"))
+    return copy
+
+
+def _run(folder: pathlib.Path, script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(folder / script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=folder)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
 
 @pytest.mark.parametrize("script", sorted(CPU_RUNS))
-def test_cpu_benchmark_prints_its_table(script):
-    out = _run(script, *CPU_RUNS[script])
+def test_cpu_benchmark_prints_its_table(benchmarks, script):
+    out = _run(benchmarks, script, *CPU_RUNS[script])
     assert "|---|" in out and "WRONG" not in out, out[-3000:]
+    assert (benchmarks / "results").is_dir()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: these would measure for real")
 @pytest.mark.parametrize("script", GPU_ONLY)
-def test_gpu_benchmark_says_it_needs_a_gpu(script):
-    assert "no CUDA GPU visible" in _run(script)
+def test_gpu_benchmark_says_it_needs_a_gpu(benchmarks, script):
+    assert "no CUDA GPU visible" in _run(benchmarks, script)
