@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -170,6 +171,32 @@ def test_mask_of_new_tokens_is_contiguous():
     """A compiled decode step guards on the mask's strides: a slice of the growing 2D mask would recompile."""
     mask = paged_kv_mask(4, 1, 10, attention_mask=torch.ones(4, 10, dtype=torch.bool))
     assert mask.shape == (4, 1) and mask.is_contiguous()
+
+
+@pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
+def test_pool_follows_the_model_dtype_unless_given(model, attn):
+    """No dtype given: the pool is allocated at the first step in the keys' dtype (a model cast with
+    `.to(bfloat16)` keeps `config.dtype` as it was). A given dtype the model does not match is refused."""
+    ids = torch.randint(1, 512, (2, 6), generator=torch.Generator().manual_seed(3))
+    bf16, bf16_sdpa = copy.deepcopy(model).to(torch.bfloat16), copy.deepcopy(model).to(torch.bfloat16)
+    bf16_sdpa.set_attn_implementation("sdpa")
+    cache = paged(bf16, attn)
+    assert cache.collection is None and "not allocated yet" in repr(cache) and cache.get_seq_length() == 0
+    dynamic = DynamicCache(config=bf16_sdpa.config)
+    got, expected = forward(bf16, cache, ids, 0), forward(bf16_sdpa, dynamic, ids, 0)
+    for step in range(3):
+        nxt = got[:, -1:].argmax(-1)
+        got, expected = forward(bf16, cache, nxt, 6 + step), forward(bf16_sdpa, dynamic, nxt, 6 + step)
+        two_ulps = 2 * 2.0 ** -7 * expected.abs().max().item()  # of the largest logit, in bf16
+        torch.testing.assert_close(got, expected, atol=two_ulps, rtol=0)  # paged attends in fp32, SDPA in bf16
+    assert cache.collection.blocks.dtype == torch.bfloat16
+    fixed = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match="^dtype: the pool holds torch.float32 but the model's keys are torch.bfloat16"):
+        forward(bf16, fixed, ids, 0)
+    assert not fixed.collection.cache_lengths.any()  # nothing was stored
+    elsewhere = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, device="meta")
+    with pytest.raises(ValueError, match="^device: the pool is on meta but the model's keys are on cpu"):
+        forward(bf16, elsewhere, ids, 0)
 
 
 def test_forward_without_cache(model, prompts):

@@ -57,15 +57,18 @@ class PagedLayer(CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
-        self.is_initialized = True  # the collection is allocated up front
+        self.is_initialized = cache.collection is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do: the pages exist from construction."""
+        """Allocate the shared pool (for every layer) if it does not exist yet."""
+        self.cache.ensure_pool(key_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[Any, Any]:
         """Paged attention: defer to the attention function. Otherwise store and gather K/V."""
         cache = self.cache
+        if self.layer_idx == 0:
+            cache.ensure_pool(key_states)
         if cache.attends_from_pages:
             pending = PendingKV(self, key_states, value_states)
             return pending, pending
@@ -86,9 +89,9 @@ class PagedLayer(CacheLayerMixin):
         """K/V always span `max_cache_len` columns (what `update` returns)."""
         return self.cache.max_cache_len, 0
 
-    def get_seq_length(self) -> torch.Tensor:
-        """Columns seen so far (padding included), as a 0-dim tensor like `StaticLayer`."""
-        return self.cache.columns
+    def get_seq_length(self) -> torch.Tensor | int:
+        """Columns seen so far (padding included), as a 0-dim tensor like `StaticLayer` (0 before the pool exists)."""
+        return 0 if self.cache.columns is None else self.cache.columns
 
     def get_max_length(self) -> int:
         return self.cache.max_cache_len
@@ -117,7 +120,9 @@ class PagedCache(Cache):
         max_batch_size: most rows at once (`batch * num_beams` for beam search).
         max_cache_len: most tokens (columns, padding included) a row may reach.
         page_size: tokens per page.
-        device, dtype: of the pool; default CPU and the config's dtype.
+        device, dtype: of the pool. Given both, it is allocated now; otherwise at the first step, on
+            the device and in the dtype of the model's keys for the one not given. A model whose
+            keys then differ from a given one raises `ValueError` naming the argument.
     """
 
     # Plain attributes set in `__init__`: they shadow `Cache`'s read-only properties (transformers < 5.20).
@@ -129,27 +134,49 @@ class PagedCache(Cache):
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
         num_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
-        dtype = dtype or getattr(cfg, "dtype", None) or torch.get_default_dtype()
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
         self.num_layers = cfg.num_hidden_layers
-        params = KVCacheParams(dtype, self.num_layers, getattr(cfg, "num_key_value_heads", None) or num_heads,
-                               head_dim, page_size)
-        pages_per_row = -(-max_cache_len // page_size)
-        self.collection = PagedKVCacheCollection(params, max_batch_size * pages_per_row, max_batch_size,
-                                                 max_cache_len, device)
-        self.device = self.collection.device
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        self.page_size = page_size
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
-        own = torch.arange(1, max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
-        self.collection.lookup_table[:, :pages_per_row] = own.view(max_batch_size, pages_per_row)
-        self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.requested_device = None if device is None else torch.device(device)
+        self.requested_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.collection: PagedKVCacheCollection | None = None
+        self.columns: torch.Tensor | None = None
+        self.device: torch.device | None = None
         self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
+        if self.requested_device is not None and self.requested_dtype is not None:
+            self._allocate(self.requested_device, self.requested_dtype)
         super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The pool: row b owns pages `1 + b*P .. (b+1)*P`, written into the lookup table once."""
+        params = KVCacheParams(dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.page_size)
+        pages_per_row = -(-self.max_cache_len // self.page_size)
+        self.collection = PagedKVCacheCollection(params, self.max_batch_size * pages_per_row, self.max_batch_size,
+                                                 self.max_cache_len, device)
+        self.device = self.collection.device
+        own = torch.arange(1, self.max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
+        self.collection.lookup_table[:, :pages_per_row] = own.view(self.max_batch_size, pages_per_row)
+        self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
         for t in (self.collection.blocks, self.collection.cache_lengths, self.collection.input_row_offsets,
                   self.collection.lookup_table, self.columns):
             torch._dynamo.mark_static_address(t)
+
+    def ensure_pool(self, key_states: torch.Tensor) -> None:
+        """Allocate the pool on first use (see the class docstring), and check the model's keys fit it."""
+        if self.collection is None:
+            self._allocate(self.requested_device or key_states.device, self.requested_dtype or key_states.dtype)
+            for layer in self.layers:
+                layer.is_initialized = True
+        blocks = self.collection.blocks
+        if key_states.dtype != blocks.dtype:
+            raise ValueError(f"dtype: the pool holds {blocks.dtype} but the model's keys are {key_states.dtype}; "
+                             f"pass dtype={key_states.dtype} (or leave it None to follow the model)")
+        if key_states.device != blocks.device:
+            raise ValueError(f"device: the pool is on {blocks.device} but the model's keys are on "
+                             f"{key_states.device}; pass device={str(key_states.device)!r} (or leave it None)")
 
     @property
     def attends_from_pages(self) -> bool:
@@ -187,15 +214,19 @@ class PagedCache(Cache):
     # -- Cache API ---------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget every row (pages are not cleared: nothing reads past a row's length)."""
+        self.rows = 0
+        if self.collection is None:
+            return
         self.collection.cache_lengths.zero_()
         self.collection.input_row_offsets.zero_()
         self.columns.zero_()
-        self.rows = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count)."""
         if tokens_to_remove > 0:
             raise ValueError(f"tokens_to_remove: pass a negative count of tokens to drop, got {tokens_to_remove}")
+        if self.collection is None:
+            return
         lengths = self.collection.cache_lengths
         lengths.copy_((lengths + tokens_to_remove).clamp_(min=0))
         self.columns.copy_((self.columns + tokens_to_remove).clamp_(min=0))
@@ -214,10 +245,13 @@ class PagedCache(Cache):
 
     def _select_rows(self, rows: torch.Tensor) -> None:
         """Row i := old row `rows[i]`: copy the used pages of moved rows onto row i's own pages."""
-        rows = rows.to(device=self.device, dtype=torch.int64)
         batch = rows.numel()
         if batch > self.max_batch_size:
             raise ValueError(f"rows: {batch} rows, more than max_batch_size={self.max_batch_size}")
+        if self.collection is None:  # nothing stored yet
+            self.rows = batch
+            return
+        rows = rows.to(device=self.device, dtype=torch.int64)
         lengths = self.collection.cache_lengths
         new_lengths = lengths[rows]
         used = -(-int(new_lengths.max()) // self.collection.params.page_size) if batch else 0
@@ -231,4 +265,7 @@ class PagedCache(Cache):
         self.rows = batch
 
     def __repr__(self) -> str:
+        if self.collection is None:
+            return (f"PagedCache(not allocated yet: {self.max_batch_size} rows x {self.max_cache_len} tokens, "
+                    f"page_size={self.page_size})")
         return f"PagedCache({self.collection!r})"

@@ -6,7 +6,7 @@ function for). See docs/transformers.md.
 
     import torch_paged_kv.integrations.transformers as paged
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="paged_kv")
-    cache = paged.PagedCache(model.config, max_batch_size=8, max_cache_len=1024, device=model.device)
+    cache = paged.PagedCache(model.config, max_batch_size=8, max_cache_len=1024)  # model's device, dtype
     model.generate(**inputs, past_key_values=cache)
 """
 
