@@ -28,12 +28,12 @@ from harness import report
 from torch_paged_kv.integrations.transformers import PagedCache
 
 
-def build_model(layers: int, hidden: int, device: str) -> LlamaForCausalLM:
+def build_model(layers: int, hidden: int, device: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                          num_attention_heads=hidden // 32, num_key_value_heads=2, max_position_embeddings=1024,
                          pad_token_id=0, initializer_range=0.1)
-    return LlamaForCausalLM(config).eval().to(device)
+    return LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
 
 
 def prompts(batch: int, longest: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +90,21 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--compile", action="store_true", help="compile the decode step (fullgraph) where possible")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decode step (fullgraph; CUDA graphs on a GPU) where possible")
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (default 1: on a shared machine more threads oversubscribe and swamp results)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
-    model = build_model(args.layers, args.hidden, device)
+    model = build_model(args.layers, args.hidden, device, getattr(torch, args.dtype))
     ids, mask = prompts(args.batch, args.prompt, device)
     max_len = args.prompt + args.new_tokens
     compile_config = None
     if args.compile:
-        compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
+        mode = "reduce-overhead" if device == "cuda" else "default"
+        compile_config = CompileConfig(fullgraph=True, mode=mode, dynamic=False)
         compile_config._compile_all_devices = True
 
     def paged() -> PagedCache:
@@ -123,7 +126,8 @@ def main() -> None:
         for i, (_, attn, validate, factory, compiles) in enumerate(cases):
             model.set_attn_implementation(attn)
             os.environ["TORCH_PAGED_KV_VALIDATE"] = validate if validate != "-" else "full"
-            run_kwargs = {**kwargs, "compile_config": compile_config if compiles else None}
+            compiled = compile_config is not None and compiles  # else eager, also where generate would auto-compile
+            run_kwargs = {**kwargs, "compile_config": compile_config if compiled else None, "disable_compile": not compiled}
             timing, out = timed_generate(model, factory(), ids, run_kwargs)
             if repeat == 0:  # warm-up (and compilation)
                 outputs.append(out)
@@ -144,7 +148,7 @@ def main() -> None:
         row["decode vs StaticCache"] = round(static["decode step ms"] / row["decode step ms"], 2)
     setup = {"batch": args.batch, "prompts": f"{args.prompt // 2}..{args.prompt} left-padded",
              "new tokens": args.new_tokens, "model": f"Llama {args.layers} layers x {args.hidden} hidden",
-             "page_size": args.page_size, "device": device}
+             "page_size": args.page_size, "dtype": args.dtype, "device": device}
     print(report("bench_hf_compiled" if args.compile else "bench_hf", rows, setup))
 
 
