@@ -7,27 +7,32 @@ import torch_paged_kv  # noqa: F401  (registers the ops)
 from torch_paged_kv.testing import make_paged_batch
 
 
+@pytest.fixture(params=["default", "unchecked"])
+def overload(request) -> str:
+    return request.param
+
+
 @pytest.fixture
 def batch():
     return make_paged_batch([3, 0, 6], [2, 4, 1], page_size=4, group=2, seed=0)
 
 
-def test_opcheck_store_kv(batch):
-    torch.library.opcheck(torch.ops.paged_kv.store_kv.default,
+def test_opcheck_store_kv(batch, overload):
+    torch.library.opcheck(getattr(torch.ops.paged_kv.store_kv, overload),
                           (batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx))
 
 
-def test_opcheck_flash_attention(batch):
-    torch.library.opcheck(torch.ops.paged_kv.flash_attention.default,
+def test_opcheck_flash_attention(batch, overload):
+    torch.library.opcheck(getattr(torch.ops.paged_kv.flash_attention, overload),
                           (batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.5),
                           {"causal": True, "sliding_window": 3, "softcap": 1.0})
 
 
-def test_opcheck_gather_kv(batch):
-    torch.library.opcheck(torch.ops.paged_kv.gather_kv.default, (batch.blocks, *batch.step, batch.layer_idx, 8))
+def test_opcheck_gather_kv(batch, overload):
+    torch.library.opcheck(getattr(torch.ops.paged_kv.gather_kv, overload), (batch.blocks, *batch.step, batch.layer_idx, 8))
 
 
-def test_opcheck_copy_pages(batch):
+def test_opcheck_copy_pages(batch, overload):
     src = torch.tensor([1, 2], dtype=torch.int32)
     dst = torch.tensor([4, 1], dtype=torch.int32)
-    torch.library.opcheck(torch.ops.paged_kv.copy_pages.default, (batch.blocks, src, dst))
+    torch.library.opcheck(getattr(torch.ops.paged_kv.copy_pages, overload), (batch.blocks, src, dst))

@@ -1,11 +1,10 @@
 """Every rejected call raises ValueError naming the argument, and leaves `blocks` bit-identical."""
 
-import threading
-
 import pytest
 import torch
 
 import torch_paged_kv as pk
+import torch_paged_kv.ops as ops
 from torch_paged_kv.testing import make_paged_batch
 
 CACHED, NEW = [5, 9, 0], [2, 1, 3]
@@ -149,25 +148,19 @@ def test_shapes_only_mode_skips_value_checks(monkeypatch):
     assert torch.equal(b.blocks, before)
 
 
-def test_skip_value_checks_is_scoped_to_the_block_and_thread():
+def test_unchecked_overloads_skip_the_value_checks_only():
     b = _batch()
     duplicate = _i32([3, 3])
     with pytest.raises(ValueError, match="^dst_pages:"):
         pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)
-    seen_on_other_thread = []
-    with pk.skip_value_checks():
-        pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)  # value checks skipped: accepted
-        with pytest.raises(ValueError, match="^key:"):
-            _store(b, key=b.new_keys.double())  # shape checks still run
-        worker = threading.Thread(target=lambda: seen_on_other_thread.append(
-            pytest.raises(ValueError, pk.copy_pages, b.blocks, _i32([1, 2]), duplicate)))
-        worker.start()
-        worker.join()
-    assert len(seen_on_other_thread) == 1  # the other thread still checked, and rejected
-    with pytest.raises(RuntimeError), pk.skip_value_checks():
-        raise RuntimeError  # leaving by an exception restores the checks too
-    with pytest.raises(ValueError, match="^dst_pages:"):
-        pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)
+    ops.copy_pages_unchecked(b.blocks, _i32([1, 2]), duplicate)  # value checks skipped: accepted
+    step = (b.cache_lengths, b.lookup_table, b.input_row_offsets, b.layer_idx)
+    with pytest.raises(ValueError, match="^key:"):  # shape checks still run
+        ops.store_kv_unchecked(b.new_keys.double(), b.new_values, b.blocks, *step)
+    with pytest.raises(ValueError, match="^q:"):
+        ops.flash_attention_unchecked(b.q[..., :16], b.blocks, *step, 0.5)
+    with pytest.raises(ValueError, match="^max_kv_len:"):
+        ops.gather_kv_unchecked(b.blocks, *step, -1)
 
 
 def test_grad_is_fine_when_disabled():

@@ -21,7 +21,6 @@ from .ops import (
     copy_pages,
     flash_attention,
     gather_kv,
-    skip_value_checks,
     store_kv,
 )
 from .params import KVCacheParams
@@ -30,6 +29,6 @@ from .params import KVCacheParams
 __all__ = [
     "KVCacheParams", "PagedKVCacheCollection", "ContinuousBatchingKVCacheCollection", "PagedKVCache",
     "ContinuousBatchingKVCache", "StepTensors", "NULL_PAGE", "store_kv", "flash_attention", "gather_kv",
-    "copy_pages", "backend_info", "BackendUnavailableError", "skip_value_checks", "KVCacheManager", "OutOfPagesError",
+    "copy_pages", "backend_info", "BackendUnavailableError", "KVCacheManager", "OutOfPagesError",
     "save_cache", "load_cache", "CheckpointError", "mark_step_dynamic", "__version__",
 ]

@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import flash_attention, store_kv
-from .hf_cache import PendingKV, layer_value_checks
+from ..ops import flash_attention, flash_attention_unchecked, store_kv, store_kv_unchecked
+from .hf_cache import PendingKV
 
 
 def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
@@ -55,10 +55,12 @@ def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: Pendin
         cache.begin_step(counts)
     lengths, table, offsets = cache.step_tensors(batch)
     blocks = cache.collection.blocks
-    with layer_value_checks(layer.layer_idx):
-        store_kv(k, v, blocks, lengths, table, offsets, layer.layer_idx)
-        out = flash_attention(q, blocks, lengths, table, offsets, layer.layer_idx, scale, True,
-                              sliding_window or -1, softcap or 0.0)
+    # The step tensors do not change between layer 0 and the last layer: layer 0's value checks
+    # cover every layer, so the later ones call the unchecked overloads (shape checks still run).
+    checked = layer.layer_idx == 0
+    (store_kv if checked else store_kv_unchecked)(k, v, blocks, lengths, table, offsets, layer.layer_idx)
+    out = (flash_attention if checked else flash_attention_unchecked)(
+        q, blocks, lengths, table, offsets, layer.layer_idx, scale, True, sliding_window or -1, softcap or 0.0)
     if layer.layer_idx == cache.num_layers - 1:
         cache.end_step(batch, new)
     if ragged:

@@ -20,14 +20,14 @@ compiled decode step does not recompile.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import copy_pages, gather_kv, skip_value_checks, store_kv
+from .. import copy_pages
+from ..ops import gather_kv, gather_kv_unchecked, store_kv, store_kv_unchecked
 from ..collection import PagedKVCacheCollection
 from ..params import KVCacheParams
 
@@ -76,11 +76,11 @@ class PagedLayer(CacheLayerMixin):
         if self.layer_idx == 0:
             cache.begin_step(torch.full((batch,), new, dtype=torch.int32, device=cache.device))
         lengths, table, offsets = cache.step_tensors(batch)
-        with layer_value_checks(self.layer_idx):
-            store_kv(_rows(key_states), _rows(value_states), cache.collection.blocks, lengths, table, offsets,
-                     self.layer_idx)
-            keys, values = gather_kv(cache.collection.blocks, lengths, table, offsets, self.layer_idx,
-                                     cache.max_cache_len)
+        checked = self.layer_idx == 0  # see `paged_kv_attention`: later layers skip the value checks
+        (store_kv if checked else store_kv_unchecked)(_rows(key_states), _rows(value_states), cache.collection.blocks,
+                                                      lengths, table, offsets, self.layer_idx)
+        keys, values = (gather_kv if checked else gather_kv_unchecked)(cache.collection.blocks, lengths, table,
+                                                                       offsets, self.layer_idx, cache.max_cache_len)
         if self.layer_idx == cache.num_layers - 1:
             cache.end_step(batch, new)
         return keys.transpose(1, 2), values.transpose(1, 2)
@@ -97,14 +97,6 @@ class PagedLayer(CacheLayerMixin):
         return self.cache.max_cache_len
 
     get_max_cache_shape = get_max_length  # the abstract name before transformers 5.13
-
-
-def layer_value_checks(layer_idx: int) -> contextlib.AbstractContextManager:
-    """The ops' value checks for one layer of a step: layer 0 runs them; the step tensors stay as they
-    are until the last layer, so later layers skip them. A compiled step checks every layer."""
-    if layer_idx == 0 or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
-    return skip_value_checks()
 
 
 def _rows(states: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ import torch
 from . import library  # noqa: F401  (registers torch.ops.paged_kv.*)
 from . import backends  # noqa: F401  (registers the backends)
 from .dispatch import BackendUnavailableError, backend_info
-from .validate import skip_value_checks
 
 store_kv = torch.ops.paged_kv.store_kv.default
 """`store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)`:
@@ -28,5 +27,12 @@ gather_kv = torch.ops.paged_kv.gather_kv.default
 copy_pages = torch.ops.paged_kv.copy_pages.default
 """`copy_pages(blocks, src_pages, dst_pages)`: `blocks[dst[i]] = blocks[src[i]]`, all sources read first."""
 
-__all__ = ["store_kv", "flash_attention", "gather_kv", "copy_pages", "backend_info", "BackendUnavailableError",
-           "skip_value_checks"]
+# The same ops without the value checks (shape checks still run), for a caller whose step tensors
+# a checked call of the same step has covered: the layers after layer 0 (see ops/library.py).
+store_kv_unchecked = torch.ops.paged_kv.store_kv.unchecked
+flash_attention_unchecked = torch.ops.paged_kv.flash_attention.unchecked
+gather_kv_unchecked = torch.ops.paged_kv.gather_kv.unchecked
+copy_pages_unchecked = torch.ops.paged_kv.copy_pages.unchecked
+
+__all__ = ["store_kv", "flash_attention", "gather_kv", "copy_pages", "store_kv_unchecked", "flash_attention_unchecked",
+           "gather_kv_unchecked", "copy_pages_unchecked", "backend_info", "BackendUnavailableError"]

@@ -3,17 +3,14 @@
 `check_*_meta` looks at shapes, dtypes and devices only: the fakes run it while tracing. The real
 implementations add `check_*_data`, which reads the index tensors (page ids, lengths, offsets).
 On CUDA that is a host sync, so data checks are skipped while a CUDA graph is being captured and
-can be switched off with `TORCH_PAGED_KV_VALIDATE=shapes` (default `full`), or on one thread by
-`skip_value_checks()` for a caller that has checked the same step tensors already; kernels still
-clamp out-of-range pages so that an unchecked bad call cannot write outside `blocks`.
+can be switched off with `TORCH_PAGED_KV_VALIDATE=shapes` (default `full`), or per call through
+the ops' `.unchecked` overloads; kernels still clamp out-of-range pages so that an unchecked bad
+call cannot write outside `blocks`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -24,27 +21,9 @@ INDEX_DTYPE = torch.int32
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-_skipping = threading.local()
-
-
-@contextlib.contextmanager
-def skip_value_checks() -> Iterator[None]:
-    """Within the block, the ops called on this thread skip their value checks (shape checks still run).
-
-    For a caller that runs several ops on step tensors it does not change in between, and whose
-    first op of the step ran checked: the layers after layer 0 of one model step.
-    """
-    previous = getattr(_skipping, "active", False)
-    _skipping.active = True
-    try:
-        yield
-    finally:
-        _skipping.active = previous
-
-
 def data_checks_enabled(device: torch.device) -> bool:
     """Whether the value checks run for tensors on `device` right now."""
-    if getattr(_skipping, "active", False) or os.environ.get("TORCH_PAGED_KV_VALIDATE", "full") == "shapes":
+    if os.environ.get("TORCH_PAGED_KV_VALIDATE", "full") == "shapes":
         return False
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
