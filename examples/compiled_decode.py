@@ -63,9 +63,11 @@ class Attention(nn.Module):
         if blocks is None:  # no cache: one sequence, plain causal SDPA (the check at the end)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, enable_gqa=True).transpose(0, 1)
-        else:
-            pk.store_kv(k, v, blocks, *step, self.layer_idx)
-            o = pk.flash_attention(q, blocks, *step, self.layer_idx, cfg.head_dim ** -0.5)
+        else:  # layer 0 checks the step tensors, which stay as they are up to the last layer
+            first = self.layer_idx == 0
+            (pk.store_kv if first else pk.ops.store_kv_unchecked)(k, v, blocks, *step, self.layer_idx)
+            attend = pk.flash_attention if first else pk.ops.flash_attention_unchecked
+            o = attend(q, blocks, *step, self.layer_idx, cfg.head_dim ** -0.5)
         return self.wo(o.flatten(1))
 
 
