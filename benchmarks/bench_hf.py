@@ -127,7 +127,8 @@ def main() -> None:
             model.set_attn_implementation(attn)
             os.environ["TORCH_PAGED_KV_VALIDATE"] = validate if validate != "-" else "full"
             compiled = compile_config is not None and compiles  # else eager, also where generate would auto-compile
-            run_kwargs = {**kwargs, "compile_config": compile_config if compiled else None, "disable_compile": not compiled}
+            run_kwargs = {**kwargs, "compile_config": compile_config if compiled else None,
+                          "disable_compile": not compiled}
             timing, out = timed_generate(model, factory(), ids, run_kwargs)
             if repeat == 0:  # warm-up (and compilation)
                 outputs.append(out)

@@ -29,7 +29,8 @@ def test_opcheck_flash_attention(batch, overload):
 
 
 def test_opcheck_gather_kv(batch, overload):
-    torch.library.opcheck(getattr(torch.ops.paged_kv.gather_kv, overload), (batch.blocks, *batch.step, batch.layer_idx, 8))
+    torch.library.opcheck(getattr(torch.ops.paged_kv.gather_kv, overload),
+                          (batch.blocks, *batch.step, batch.layer_idx, 8))
 
 
 def test_opcheck_copy_pages(batch, overload):

@@ -195,7 +195,7 @@ def test_pool_follows_the_model_dtype_unless_given(model, attn):
         torch.testing.assert_close(got, expected, atol=two_ulps, rtol=0)  # paged attends in fp32, SDPA in bf16
     assert cache.collection.blocks.dtype == torch.bfloat16
     fixed = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, dtype=torch.float32)
-    with pytest.raises(ValueError, match="^dtype: the pool holds torch.float32 but the model's keys are torch.bfloat16"):
+    with pytest.raises(ValueError, match="^dtype: the pool holds torch.float32 but the model's keys are torch.bf"):
         forward(bf16, fixed, ids, 0)
     assert not fixed.collection.cache_lengths.any()  # nothing was stored
     elsewhere = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, device="meta")

@@ -57,10 +57,10 @@ def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: Pendin
     blocks = cache.collection.blocks
     # The step tensors do not change between layer 0 and the last layer: layer 0's value checks
     # cover every layer, so the later ones call the unchecked overloads (shape checks still run).
-    checked = layer.layer_idx == 0
-    (store_kv if checked else store_kv_unchecked)(k, v, blocks, lengths, table, offsets, layer.layer_idx)
-    out = (flash_attention if checked else flash_attention_unchecked)(
-        q, blocks, lengths, table, offsets, layer.layer_idx, scale, True, sliding_window or -1, softcap or 0.0)
+    first = layer.layer_idx == 0
+    store, attend = (store_kv, flash_attention) if first else (store_kv_unchecked, flash_attention_unchecked)
+    store(k, v, blocks, lengths, table, offsets, layer.layer_idx)
+    out = attend(q, blocks, lengths, table, offsets, layer.layer_idx, scale, True, sliding_window or -1, softcap or 0.0)
     if layer.layer_idx == cache.num_layers - 1:
         cache.end_step(batch, new)
     if ragged:

@@ -76,11 +76,11 @@ class PagedLayer(CacheLayerMixin):
         if self.layer_idx == 0:
             cache.begin_step(torch.full((batch,), new, dtype=torch.int32, device=cache.device))
         lengths, table, offsets = cache.step_tensors(batch)
-        checked = self.layer_idx == 0  # see `paged_kv_attention`: later layers skip the value checks
-        (store_kv if checked else store_kv_unchecked)(_rows(key_states), _rows(value_states), cache.collection.blocks,
-                                                      lengths, table, offsets, self.layer_idx)
-        keys, values = (gather_kv if checked else gather_kv_unchecked)(cache.collection.blocks, lengths, table,
-                                                                       offsets, self.layer_idx, cache.max_cache_len)
+        # layer 0 checks the step tensors for every layer (see `paged_kv_attention`)
+        store, gather = (store_kv, gather_kv) if self.layer_idx == 0 else (store_kv_unchecked, gather_kv_unchecked)
+        blocks = cache.collection.blocks
+        store(_rows(key_states), _rows(value_states), blocks, lengths, table, offsets, self.layer_idx)
+        keys, values = gather(blocks, lengths, table, offsets, self.layer_idx, cache.max_cache_len)
         if self.layer_idx == cache.num_layers - 1:
             cache.end_step(batch, new)
         return keys.transpose(1, 2), values.transpose(1, 2)
