@@ -73,7 +73,8 @@ def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tupl
     if ids.is_cuda:
         torch.cuda.synchronize()
     steps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
-    return Timing(time.perf_counter() - start, clock.stamps[1] - start, statistics.median(steps)), out
+    decode_step = statistics.median(steps) if steps else float("nan")  # --new-tokens 1: no decode step
+    return Timing(time.perf_counter() - start, clock.stamps[1] - start, decode_step), out
 
 
 def _rounded(x: float) -> float:
@@ -81,7 +82,7 @@ def _rounded(x: float) -> float:
     return round(x, 1) if x < 100 else round(x)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=32, help="longest prompt (others are shorter, left-padded)")
@@ -151,7 +152,12 @@ def main() -> None:
              "new tokens": args.new_tokens, "model": f"Llama {args.layers} layers x {args.hidden} hidden",
              "page_size": args.page_size, "dtype": args.dtype, "device": device}
     print(report("bench_hf_compiled" if args.compile else "bench_hf", rows, setup))
+    wrong = [f"{r['cache']}/{r['attention']}" for r in rows if not r["same tokens as DynamicCache"]]
+    if wrong and args.dtype == "float32":  # in 16-bit, rounding may legitimately flip a greedy choice
+        print(f"WRONG: {', '.join(wrong)} generated other tokens than DynamicCache in float32")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -64,9 +64,9 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                                is_causal=True, enable_gqa=True).transpose(0, 1)
         else:  # layer 0 checks the step tensors, which stay as they are up to the last layer
-            first = self.layer_idx == 0
-            (pk.store_kv if first else pk.ops.store_kv_unchecked)(k, v, blocks, *step, self.layer_idx)
-            attend = pk.flash_attention if first else pk.ops.flash_attention_unchecked
+            store, attend = (pk.store_kv, pk.flash_attention) if self.layer_idx == 0 else \
+                (pk.ops.store_kv_unchecked, pk.ops.flash_attention_unchecked)
+            store(k, v, blocks, *step, self.layer_idx)
             o = attend(q, blocks, *step, self.layer_idx, cfg.head_dim ** -0.5)
         return self.wo(o.flatten(1))
 

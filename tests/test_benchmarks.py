@@ -27,9 +27,9 @@ CPU_RUNS = {
 GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py"]
 
 
-@pytest.fixture(scope="module")
-def benchmarks(tmp_path_factory) -> pathlib.Path:
-    copy = tmp_path_factory.mktemp("bench") / "benchmarks"
+@pytest.fixture
+def benchmarks(tmp_path) -> pathlib.Path:
+    copy = tmp_path / "benchmarks"
     shutil.copytree(BENCHMARKS, copy, ignore=shutil.ignore_patterns("results", "__pycache__"))
     return copy
 
@@ -45,7 +45,7 @@ def _run(folder: pathlib.Path, script: str, *args: str) -> str:
 def test_cpu_benchmark_prints_its_table(benchmarks, script):
     out = _run(benchmarks, script, *CPU_RUNS[script])
     assert "|---|" in out and "WRONG" not in out, out[-3000:]
-    assert (benchmarks / "results").is_dir()
+    assert any((benchmarks / "results").glob("*.md"))  # its own results, in the copy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: these would measure for real")

@@ -197,10 +197,27 @@ def test_pool_follows_the_model_dtype_unless_given(model, attn):
     fixed = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, dtype=torch.float32)
     with pytest.raises(ValueError, match="^dtype: the pool holds torch.float32 but the model's keys are torch.bf"):
         forward(bf16, fixed, ids, 0)
-    assert not fixed.collection.cache_lengths.any()  # nothing was stored
+    assert fixed.collection is None  # refused before allocating: the cache is still usable
     elsewhere = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, device="meta")
     with pytest.raises(ValueError, match="^device: the pool is on meta but the model's keys are on cpu"):
         forward(bf16, elsewhere, ids, 0)
+
+
+@pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
+def test_pool_allocated_by_a_compiled_first_step(model, attn):
+    """`torch.compile(model, fullgraph=True)` on a fresh cache: the first step allocates the pool inside
+    the compiled region (no static-address marking there); the next eager step marks it."""
+    ids = torch.randint(1, 512, (2, 5), generator=torch.Generator().manual_seed(4))
+    cache, dynamic = paged(model, attn), DynamicCache(config=model.config)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    got = forward(compiled, cache, ids, 0)
+    assert cache.collection is not None and not cache.static_addresses_marked
+    got = torch.cat([got, forward(model, cache, ids[:, :1], 5)], 1)
+    assert cache.static_addresses_marked
+    model.set_attn_implementation("sdpa")
+    expected = torch.cat([forward(model, dynamic, ids, 0), forward(model, dynamic, ids[:, :1], 5)], 1)
+    torch.testing.assert_close(got, expected)
 
 
 def test_forward_without_cache(model, prompts):

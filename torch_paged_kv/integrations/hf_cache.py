@@ -90,7 +90,8 @@ class PagedLayer(CacheLayerMixin):
         return self.cache.max_cache_len, 0
 
     def get_seq_length(self) -> torch.Tensor | int:
-        """Columns seen so far (padding included), as a 0-dim tensor like `StaticLayer` (0 before the pool exists)."""
+        """Columns seen so far (padding included): a 0-dim tensor like `StaticLayer`'s, or the int 0
+        before the pool exists (also like `StaticLayer`)."""
         return 0 if self.cache.columns is None else self.cache.columns
 
     def get_max_length(self) -> int:
@@ -152,23 +153,40 @@ class PagedCache(Cache):
         own = torch.arange(1, self.max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
         self.collection.lookup_table[:, :pages_per_row] = own.view(self.max_batch_size, pages_per_row)
         self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.static_addresses_marked = False
+        self._mark_static_addresses()
+
+    def _mark_static_addresses(self) -> None:
+        """Tell dynamo that the pool's tensors keep their addresses (CUDA graphs then use them in place).
+        Dynamo forbids this while compiling (a pool allocated by a compiled first step): the next eager
+        step does it."""
+        if self.static_addresses_marked or torch.compiler.is_compiling():
+            return
         for t in (self.collection.blocks, self.collection.cache_lengths, self.collection.input_row_offsets,
                   self.collection.lookup_table, self.columns):
             torch._dynamo.mark_static_address(t)
+        self.static_addresses_marked = True
 
     def ensure_pool(self, key_states: torch.Tensor) -> None:
-        """Allocate the pool on first use (see the class docstring), and check the model's keys fit it."""
+        """Check that the model's keys fit the pool (its dtype and device, given or already allocated),
+        then allocate the pool on first use (see the class docstring)."""
         if self.collection is None:
-            self._allocate(self.requested_device or key_states.device, self.requested_dtype or key_states.dtype)
+            dtype, device = self.requested_dtype or key_states.dtype, self.requested_device or key_states.device
+        else:
+            dtype, device = self.collection.blocks.dtype, self.collection.blocks.device
+        if key_states.dtype != dtype:
+            raise ValueError(f"dtype: the pool holds {dtype} but the model's keys are {key_states.dtype}; "
+                             f"pass dtype={key_states.dtype} (or leave it None to follow the model)")
+        here = key_states.device
+        if here.type != device.type or (device.index is not None and here.index != device.index):
+            raise ValueError(f"device: the pool is on {device} but the model's keys are on {here}; "
+                             f"pass device={str(here)!r} (or leave it None to follow the model)")
+        if self.collection is None:
+            self._allocate(here, dtype)
             for layer in self.layers:
                 layer.is_initialized = True
-        blocks = self.collection.blocks
-        if key_states.dtype != blocks.dtype:
-            raise ValueError(f"dtype: the pool holds {blocks.dtype} but the model's keys are {key_states.dtype}; "
-                             f"pass dtype={key_states.dtype} (or leave it None to follow the model)")
-        if key_states.device != blocks.device:
-            raise ValueError(f"device: the pool is on {blocks.device} but the model's keys are on "
-                             f"{key_states.device}; pass device={str(key_states.device)!r} (or leave it None)")
+        else:
+            self._mark_static_addresses()
 
     @property
     def attends_from_pages(self) -> bool:

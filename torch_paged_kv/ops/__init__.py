@@ -27,12 +27,19 @@ gather_kv = torch.ops.paged_kv.gather_kv.default
 copy_pages = torch.ops.paged_kv.copy_pages.default
 """`copy_pages(blocks, src_pages, dst_pages)`: `blocks[dst[i]] = blocks[src[i]]`, all sources read first."""
 
-# The same ops without the value checks (shape checks still run), for a caller whose step tensors
-# a checked call of the same step has covered: the layers after layer 0 (see ops/library.py).
 store_kv_unchecked = torch.ops.paged_kv.store_kv.unchecked
+"""`store_kv` without the value checks (shape checks still run): for a caller whose step tensors a
+checked call of the same step has covered, such as the layers after layer 0."""
+
 flash_attention_unchecked = torch.ops.paged_kv.flash_attention.unchecked
+"""`flash_attention` without the value checks (shape checks still run); see `store_kv_unchecked`."""
+
 gather_kv_unchecked = torch.ops.paged_kv.gather_kv.unchecked
+"""`gather_kv` without the value checks (shape checks still run); see `store_kv_unchecked`."""
+
 copy_pages_unchecked = torch.ops.paged_kv.copy_pages.unchecked
+"""`copy_pages` without the value checks (shape checks still run): page ids out of range or
+duplicate destinations are not caught."""
 
 __all__ = ["store_kv", "flash_attention", "gather_kv", "copy_pages", "store_kv_unchecked", "flash_attention_unchecked",
            "gather_kv_unchecked", "copy_pages_unchecked", "backend_info", "BackendUnavailableError"]

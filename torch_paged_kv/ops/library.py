@@ -12,6 +12,7 @@ the layers after layer 0. Being its own op, it stays itself in a compiled graph.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -36,9 +37,9 @@ for _name, _signature in SIGNATURES.items():
         lib.define(_name + _overload + _signature)
 
 
-def _register_fake(name: str):
+def _register_fake(name: str) -> Callable[[Callable], Callable]:
     """Register the decorated function as the fake of both overloads of `name`."""
-    def register(fake):
+    def register(fake: Callable) -> Callable:
         for overload in OVERLOADS:
             torch.library.register_fake(f"paged_kv::{name}{overload}", fake, lib=lib)
         return fake

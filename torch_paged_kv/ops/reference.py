@@ -115,17 +115,16 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
         return q.new_empty(q.shape)
     new = input_row_offsets.diff()
     kv_len = cache_lengths + new
-    min_kv, max_kv = (int(x) for x in torch.aminmax(kv_len))
+    min_kv, max_kv, max_new = torch.stack((*torch.aminmax(kv_len), new.max())).tolist()  # one host sync
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
     key, value = (_gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv).transpose(1, 2) for plane in (0, 1))
     key_pos = torch.arange(max_kv, device=q.device)
-    if total == batch and int(new.max()) == 1:  # decode: one new token per sequence, no query padding
+    if total == batch and max_new == 1:  # decode: one new token per sequence, no query padding
         window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
         allowed = None if min_kv == max_kv and window_covers_all else _decode_allowed(kv_len, key_pos, sliding_window)
         q_rows = q.float().reshape(batch, num_q_heads, 1, head_dim)
         return _attend(q_rows, key, value, allowed, softmax_scale, softcap).reshape(q.shape).to(q.dtype)
 
-    max_new = int(new.max())
     seq, tok = _row_coordinates(input_row_offsets, total)
     q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
     q_padded[seq, tok] = q.float()
