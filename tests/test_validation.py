@@ -154,6 +154,11 @@ def test_unchecked_overloads_skip_the_value_checks_only():
     with pytest.raises(ValueError, match="^dst_pages:"):
         pk.copy_pages(b.blocks, _i32([1, 2]), duplicate)
     ops.copy_pages_unchecked(b.blocks, _i32([1, 2]), duplicate)  # value checks skipped: accepted
+    outside = (b.cache_lengths, _bad_page(b, 0, 1, 10_000), b.input_row_offsets, b.layer_idx)
+    with pytest.raises(ValueError, match="^lookup_table:"):
+        pk.flash_attention(b.q, b.blocks, *outside, 0.5)
+    with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
+        ops.flash_attention_unchecked(b.q, b.blocks, *outside, 0.5)
     step = (b.cache_lengths, b.lookup_table, b.input_row_offsets, b.layer_idx)
     with pytest.raises(ValueError, match="^key:"):  # shape checks still run
         ops.store_kv_unchecked(b.new_keys.double(), b.new_values, b.blocks, *step)
