@@ -138,6 +138,7 @@ class PagedCache(Cache):
         self.collection: PagedKVCacheCollection | None = None
         self.columns: torch.Tensor | None = None
         self.device: torch.device | None = None
+        self.static_addresses_marked = False
         self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
         if self.requested_device is not None and self.requested_dtype is not None:
             self._allocate(self.requested_device, self.requested_dtype)
@@ -153,7 +154,6 @@ class PagedCache(Cache):
         own = torch.arange(1, self.max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
         self.collection.lookup_table[:, :pages_per_row] = own.view(self.max_batch_size, pages_per_row)
         self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
-        self.static_addresses_marked = False
         self._mark_static_addresses()
 
     def _mark_static_addresses(self) -> None:
