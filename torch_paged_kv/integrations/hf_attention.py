@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from ..ops import flash_attention, flash_attention_unchecked, store_kv, store_kv_unchecked
-from .hf_cache import PendingKV
+from .hf_cache import PendingKV, token_rows
 
 
 def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
@@ -42,9 +42,7 @@ def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: Pendin
         return _uncached_attention(query, key, value, attention_mask, scale), None
     batch, num_heads, new, head_dim = query.shape
     layer, cache = key.layer, key.layer.cache
-    q = query.transpose(1, 2).reshape(batch * new, num_heads, head_dim)
-    k = key.key.transpose(1, 2).reshape(batch * new, -1, head_dim)
-    v = key.value.transpose(1, 2).reshape(batch * new, -1, head_dim)
+    q, k, v = token_rows(query), token_rows(key.key), token_rows(key.value)
     ragged = attention_mask is not None and new > 1  # prefill with padding: keep the real tokens only
     if ragged:
         real = attention_mask.reshape(-1).nonzero().squeeze(1)

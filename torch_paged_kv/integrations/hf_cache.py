@@ -79,7 +79,7 @@ class PagedLayer(CacheLayerMixin):
         # layer 0 checks the step tensors for every layer (see `paged_kv_attention`)
         store, gather = (store_kv, gather_kv) if self.layer_idx == 0 else (store_kv_unchecked, gather_kv_unchecked)
         blocks = cache.collection.blocks
-        store(_rows(key_states), _rows(value_states), blocks, lengths, table, offsets, self.layer_idx)
+        store(token_rows(key_states), token_rows(value_states), blocks, lengths, table, offsets, self.layer_idx)
         keys, values = gather(blocks, lengths, table, offsets, self.layer_idx, cache.max_cache_len)
         if self.layer_idx == cache.num_layers - 1:
             cache.end_step(batch, new)
@@ -100,7 +100,7 @@ class PagedLayer(CacheLayerMixin):
     get_max_cache_shape = get_max_length  # the abstract name before transformers 5.13
 
 
-def _rows(states: torch.Tensor) -> torch.Tensor:
+def token_rows(states: torch.Tensor) -> torch.Tensor:
     """`[batch, heads, new, head_dim]` -> `[batch*new, heads, head_dim]` (batch-major rows)."""
     return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
 

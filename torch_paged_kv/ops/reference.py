@@ -91,8 +91,7 @@ def _gather_fp32(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table:
 
 def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
               input_row_offsets: torch.Tensor, layer_idx: int, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = input_row_offsets.long()
-    kv_len = cache_lengths.long() + offsets[1:] - offsets[:-1]
+    kv_len = cache_lengths + input_row_offsets.diff()
     batch, heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     valid = (torch.arange(max_kv_len, device=blocks.device)[None] < kv_len[:, None])[:, :, None, None]
     outputs = []
@@ -119,8 +118,9 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
     key, value = (_gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv).transpose(1, 2) for plane in (0, 1))
     key_pos = torch.arange(max_kv, device=q.device)
+    window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
     if total == batch and max_new == 1:  # decode: one new token per sequence, no query padding
-        window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
+        # its one query sits at the last position, so causality hides nothing
         allowed = None if min_kv == max_kv and window_covers_all else _decode_allowed(kv_len, key_pos, sliding_window)
         q_rows = q.float().reshape(batch, num_q_heads, 1, head_dim)
         return _attend(q_rows, key, value, allowed, softmax_scale, softcap).reshape(q.shape).to(q.dtype)
@@ -130,7 +130,7 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     q_padded[seq, tok] = q.float()
     out = torch.empty_like(q_padded)
     # No mask when it would allow every key: equal lengths, each query seeing its whole sequence.
-    sees_all = min_kv == max_kv and not causal and (sliding_window <= 0 or sliding_window >= max_kv)
+    sees_all = min_kv == max_kv and not causal and window_covers_all
     per_query = batch * max_kv * (4 * num_q_heads if softcap > 0 else 1)  # mask bytes, or fp32 scores
     chunk = max(1, CHUNK_BUDGET_BYTES // per_query)
     for start in range(0, max_new, chunk):
