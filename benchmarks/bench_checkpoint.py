@@ -33,7 +33,7 @@ def make_cache(size_mb: int, device: str) -> PagedKVCacheCollection:
     c = PagedKVCacheCollection(params, num_pages=pages, max_batch_size=8,
                                max_seq_len=per_row * params.page_size, device=device)
     c.blocks.copy_(torch.randn(c.blocks.shape, dtype=torch.bfloat16, device=device))
-    order = (torch.randperm(pages) + 1).to(torch.int32).reshape(8, -1)[:, :per_row]
+    order = (torch.randperm(pages)[: 8 * per_row] + 1).to(torch.int32).view(8, per_row)
     c.lookup_table[:, :per_row] = order.to(device)
     c.cache_lengths.fill_(per_row * params.page_size)
     return c

@@ -186,7 +186,7 @@ def test_load_pages_into_live_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     loaded = load_cache(tmp_path / "kv.safetensors")
     pool = torch.randn(40, *src.blocks.shape[1:])
     before = pool.clone()
-    targets = [30, 31, 32, 5, 17, 2, 9, 10, 11, 38, 0, 25]  # runs and scattered ids
+    targets = [30, 31, 32, 5, 17, 2, 9, 10, 11, 38, 1, 25]  # runs and scattered ids
     info = load_pages(tmp_path / "kv.safetensors", pool, targets)
     assert info.num_pages == len(targets)
     assert torch.equal(bits(pool[targets]), bits(loaded.blocks[1:]))
@@ -196,6 +196,8 @@ def test_load_pages_into_live_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         load_pages(tmp_path / "kv.safetensors", pool.half(), targets)
     with pytest.raises(ValueError, match="pages: expected 12 distinct ids"):
         load_pages(tmp_path / "kv.safetensors", pool, targets[:-1] + [30])
+    with pytest.raises(ValueError, match="never the null page"):
+        load_pages(tmp_path / "kv.safetensors", pool, targets[:-1] + [0])
 
 
 def _flip(path: Path, offset_from_end: int) -> None:
@@ -235,6 +237,30 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="do not fit the target"):
         load_cache(good, expected_params=other)
     assert load_cache(good, expected_params=src.params).num_pages == 13
+
+
+@pytest.mark.parametrize("entry, lengths, message", [
+    ((0, 0), None, "puts a row's tokens in a page it does not store"),
+    ((0, 1), None, "page ids outside 0..13"),
+    (None, [10, 31, 13, 0], "outside 0..30"),
+])
+def test_inconsistent_tables_raise_checkpoint_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry,
+                                                    lengths, message) -> None:
+    """A file whose checksums are right but whose lookup table or lengths do not describe its pages."""
+    real_plan = checkpoint._plan
+
+    def bad_plan(*args):
+        plan = real_plan(*args)
+        if entry is not None:
+            plan.lookup_table[entry] = 0 if entry == (0, 0) else 14
+        if lengths is not None:
+            plan.cache_lengths = torch.tensor(lengths, dtype=torch.int32)
+        return plan
+    monkeypatch.setattr(checkpoint, "_plan", bad_plan)
+    save_cache(make_paged(seed=8), tmp_path / "bad.safetensors")
+    for read in (read_info, load_cache):
+        with pytest.raises(CheckpointError, match=message):
+            read(tmp_path / "bad.safetensors")
 
 
 def test_bad_shards(tmp_path: Path) -> None:

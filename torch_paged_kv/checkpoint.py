@@ -287,8 +287,27 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         lengths = _read_small(f, "cache_lengths", checksums, path)
         table = _read_small(f, "lookup_table", checksums, path)
     offsets = {name: tuple(t["data_offsets"]) for name, t in all_tensors.items()}
-    return CheckpointInfo(path, params, kind, max_seq_len, num_pages, page_tokens, lengths.tolist(), table,
+    info = CheckpointInfo(path, params, kind, max_seq_len, num_pages, page_tokens, lengths.tolist(), table,
                           files, checksums, tensor_files, offsets, metadata)
+    _check_tables(info)
+    return info
+
+
+def _check_tables(info: CheckpointInfo) -> None:
+    """Lengths fit `max_seq_len`; table entries fit the collection `load_cache` builds (pages
+    0..num_pages; continuous-batching slots 0..batch), and every page holding a row's tokens is a
+    stored one (1..num_pages)."""
+    lengths = torch.tensor(info.cache_lengths)
+    if bool(((lengths < 0) | (lengths > info.max_seq_len)).any()):
+        raise CheckpointError(f"{info.path}: cache_lengths {info.cache_lengths} outside 0..{info.max_seq_len}")
+    table = info.lookup_table.reshape(len(info.cache_lengths), -1)
+    bound = info.num_pages if info.kind == PAGED else len(info.cache_lengths)
+    if bool(((table < 0) | (table > bound)).any()):
+        raise CheckpointError(f"{info.path}: lookup_table has page ids outside 0..{bound}")
+    used = torch.arange(table.shape[1])[None] < torch.tensor(info.pages_per_row())[:, None]
+    if bool((used & ((table == layout.NULL_PAGE) | (table > info.num_pages))).any()):
+        raise CheckpointError(f"{info.path}: lookup_table puts a row's tokens in a page it does not store "
+                              f"(the null page {layout.NULL_PAGE}, or past {info.num_pages})")
 
 
 def _check_shapes(path: Path, params: KVCacheParams, kind: str, max_seq_len: int, num_pages: int,
@@ -375,8 +394,9 @@ def load_pages(path: str | os.PathLike[str], blocks: torch.Tensor, pages: list[i
                               f"{blocks.dtype}{list(blocks.shape)}")
     ids = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
     if ids.numel() != info.num_pages or ids.unique().numel() != ids.numel() or \
-            bool(((ids < 0) | (ids >= blocks.shape[0])).any()):
-        raise ValueError(f"pages: expected {info.num_pages} distinct ids in 0..{blocks.shape[0] - 1}, got {ids.tolist()}")
+            bool(((ids <= layout.NULL_PAGE) | (ids >= blocks.shape[0])).any()):
+        raise ValueError(f"pages: expected {info.num_pages} distinct ids in 1..{blocks.shape[0] - 1} "
+                         f"(never the null page {layout.NULL_PAGE}), got {ids.tolist()}")
     _stream_pages(info, blocks, ids, progress)
     return info
 
@@ -396,10 +416,7 @@ def load_cache(path: str | os.PathLike[str], *, device: torch.device | str | Non
         collection: Collection = ContinuousBatchingKVCacheCollection(info.params, batch, info.max_seq_len, device)
     else:
         collection = PagedKVCacheCollection(info.params, max(1, info.num_pages), batch, info.max_seq_len, device)
-    table = info.lookup_table
-    if bool(((table < 0) | (table >= collection.num_physical_pages)).any()):
-        raise CheckpointError(f"{path}: lookup_table has page ids outside 0..{collection.num_physical_pages - 1}")
     _stream_pages(info, collection.blocks, torch.arange(1, info.num_pages + 1), progress)
     collection.cache_lengths.copy_(torch.tensor(info.cache_lengths, dtype=torch.int32))
-    collection.lookup_table.copy_(table)
+    collection.lookup_table.copy_(info.lookup_table)
     return collection

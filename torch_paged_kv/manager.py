@@ -264,13 +264,13 @@ class KVCacheManager:
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, seq_ids: Sequence) -> None:
-        """Move sequences' pages to CPU memory (pinned when CUDA is available) and free them."""
+        """Move sequences' pages to CPU memory (pinned when the pool is on a GPU) and free them."""
         seqs = self._resolve(list(seq_ids), name="seq_ids", limit_batch=False)[0]
         blocks = self.collection.blocks
         for seq in seqs:
             used = self._pages(seq)[: self._pages_for(int(self._lengths[seq.slot]))]
             host = torch.empty((len(used), *blocks.shape[1:]), dtype=blocks.dtype,
-                               pin_memory=torch.cuda.is_available())
+                               pin_memory=blocks.is_cuda)
             host.copy_(blocks[torch.tensor(used, dtype=torch.long, device=blocks.device)])
             self._drop_pages(seq)
             seq.host_pages = host
@@ -318,7 +318,9 @@ class KVCacheManager:
 
         Ids are `seq_ids` if given, else fresh `("loaded", n)` tuples. All or nothing: a checkpoint
         whose params or kind do not match raises `checkpoint.CheckpointError`, too few pages
-        `OutOfPagesError`, and the manager is unchanged.
+        `OutOfPagesError`, and the manager is unchanged. Pages stream straight into the pool
+        (`checkpoint.load_pages`); a checksum error found on the way also raises `CheckpointError`
+        and frees them again, but prefix-cache entries evicted to make room stay evicted.
         """
         info = checkpoint.read_info(path)
         params, c = self.collection.params, self.collection
@@ -340,13 +342,17 @@ class KVCacheManager:
         tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
         tokens = [None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t)
                   for t in tokens]
-        loaded = checkpoint.load_cache(path, device="cpu", expected_params=params)
-        pages = [layout.NULL_PAGE, *self._pool.allocate(info.num_pages)]  # checkpoint page j -> pages[j]
-        self._write_pages(pages[1:], loaded.blocks[1: info.num_pages + 1])
+        new_pages = self._pool.allocate(info.num_pages)
+        try:  # streamed straight into the pool, through bounded host buffers
+            checkpoint.load_pages(path, c.blocks, new_pages)
+        except BaseException:
+            self._pool.unref(new_pages[::-1])  # back to free, in their old order; evicted cache entries stay evicted
+            raise
+        pages = [layout.NULL_PAGE, *new_pages]  # checkpoint page j -> pages[j]
         seen: set[int] = set()
-        for b, seq_id in enumerate(ids):
+        for b, (seq_id, per_row) in enumerate(zip(ids, info.pages_per_row())):
             length = info.cache_lengths[b]
-            row = [pages[j] for j in loaded.lookup_table[b, : self._pages_for(length)].tolist()]
+            row = [pages[j] for j in info.lookup_table[b, :per_row].tolist()]
             for page in row:
                 if page in seen:  # shared in the checkpoint: one more owner
                     self._pool.ref(page)
@@ -479,7 +485,7 @@ class KVCacheManager:
         """Room for `length` token ids per slot: whole pages, doubling until they fit."""
         capacity = self._tokens.shape[1]
         if length > capacity:
-            doubled = min(2 * capacity // self.page_size, self._pages_for(self.collection.max_seq_len))
+            doubled = min(2 * capacity // self.page_size, self.collection.max_pages_per_sequence)
             pages = max(self._pages_for(length), doubled)
             grown = np.zeros((len(self._tokens), pages * self.page_size), dtype=TOKEN_DTYPE)
             grown[:, :capacity] = self._tokens
