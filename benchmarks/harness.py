@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_paged_kv as pk
+from torch_paged_kv.testing import ATTENTION_TOLERANCE
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -141,15 +142,13 @@ class WrongOutputError(Exception):
 
 
 def check_close(out: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    """Raise `WrongOutputError` unless `out` matches a non-zero `expected` (bf16-level tolerance).
-
-    Decode outputs over thousands of random keys are small (|out| <= ~0.15 at 4k-8k context), so
-    atol is 2e-3: a correct bf16 kernel is within ~5e-4 of SDPA there, while one page of 16 keys
-    dropped or read from the wrong place moves some element by ~1.5e-2 (an atol of 2e-2 passed it)."""
+    """Raise `WrongOutputError` unless `out` matches a non-zero `expected`, within
+    `ATTENTION_TOLERANCE` of `out`'s dtype (a correct bf16 kernel is within ~5e-4 of SDPA at these
+    shapes; one page of 16 keys dropped or misread moves some element by ~1.5e-2)."""
     if not expected.abs().sum().item():
         raise WrongOutputError(f"{what}: the expected output is all zeros; the inputs hold no data")
     try:
-        torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-2)
+        torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
     except AssertionError as exc:
         raise WrongOutputError(f"{what}: " + " ".join(str(exc).split())) from None
 

@@ -16,7 +16,7 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
-from torch_paged_kv.testing import PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
 
 # Without a GPU these are the only Triton tests that run: if the interpreter cannot run, fail.
 # (tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.)
@@ -29,10 +29,6 @@ if unavailable_reason(torch.device("cpu")) is not None:
 def force_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TORCH_PAGED_KV_BACKEND", "triton")
-
-
-def tolerances(dtype: torch.dtype) -> dict[str, float]:
-    return {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1.6e-2}
 
 
 # -- store_kv, gather_kv, copy_pages ------------------------------------------------------------
@@ -105,10 +101,10 @@ def check_attention(batch: PagedBatch, scale: float, causal: bool, window: int, 
     args = (batch.q, batch.blocks, *batch.step, batch.layer_idx, scale, causal, window, softcap)
     got = ops.flash_attention(*args)
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
-    torch.testing.assert_close(got, reference.flash_attention(*args), **tolerances(got.dtype))
+    torch.testing.assert_close(got, reference.flash_attention(*args), **ATTENTION_TOLERANCE[got.dtype])
     expected = attention_fp64(batch.q, batch.keys, batch.values, batch.cache_lengths.tolist(), scale, causal,
                               window, softcap)
-    torch.testing.assert_close(got, expected.to(got.dtype), **tolerances(got.dtype))
+    torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
 
 
 @pytest.mark.parametrize("name", ATTENTION_CASES)

@@ -6,23 +6,19 @@ poison (300): a kernel that reads a key it must not see gets a visibly wrong ans
 oracle (on contiguous K/V, never the pool) stays exact.
 """
 
-import importlib.util
-
 import pytest
 import torch
 
+from torch_paged_kv import cute
 from torch_paged_kv.ops import dispatch, reference
-from torch_paged_kv.testing import PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
 
 POISON = 300.0
 
 
-def _require_kit() -> None:
-    if importlib.util.find_spec("cutlass") is None:
-        pytest.skip("nvidia-cutlass-dsl is not importable here: run `. /tmp/kit/env.sh` (shared/gpu/README.md)")
-    major, minor = torch.cuda.get_device_capability()
-    if major not in (9, 10):
-        pytest.skip(f"CuTe kernels target sm_90a / sm_100a; this GPU is sm_{major}{minor}")
+CUDA = torch.device("cuda")
+if torch.cuda.is_available() and (_reason := cute.unavailable_reason(CUDA)) is not None:
+    pytest.skip(f"{_reason} (the CuTe DSL kit: `. /tmp/kit/env.sh`, shared/gpu/README.md)", allow_module_level=True)
 
 
 def _decode_batch(batch: int, max_ctx: int, page_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, *,
@@ -50,7 +46,7 @@ def _check(out: torch.Tensor, step: PagedBatch, scale: float, causal: bool = Tru
     values = [v[: n + 1] for v, n in zip(step.values, lengths)]
     expected = attention_fp64(step.q, keys, values, lengths, scale, causal, window)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
 
 
 CASES = [  # (batch, max_ctx): up to 32k context, batch 1..256
@@ -62,7 +58,6 @@ CASES = [  # (batch, max_ctx): up to 32k context, batch 1..256
 @pytest.mark.parametrize("batch, max_ctx", CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_matches_reference(page_size, batch, max_ctx, dtype):
-    _require_kit()
     from torch_paged_kv.cute.attention import flash_attention, supports
 
     head_dim = 128
@@ -74,7 +69,6 @@ def test_decode_matches_reference(page_size, batch, max_ctx, dtype):
 
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (64, 8), (128, 1), (128, 16), (256, 2), (256, 8)])
 def test_decode_head_dims_and_gqa_groups(head_dim, group):
-    _require_kit()
     from torch_paged_kv.cute.attention import flash_attention
 
     step = _decode_batch(16, 3000, 16, 2, head_dim, torch.bfloat16, group=group, layer=0, seed=1)
@@ -83,16 +77,28 @@ def test_decode_head_dims_and_gqa_groups(head_dim, group):
 
 @pytest.mark.parametrize("causal, window", [(False, -1), (True, 100), (True, 1), (True, 5000)])
 def test_decode_window_and_non_causal(causal, window):
-    _require_kit()
     from torch_paged_kv.cute.attention import flash_attention
 
     step = _decode_batch(8, 4000, 64, 4, 128, torch.bfloat16, group=4, layer=1, seed=2)
     _check(flash_attention(*_args(step, 0.1, causal, window)), step, 0.1, causal, window)
 
 
+@pytest.mark.parametrize("causal, window", [(True, -1), (False, -1), (True, 300)])
+def test_ragged_chunked_call_matches_fp64(causal, window):
+    """Several new rows per sequence on a cached prefix: `supports` sends such calls to Triton, but
+    the kernels take any ragged call; here causality and the window differ per query row."""
+    from torch_paged_kv.cute.attention import flash_attention
+
+    step = make_paged_batch([500, 37, 0], [7, 3, 5], page_size=16, num_kv_heads=4, head_dim=128, group=4,
+                            dtype=torch.bfloat16, device="cuda", spare_pages=0, seed=7, fill=POISON)
+    reference.store_kv(step.new_keys, step.new_values, step.blocks, *step.step, step.layer_idx)
+    expected = attention_fp64(step.q, step.keys, step.values, step.cache_lengths.tolist(), 0.09, causal, window)
+    out = flash_attention(*_args(step, 0.09, causal, window))
+    torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
+
+
 def test_continuous_batching_table():
     """A 1-D slot table (page_size = max_seq_len) is the same layout with one page per row."""
-    _require_kit()
     from torch_paged_kv.cute.attention import flash_attention
 
     step = _decode_batch(6, 1024, 1024, 4, 128, torch.float16, group=4, layer=0, continuous=True, seed=3)
@@ -100,21 +106,23 @@ def test_continuous_batching_table():
     _check(flash_attention(*_args(step, 0.08)), step, 0.08)
 
 
-def test_small_pages_are_declined_on_sm90_and_dispatch_falls_back():
-    _require_kit()
-    from torch_paged_kv.cute.attention import device_arch, supports
+def test_small_pages_are_declined_on_sm90_and_dispatch_falls_back(monkeypatch):
+    from torch_paged_kv.cute.attention import supports
 
     step = _decode_batch(4, 100, 1, 2, 128, torch.bfloat16, group=4, layer=0)
     args = _args(step, 0.1, True, -1, 0.0)
-    if device_arch(torch.cuda.current_device()) == "sm_90a":
-        assert not supports(*args)  # page 1: Triton's kernel runs it
-        assert dispatch.select("flash_attention", step.q.device, args) is not None
-    else:
-        assert supports(*args)
+    if cute.device_arch(torch.cuda.current_device()) != "sm_90a":
+        assert supports(*args)  # gather4 streams single rows
+        return
+    assert not supports(*args)  # page 1 on Hopper: below a TMA box, Triton's kernel runs it
+    monkeypatch.setitem(dispatch.DEFAULT_ORDER, "cuda", ("cute", "triton", "reference"))
+    assert dispatch.select("flash_attention", CUDA, args) is dispatch._kernels[("triton", "flash_attention")][0]
+    monkeypatch.setenv(dispatch.ENV_VAR, "cute")
+    with pytest.raises(dispatch.BackendUnavailableError, match="does not cover"):
+        dispatch.select("flash_attention", CUDA, args)
 
 
 def test_forced_backend_runs_cute_through_the_op(monkeypatch):
-    _require_kit()
     import torch_paged_kv  # noqa: F401  (registers the ops)
 
     monkeypatch.setenv(dispatch.ENV_VAR, "cute")
@@ -123,7 +131,6 @@ def test_forced_backend_runs_cute_through_the_op(monkeypatch):
 
 
 def test_cuda_graph_replay_sees_updated_lengths():
-    _require_kit()
     from torch_paged_kv.cute.attention import flash_attention
 
     step = _decode_batch(8, 1024, 16, 4, 128, torch.bfloat16, group=4, layer=0, seed=5)
@@ -140,13 +147,12 @@ def test_cuda_graph_replay_sees_updated_lengths():
 
 
 def test_disk_cache_kernel_gives_the_same_answer(tmp_path, monkeypatch):
-    _require_kit()
     from torch_paged_kv.cute import attention, compile_cache, variants
 
     step = _decode_batch(4, 512, 16, 2, 64, torch.float16, group=2, layer=0, seed=6)
     args = _args(step, 0.125)
     first = attention.flash_attention(*args)
-    key = variants.decode_key(attention.device_arch(torch.cuda.current_device()), "float16", 64, 16, 2)
+    key = variants.decode_key(cute.device_arch(torch.cuda.current_device()), "float16", 64, 16, 2)
     compile_cache.CompileCache(cache_dir=tmp_path).get(key, lambda: variants.build(key))  # compile + export
     monkeypatch.setattr(compile_cache, "CACHE", compile_cache.CompileCache(cache_dir=tmp_path))
     second = attention.flash_attention(*args)

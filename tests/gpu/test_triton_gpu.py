@@ -10,6 +10,7 @@ import torch
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
 from torch_paged_kv.ops.triton import unavailable_reason
+from torch_paged_kv.testing import ATTENTION_TOLERANCE as TOLERANCE
 from torch_paged_kv.testing import PagedBatch, attention_fp64, make_paged_batch
 
 CUDA = torch.device("cuda")
@@ -29,10 +30,6 @@ def make_batch(cached: list[int], new: list[int], page_size: int, *, kv_heads: i
     return make_paged_batch(cached, new, page_size=page_size, num_kv_heads=kv_heads, head_dim=head_dim, group=group,
                             num_layers=layers, layer_idx=layers - 1, dtype=dtype, device=CUDA, continuous=slots,
                             seed=seed)
-
-
-TOLERANCE = {torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
-             torch.float32: {"atol": 2e-5, "rtol": 2e-5}}
 
 
 # -- store_kv, gather_kv, copy_pages -------------------------------------------------------

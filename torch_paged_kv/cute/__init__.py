@@ -22,9 +22,19 @@ def cutlass_missing() -> bool:
     return importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None
 
 
+ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+"""Compute capability -> the arch-specific target the kernels are built for (which runs on that
+exact capability only: sm_100a code does not run on a 10.3 B300)."""
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def device_arch(index: int) -> str | None:
+    """"sm_90a" (H100/H200) or "sm_100a" (B200) for CUDA device `index`, else None."""
+    return ARCHS.get(torch.cuda.get_device_capability(index))
 
 
 def unavailable_reason(device: torch.device) -> str | None:
@@ -33,9 +43,9 @@ def unavailable_reason(device: torch.device) -> str | None:
         return f"CuTe kernels need a CUDA device, got {device.type!r}"
     if not torch.cuda.is_available():
         return "CUDA is not available"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = _capability(index)
-    if major not in (9, 10):
+    index = device_index(device)
+    if device_arch(index) is None:
+        major, minor = torch.cuda.get_device_capability(index)
         return f"CuTe kernels target sm_90a / sm_100a; this GPU is sm_{major}{minor}"
     if cutlass_missing():
         if not _warned:

@@ -13,18 +13,11 @@ from typing import Any
 
 import torch
 
-from . import variants
+from . import device_arch, device_index, variants
 from .operand import KVCacheMHAOperand
 
 MAX_SPLITS = 64
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@functools.lru_cache(maxsize=None)
-def device_arch(index: int) -> str | None:
-    """"sm_90a" or "sm_100a" for a Hopper / Blackwell datacenter GPU, else None."""
-    major, _ = torch.cuda.get_device_capability(index)
-    return {9: "sm_90a", 10: "sm_100a"}.get(major)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,7 +38,7 @@ def supports(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
     if q.device.type != "cuda" or softcap > 0 or q.dtype not in _DTYPES or blocks.dtype != q.dtype:
         return False
-    arch = device_arch(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    arch = device_arch(device_index(q.device))
     if arch is None or blocks.dim() != 6 or blocks.shape[1] != 2 or not blocks.is_contiguous():
         return False
     page_size, kv_heads, head_dim = blocks.shape[3], blocks.shape[4], blocks.shape[5]
@@ -53,7 +46,7 @@ def supports(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
     return (
         0 < q.shape[0] == cache_lengths.shape[0]
         and head_dim in variants.HEAD_DIMS
-        and group * head_dim <= variants.MAX_GROUP_DIM
+        and group in variants.GROUPS and group * head_dim <= variants.MAX_GROUP_DIM  # compiled and checked
         and variants.page_supported(arch, page_size, variants.tile_config(head_dim)[0])
         and blocks.numel() // (kv_heads * head_dim) < 2**31 - page_size  # TMA coordinates are int32
     )
@@ -64,13 +57,15 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
                     sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor:
     """`paged_kv::flash_attention` for calls `supports` accepts."""
     operand = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, lookup_table, layer_idx)
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    arch = device_arch(device_index)
+    index = device_index(q.device)
+    arch = device_arch(index)
     dtype = _DTYPES[q.dtype]
     rows, q_heads, head_dim = q.shape
     key = variants.decode_key(arch, dtype, head_dim, operand.page_size, q_heads // operand.num_kv_heads)
     max_keys = operand.lookup_table.shape[1] * operand.page_size
-    splits = num_splits(device_index, rows, operand.num_kv_heads, max_keys, key.tile_n)
+    if causal and sliding_window > 0:  # a query sees at most the window, plus a tile of alignment
+        max_keys = min(max_keys, sliding_window + key.tile_n)
+    splits = num_splits(index, rows, operand.num_kv_heads, max_keys, key.tile_n)
     return launch(variants.get(key), variants.get(variants.combine_key(arch, dtype, head_dim)), q, operand,
                   input_row_offsets, softmax_scale, causal, sliding_window, splits)
 
@@ -78,11 +73,12 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
 def launch(decode: Any, combine: Any, q: torch.Tensor, operand: KVCacheMHAOperand, input_row_offsets: torch.Tensor,
            softmax_scale: float, causal: bool, sliding_window: int, splits: int) -> torch.Tensor:
     """Run the compiled decode kernel into fp32 partials, then the combine kernel; returns the output."""
+    q = q.contiguous()  # the combine kernel writes a compact `out`
     rows, q_heads, head_dim = q.shape
     partial = torch.empty(splits, rows, q_heads, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, rows, q_heads, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    decode(q.contiguous(), operand.rows, operand.lookup_table, operand.cache_lengths, input_row_offsets, partial, lse,
+    decode(q, operand.rows, operand.lookup_table, operand.cache_lengths, input_row_offsets, partial, lse,
            operand.page_stride, operand.k_plane_offset, operand.v_plane_offset, softmax_scale * math.log2(math.e),
            sliding_window, int(causal), splits)
     combine(partial, lse, out, splits)

@@ -37,7 +37,6 @@ class KernelKey:
     tile_n: int = 0
     stages: int = 0
     consumer_warps: int = 0
-    tvm_ffi: bool = True
 
     def slug(self) -> str:
         """A file-name-safe name, unique per key, for PTX dumps and exported objects."""
@@ -93,7 +92,7 @@ class CompileCache:
 
     def _object_path(self, key: KernelKey) -> Path | None:
         directory = self.cache_dir()
-        if directory is None or not key.tvm_ffi:
+        if directory is None:
             return None
         if self._digest is None:
             self._digest = _source_digest()

@@ -22,8 +22,6 @@ from .operand import KVCacheMHAOperand
 class PagedDecodeSm100(PagedDecodeSm90):
     """Decode kernel whose producer loads K/V rows with TMA gather4 (any page size)."""
 
-    arch = "sm_100a"
-
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, page_size: int, group: int,
                  tile_n: int, stages: int, consumer_warps: int = 4) -> None:
         super().__init__(dtype, head_dim, page_size, group, tile_n, stages, consumer_warps)

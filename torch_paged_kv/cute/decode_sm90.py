@@ -26,8 +26,6 @@ from .operand import KVCacheMHAOperand
 class PagedDecodeSm90:
     """Decode kernel specialised on dtype, head_dim, page_size, GQA group and tile config."""
 
-    arch = "sm_90a"
-
     def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, page_size: int, group: int,
                  tile_n: int, stages: int, consumer_warps: int = 4) -> None:
         if head_dim % 32 or head_dim > 256:

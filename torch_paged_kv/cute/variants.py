@@ -63,9 +63,7 @@ def _cutlass_dtype(name: str) -> Any:
 
 
 def _options(key: KernelKey, ptx_dir: str | None) -> str:
-    options = f"--gpu-arch {key.arch}"
-    if key.tvm_ffi:
-        options += " --enable-tvm-ffi"
+    options = f"--gpu-arch {key.arch} --enable-tvm-ffi"  # TVM-FFI launch: torch tensors, the current stream
     if ptx_dir is not None:
         options += f" --keep-ptx --dump-dir {ptx_dir}"
     return options
@@ -79,7 +77,7 @@ def build(key: KernelKey, ptx_dir: str | None = None) -> Any:
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
     dtype = _cutlass_dtype(key.dtype)
-    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
+    stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     rows, heads, splits = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
     out_partial = make_fake_compact_tensor(Float32, (splits, rows, heads, key.head_dim),
                                            stride_order=(3, 2, 1, 0), assumed_align=16)
