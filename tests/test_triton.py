@@ -13,6 +13,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
                 "Triton kernel in this process in the interpreter)", allow_module_level=True)
 
 import torch_paged_kv.ops as ops
+from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
@@ -46,18 +47,25 @@ def test_store_kv_writes_exactly_the_reference_slots(page_size, slots, dtype):
     assert torch.equal(batch.blocks, expected)
 
 
-def test_store_kv_skips_out_of_range_pages_when_checks_are_off(monkeypatch):
+def test_store_kv_skips_out_of_range_and_null_pages_when_checks_are_off(monkeypatch):
     monkeypatch.setenv("TORCH_PAGED_KV_VALIDATE", "shapes")
-    batch = make_paged_batch([2, 6], [3, 2], page_size=3, head_dim=16, layer_idx=0)
+    batch = make_paged_batch([2, 6], [5, 2], page_size=3, head_dim=16, layer_idx=0)
     key, value = batch.new_keys, batch.new_values
     before = batch.blocks.clone()
     bad_table = batch.lookup_table.clone()
-    width = bad_table.shape[1]
-    bad_table[0] = torch.tensor([-1, batch.blocks.shape[0], 10**6], dtype=torch.int32).repeat(width)[:width]
+    bad_table[0, :3] = torch.tensor([-1, batch.blocks.shape[0], NULL_PAGE])  # tokens 2..6 of sequence 0
     ops.store_kv(key, value, batch.blocks, batch.cache_lengths, bad_table, batch.input_row_offsets, 0)
     # Only sequence 1 is written: the same as storing it alone.
-    reference.store_kv(key[3:], value[3:], before, batch.cache_lengths[1:], batch.lookup_table[1:],
-                       batch.input_row_offsets[1:] - 3, 0)
+    reference.store_kv(key[5:], value[5:], before, batch.cache_lengths[1:], batch.lookup_table[1:],
+                       batch.input_row_offsets[1:] - 5, 0)
+    assert torch.equal(batch.blocks, before)
+
+
+def test_copy_pages_never_writes_the_null_page_or_outside_when_checks_are_off():
+    batch = make_paged_batch([4], [1], page_size=4, head_dim=16, layer_idx=0)
+    before = batch.blocks.clone()
+    src = torch.tensor([1, 2], dtype=torch.int32)
+    ops.copy_pages_unchecked(batch.blocks, src, torch.tensor([NULL_PAGE, batch.blocks.shape[0]], dtype=torch.int32))
     assert torch.equal(batch.blocks, before)
 
 
@@ -120,7 +128,9 @@ def test_split_kv_decode_matches_fp64(monkeypatch, window, softcap, dtype):
     monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
     batch = make_paged_batch([70, 5, 33], [1, 1, 1], page_size=8, num_kv_heads=1, head_dim=16, group=4,
                              layer_idx=0, dtype=dtype, seed=3)
-    assert triton_attention.num_splits(3, 1, batch.lookup_table.shape[1] * 8, 16, torch.device("cpu")) > 1
+    launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.3, True, window,
+                                                     softcap)[1]
+    assert len(launches) == 2 and launches[0].grid[2] > 1  # split attention, then the merge
     check_attention(batch, 0.3, True, window, softcap)
 
 
@@ -134,17 +144,3 @@ def test_forced_triton_explains_why_it_cannot_run(monkeypatch):
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
         ops.gather_kv(batch.blocks, *batch.step, 0, 3)
 
-
-def test_growing_batch_launches_the_same_kernel_variants():
-    """Constexprs do not grow with the batch size, so a serving batch that grows compiles nothing new
-    (on a GPU decode also picks split or not from the batch: two variants, whatever the batch)."""
-    from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
-    from torch_paged_kv.ops.triton.store_kv import plan_store_kv
-
-    def variants(batch: int) -> list:
-        b = make_paged_batch([5] * batch, [1] * batch, page_size=4, head_dim=16, seed=batch)
-        launches = plan_flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.5)[1]
-        launches += plan_store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
-        return [(launch.kernel, launch.kwargs) for launch in launches]
-
-    assert variants(2) == variants(9) == variants(300)

@@ -56,3 +56,30 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     assert "wgmma.mma_async.sync.aligned" in ptx and "wgmma.wait_group" in ptx
     ptx = (keep / "sm80" / "attention_kernel_bf16_d128_g4_decode-split_causal.ptx").read_text()
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
+
+
+GROWING_STEPS = """
+import torch
+from torch_paged_kv.ops.triton import aot
+from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
+from torch_paged_kv.ops.triton.store_kv import plan_store_kv
+keys = {}
+for batch in (1, 2, 15, 16, 17, 300):
+    for layer in (0, 1, 2, 16):
+        blocks, lengths, table, offsets, rows = aot._paged(torch.bfloat16, 128, batch, 1, 128)
+        q = torch.empty(batch, 32, 128, dtype=torch.bfloat16, device="meta")
+        launches = plan_flash_attention(q, blocks, lengths, table, offsets, layer, 0.1)[1]
+        launches += plan_store_kv(rows, rows, blocks, lengths, table, offsets, layer)
+        for launch in launches:
+            keys.setdefault(launch.kernel.__name__, set()).add(aot.compile_key(launch, 90))
+print(sorted((name, len(found)) for name, found in keys.items()))
+"""
+
+
+def test_growing_batch_and_other_layers_compile_nothing_new():
+    """Triton specialises int arguments equal to 1 or divisible by 16 unless told not to: batch,
+    total and layer_idx must not, or a serving batch reaching 16 (or layer 1) compiles again."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    run = subprocess.run([sys.executable, "-c", GROWING_STEPS], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == "[('_attention_kernel', 1), ('_store_kv_kernel', 1)]"

@@ -93,10 +93,11 @@ def test_flash_attention(name):
 
 
 def test_decode_batch_one_long_context_is_split():
-    """Batch 1 x 32k must spread over the GPU (flash-decoding), from shapes alone."""
+    """Batch 1 x 32k must spread over the GPU (flash-decoding), from shapes alone: the plan launches."""
     from torch_paged_kv.ops.triton import flash_attention as triton_attention
-    width = 32768 // 16 + 8
-    assert triton_attention.num_splits(1, 8, width * 16, 64, CUDA) >= 16
+    batch = make_batch([32767], [1], 16, layers=1)
+    launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.1)[1]
+    assert len(launches) == 2 and launches[0].grid[2] >= 16  # split attention, then the merge
 
 
 # -- a decode step under CUDA graphs and torch.compile --------------------------------------------

@@ -47,6 +47,8 @@ def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torc
         _fail(name, f"expected {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}")
     if t.device != device:
         _fail(name, f"expected device {device} (that of blocks), got {t.device}")
+    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+        _fail(name, f"expected unit stride in the last dim (kernels index it densely), got strides {t.stride()}")
 
 
 def _check_inference(name: str, t: torch.Tensor) -> None:

@@ -22,10 +22,16 @@ def _interpreter_mode() -> bool:
     """Whether Triton kernels in this process run in its interpreter. Triton fixes that when it is
     first imported (by `TRITON_INTERPRET` then), so once imported, ask triton itself."""
     if "triton" in sys.modules:
-        from triton.language import standard
-        from triton.runtime.interpreter import InterpretedFunction
-        return isinstance(standard.sum, InterpretedFunction)
+        return _imported_triton_interprets()
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _imported_triton_interprets() -> bool:
+    """Triton's own answer; fixed for the life of the process once triton is imported (cached: asked per op)."""
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(standard.sum, InterpretedFunction)
 
 
 @functools.cache

@@ -15,7 +15,8 @@ from .common import Launch
 BLOCK = 1024
 
 
-@triton.jit
+# per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
+@triton.jit(do_not_specialize=["num_pages"])
 def _copy_kernel(src, src_pages, dst, dst_pages, num_pages, page_numel,
                  FROM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)

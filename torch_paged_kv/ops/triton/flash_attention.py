@@ -28,7 +28,8 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+# per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
+@triton.jit(do_not_specialize=["batch", "total", "layer_idx"])
 def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
                       batch, total, num_q_heads, num_pages, table_width, table_stride, page_size, layer_idx,
                       q_stride_row, q_stride_head, out_stride_row, out_stride_head,

@@ -9,7 +9,8 @@ import triton.language as tl
 from .common import Launch
 
 
-@triton.jit
+# per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
+@triton.jit(do_not_specialize=["total"])
 def _merge_kernel(part_out, part_lse, out, total, num_q_heads, out_stride_row, out_stride_head,
                   SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
     row = tl.program_id(0)

@@ -10,7 +10,8 @@ import triton.language as tl
 from .common import Launch, blocks_strides
 
 
-@triton.jit
+# per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
+@triton.jit(do_not_specialize=["layer_idx", "max_kv_len"])
 def _gather_kv_kernel(blocks, key_out, value_out, cache_lengths, lookup_table, input_row_offsets,
                       num_pages, table_width, table_stride, page_size, layer_idx, max_kv_len,
                       stride_page, stride_plane, stride_layer, stride_token,

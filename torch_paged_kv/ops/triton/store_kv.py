@@ -9,7 +9,8 @@ import triton.language as tl
 from .common import Launch, blocks_strides, search_steps
 
 
-@triton.jit
+# per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
+@triton.jit(do_not_specialize=["batch", "layer_idx"])
 def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_offsets,
                      batch, num_pages, table_width, table_stride, page_size, layer_idx,
                      key_stride_row, key_stride_head, value_stride_row, value_stride_head,
