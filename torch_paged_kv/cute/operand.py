@@ -1,7 +1,8 @@
 """`KVCacheMHAOperand`: how every CuTe kernel sees one layer's K and V (MAX's struct of that name).
 
-Host side it is plain torch and Python ints (no cutlass import): the row view, the lookup table,
-the row arithmetic of `layout`, and the scalars a kernel needs. Device side, `create_tma_tile` and
+Host side it is plain torch and Python ints (no cutlass import): the row view, the lookup table and
+the scalars a kernel needs, taken from the layer's `PagedKVCache` views, whose row arithmetic its
+host methods use. Device side, `create_tma_tile` and
 `create_gather4_tma_tile` build the TMA descriptors inside a `@cute.jit` function from the row view
 passed in as a `cute.Tensor`.
 """
@@ -35,6 +36,7 @@ class KVCacheMHAOperand:
     page_stride: int
     k_plane_offset: int
     v_plane_offset: int
+    planes: tuple[PagedKVCache, PagedKVCache] = dataclasses.field(repr=False, compare=False)
     quantization_enabled: bool = False
 
     @classmethod
@@ -50,19 +52,11 @@ class KVCacheMHAOperand:
             raise ValueError(f"blocks: expected an MHA pool [pages, 2, layers, page, heads, dim], got {tuple(blocks.shape)}")
         if not blocks.is_contiguous():
             raise ValueError("blocks: the row view needs a contiguous pool")
-        _, planes, num_layers, page_size, num_kv_heads, head_dim = blocks.shape
-        table = lookup_table if lookup_table.dim() == 2 else lookup_table.view(-1, 1)
-        return cls(
-            rows=blocks.view(-1, num_kv_heads * head_dim),
-            lookup_table=table,
-            cache_lengths=cache_lengths,
-            page_size=page_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            page_stride=layout.page_stride_rows(planes, num_layers, page_size),
-            k_plane_offset=layout.plane_row_offset(layer_idx, 0, num_layers, page_size),
-            v_plane_offset=layout.plane_row_offset(layer_idx, 1, num_layers, page_size),
-        )
+        table = lookup_table if lookup_table.dim() == 2 else lookup_table.view(-1, 1)  # a slot is one page
+        k, v = (PagedKVCache(blocks, cache_lengths, table, layer_idx, plane) for plane in (0, 1))
+        return cls(rows=k.row_view(), lookup_table=table, cache_lengths=cache_lengths, page_size=k.page_size,
+                   num_kv_heads=k.num_kv_heads, head_dim=k.head_dim, page_stride=k.page_stride,
+                   k_plane_offset=k.plane_offset, v_plane_offset=v.plane_offset, planes=(k, v))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -70,20 +64,15 @@ class KVCacheMHAOperand:
 
     def num_kv_rows(self) -> int:
         """Height of the row view: the bound of every TMA descriptor (rows past it read as zeros)."""
-        return self.rows.shape[0]
-
-    def plane_offset(self, plane: int) -> int:
-        return self.k_plane_offset if plane == 0 else self.v_plane_offset
+        return self.planes[0].num_kv_rows()
 
     def get_tma_row(self, encoded: layout.IntLike, plane: int = 0) -> layout.IntLike:
         """Row of `encoded = page * page_size + offset` in K (plane 0) or V (plane 1)."""
-        return layout.tma_row(encoded, self.page_size, self.page_stride, self.plane_offset(plane))
+        return self.planes[plane].get_tma_row(encoded)
 
     def populate(self, batch_idx: int, base_row: int, num_rows: int, plane: int = 0) -> torch.Tensor:
         """Rows (int64 `[num_rows]`) of tokens `base_row ..` of sequence `batch_idx`: gather4 indices."""
-        toks = torch.arange(base_row, base_row + num_rows, device=self.lookup_table.device)
-        pages = self.lookup_table[batch_idx].long()[toks // self.page_size]
-        return self.get_tma_row(pages * self.page_size + toks % self.page_size, plane)
+        return self.planes[plane].populate(batch_idx, base_row, num_rows)
 
     # -- device side (call inside @cute.jit) -------------------------------------------------
     @staticmethod
