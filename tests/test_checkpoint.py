@@ -114,6 +114,7 @@ def test_continuous_round_trip_bit_exact(tmp_path: Path, dtype: torch.dtype) -> 
     assert_rows_equal(src, loaded, [0, 1, 2, 3])
     assert sorted(loaded.lookup_table.tolist()) == [1, 2, 3, 4]  # every row owns a slot
     assert read_info(tmp_path / "cb.safetensors").page_tokens == 11  # slots stored up to the longest row
+    assert not loaded.blocks[:, :, :, 11:].any()  # tokens past them load as zeros, as documented
 
 
 def test_partial_reordered_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

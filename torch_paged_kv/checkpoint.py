@@ -78,12 +78,11 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
     if bool((lengths < 0).any()) or bool((lengths > collection.max_seq_len).any()):
         raise CheckpointError(f"cache_lengths: expected 0..{collection.max_seq_len}, got {lengths.tolist()}")
     page_size = collection.params.page_size
-    if isinstance(collection, ContinuousBatchingKVCacheCollection):
-        in_use = lengths > 0
-        mask = in_use
+    continuous = isinstance(collection, ContinuousBatchingKVCacheCollection)
+    if continuous:
+        mask = lengths > 0  # slots in use
         new_table = torch.zeros_like(table)
     else:
-        in_use = None
         positions = torch.arange(table.shape[1])
         mask = positions[None, :] < ((lengths + page_size - 1) // page_size)[:, None]
         new_table = torch.full_like(table, layout.NULL_PAGE)
@@ -92,9 +91,9 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
         raise CheckpointError(f"lookup_table: rows {rows} use page ids outside 1..{collection.num_physical_pages - 1}")
     source_pages, rank = _first_use_order(used)
     new_table[mask] = (rank + 1).to(torch.int32)
-    if in_use is None:
+    if not continuous:
         return _Plan(PAGED, rows, lengths, new_table, source_pages, page_size)
-    free = ~in_use  # CB rows without tokens still need a slot of their own
+    free = ~mask  # CB rows without tokens still need a slot of their own
     new_table[free] = torch.arange(source_pages.numel() + 1, source_pages.numel() + 1 + int(free.sum()),
                                    dtype=torch.int32)
     page_tokens = int(lengths.max()) if source_pages.numel() else 0

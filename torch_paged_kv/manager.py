@@ -165,9 +165,7 @@ class KVCacheManager:
         seq = self._get(seq_id, "seq_id")
         del self._seqs[seq_id]
         self._drop_pages(seq)
-        self._lengths[seq.slot] = 0
-        self._known[seq.slot] = 0
-        self._free_slots.append(seq.slot)
+        self._free_slots.append(seq.slot)  # its lengths are overwritten when the slot is reused
         if self._pending is not None and seq in self._pending.seqs:
             p = self._pending
             keep = np.array([s is not seq for s in p.seqs])
@@ -183,8 +181,7 @@ class KVCacheManager:
         length = int(self._lengths[src.slot])
         full = length // self.page_size
         partial = length % self.page_size != 0
-        if partial and self._pool.available() < 1:
-            self._raise_out_of_pages(1)
+        self._require_pages(int(partial))
         src_pages = self._pages(src)
         pages = src_pages[:full]
         for page in pages:
@@ -229,8 +226,7 @@ class KVCacheManager:
         grow = np.flatnonzero(missing > 0)
         if grow.size:
             needed = int(missing[grow].sum())
-            if needed > self._pool.available():
-                self._raise_out_of_pages(needed)
+            self._require_pages(needed)
             self._extend_pages(slots[grow], missing[grow], needed)
         if flat_ids is not None and self.enable_prefix_caching:
             self._reserve_tokens(longest)  # room for this step's ids
@@ -284,9 +280,7 @@ class KVCacheManager:
         for seq in seqs:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
-        needed = sum(seq.host_pages.shape[0] for seq in seqs)
-        if needed > self._pool.available():
-            self._raise_out_of_pages(needed)
+        self._require_pages(sum(seq.host_pages.shape[0] for seq in seqs))
         for seq in seqs:
             host, seq.host_pages = seq.host_pages, None
             pages = self._pool.allocate(host.shape[0])
@@ -309,7 +303,6 @@ class KVCacheManager:
         view.max_batch_size = len(seqs)
         view.cache_lengths = torch.tensor([int(self._lengths[s.slot]) for s in seqs], dtype=torch.int32)
         view.lookup_table = torch.from_numpy(self._table[[s.slot for s in seqs]])
-        view.input_row_offsets = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         meta = {"token_ids": [self._token_ids(s) for s in seqs]}
         checkpoint.save_cache(view, path, metadata={METADATA_KEY: json.dumps(meta)})
 
@@ -337,8 +330,7 @@ class KVCacheManager:
         self._check_unique(ids, "seq_ids")
         for i in ids:
             self._check_new_id(i, "seq_ids")
-        if info.num_pages > self._pool.available():
-            self._raise_out_of_pages(info.num_pages)
+        self._require_pages(info.num_pages)
         tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
         tokens = [None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t)
                   for t in tokens]
@@ -452,8 +444,10 @@ class KVCacheManager:
     def _pages_for(self, length: int) -> int:
         return -(-length // self.page_size)
 
-    def _raise_out_of_pages(self, needed: int) -> None:
-        raise OutOfPagesError(needed, len(self._pool.free), len(self._pool.evictable))
+    def _require_pages(self, needed: int) -> None:
+        """`OutOfPagesError` unless an allocation of `needed` pages can succeed now."""
+        if needed > self._pool.available():
+            raise OutOfPagesError(needed, len(self._pool.free), len(self._pool.evictable))
 
     def _grow_slots(self, extra: int) -> None:
         start = len(self._lengths)

@@ -34,9 +34,8 @@ class PageStream:
 
     def __init__(self, params: KVCacheParams, page_tokens: int, blocks: torch.Tensor | None) -> None:
         self.planes, self.layers = params.num_planes, params.num_layers
-        itemsize = torch.empty((), dtype=params.dtype).element_size()
-        self.unit = page_tokens * params.num_kv_heads * params.head_dim * itemsize
-        self.page_bytes = self.planes * self.layers * self.unit
+        self.page_bytes = page_tokens * params.bytes_per_token
+        self.unit = self.page_bytes // (self.planes * self.layers)
         self.view = None if blocks is None else blocks[:, :, :, :page_tokens].flatten(3).view(torch.uint8)
         self.cuda = blocks is not None and blocks.device.type == "cuda"
         self._host: list[torch.Tensor] = []
