@@ -273,20 +273,33 @@ class KVCacheManager:
         self._rows_ids = None
 
     def restore(self, seq_ids: Sequence) -> None:
-        """Bring offloaded sequences back into fresh pages, contents identical (all or nothing)."""
+        """Bring offloaded sequences back, contents identical (all or nothing): full pages still in
+        the prefix cache are shared again, the others copied into fresh pages."""
         ids = list(seq_ids)
         self._check_unique(ids, "seq_ids")
         seqs = [self._get(i, "seq_ids") for i in ids]
         for seq in seqs:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
-        self._require_pages(sum(seq.host_pages.shape[0] for seq in seqs))
-        for seq in seqs:
+        # A full page still in the prefix cache (its key) is shared again, not copied back.
+        cached = [[self._pool.lookup(key) for key in seq.keys] for seq in seqs]
+        missing = sum(seq.host_pages.shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached))
+        revived = {page for hits in cached for page in hits if page is not None and self._pool.refcounts[page] == 0}
+        self._require_pages(missing + len(revived))  # a revived cached page leaves the evictable ones
+        for hits in cached:
+            for page in hits:
+                if page is not None:
+                    self._pool.ref(page)
+        for seq, hits in zip(seqs, cached):
             host, seq.host_pages = seq.host_pages, None
-            pages = self._pool.allocate(host.shape[0])
-            self._set_pages(seq.slot, pages)
-            self._write_pages(pages, host)
-            for page, key in zip(pages, seq.keys):
+            hits += [None] * (host.shape[0] - len(hits))
+            todo = [i for i, page in enumerate(hits) if page is None]
+            fresh = self._pool.allocate(len(todo))
+            self._write_pages(fresh, host[todo])
+            for i, page in zip(todo, fresh):
+                hits[i] = page
+            self._set_pages(seq.slot, hits)
+            for page, key in zip(hits, seq.keys):
                 self._pool.register(page, key)
 
     # -- checkpoints ---------------------------------------------------------------------------
