@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 from . import compat  # noqa: F401  (fixes triton < 3.7's interpreter for numpy >= 2.4)
 
@@ -38,6 +40,21 @@ def search_steps(batch: int) -> int:
     for every batch up to 2**16, so one compiled kernel serves a growing serving batch (a search
     that has converged stays put: extra steps cost a few cached loads, never a recompile)."""
     return max(MIN_SEARCH_STEPS, (batch - 1).bit_length())
+
+
+@triton.jit
+def owning_sequence(input_row_offsets, batch, target, TILE: tl.constexpr, PAD: tl.constexpr, STEPS: tl.constexpr):
+    """The largest b < batch with `input_row_offsets[b] // TILE + PAD * b <= target`, in STEPS
+    binary-search steps: the sequence owning new row `target` (TILE=1, PAD=0), or query tile
+    `target` when every sequence starts a tile of its own (TILE=BLOCK_Q, PAD=1)."""
+    seq = 0
+    last = batch - 1
+    for _ in tl.static_range(STEPS):
+        mid = (seq + last + 1) // 2
+        take = tl.load(input_row_offsets + mid) // TILE + PAD * mid <= target
+        seq = tl.where(take, mid, seq)
+        last = tl.where(take, last, mid - 1)
+    return seq
 
 
 def blocks_strides(blocks: torch.Tensor) -> tuple[int, int, int, int]:

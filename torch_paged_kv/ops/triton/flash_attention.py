@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, blocks_strides, is_interpreted, search_steps
+from .common import Launch, blocks_strides, is_interpreted, owning_sequence, search_steps
 from .flash_merge import plan_merge
 
 MIN_SPLIT_TOKENS = 256
@@ -42,14 +42,7 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # The sequence owning this tile: the largest b with offsets[b] // BLOCK_Q + b <= tile.
-    seq = 0
-    last = batch - 1
-    for _ in tl.static_range(STEPS):
-        mid = (seq + last + 1) // 2
-        take = tl.load(input_row_offsets + mid) // BLOCK_Q + mid <= tile
-        seq = tl.where(take, mid, seq)
-        last = tl.where(take, last, mid - 1)
+    seq = owning_sequence(input_row_offsets, batch, tile, BLOCK_Q, 1, STEPS)  # each sequence starts a tile
     row0 = tl.load(input_row_offsets + seq)
     new = tl.load(input_row_offsets + seq + 1) - row0
     q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, blocks_strides, search_steps
+from .common import Launch, blocks_strides, owning_sequence, search_steps
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
@@ -17,14 +17,7 @@ def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_
                      stride_page, stride_plane, stride_layer, stride_token,
                      HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
     row = tl.program_id(0)
-    # The sequence owning this row: the largest b with input_row_offsets[b] <= row.
-    seq = 0
-    last = batch - 1
-    for _ in tl.static_range(STEPS):
-        mid = (seq + last + 1) // 2
-        take = tl.load(input_row_offsets + mid) <= row
-        seq = tl.where(take, mid, seq)
-        last = tl.where(take, last, mid - 1)
+    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
     pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
     col = pos // page_size
     page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(tl.maximum(col, 0), table_width - 1))
