@@ -109,29 +109,33 @@ class PageStream:
         host = self._host_buffer(i, shape)
         if not self.cuda:
             return torch.index_select(src, 0, ids, out=host)
+        return host.copy_(torch.index_select(src, 0, ids, out=self._staging_view(shape)))
+
+    def _staging_view(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The reused device staging buffer (CUDA pools) viewed as `shape`; grown on demand."""
         nbytes = math.prod(shape)
         if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
-        staging = torch.index_select(src, 0, ids, out=self._staging[:nbytes].view(shape))
-        return host.copy_(staging)
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.view.device)
+        return self._staging[:nbytes].view(shape)
 
     def read(self, file: BinaryIO, offset: int, dst_ids: torch.Tensor | None, count: int, bar: tqdm) -> int:
         """CRC-32 of `count` stored pages at `offset`, copied to pages `dst_ids` (int64, CPU) unless
         None: straight into the pool where they are consecutive CPU pages, else through a buffer."""
         crc = 0
-        for i, (pages, planes, layers, chunk_offset, nbytes) in enumerate(self.chunks(count)):
+        for pages, planes, layers, chunk_offset, nbytes in self.chunks(count):
             shape = (pages.stop - pages.start, planes.stop - planes.start, layers.stop - layers.start, self.unit)
             ids = None if dst_ids is None or self.view is None else dst_ids[pages]
             dst = None
             if ids is not None and torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
                 dst = self.view[int(ids[0]): int(ids[0]) + ids.numel(), planes, layers]
             direct = dst is not None and not self.cuda and dst.is_contiguous()
-            target = dst if direct else self._host_buffer(i % 2, shape)
+            target = dst if direct else self._host_buffer(0, shape)  # reads are synchronous: one buffer
             read_into(file, offset + chunk_offset, target)
             crc = zlib.crc32(memoryview(target.numpy()).cast("B"), crc)
             if dst is not None and not direct:
                 dst.copy_(target)
             elif ids is not None and dst is None:
-                self.view[:, planes, layers].index_copy_(0, ids.to(self.view.device), target.to(self.view.device))
+                rows = self._staging_view(shape).copy_(target) if self.cuda else target
+                self.view[:, planes, layers].index_copy_(0, ids.to(self.view.device), rows)
             bar.update(nbytes)
         return crc
