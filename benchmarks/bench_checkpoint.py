@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
+from harness import report, time_ms
 from safetensors.torch import load_file, save_file
 
-from harness import report, time_ms
 from torch_paged_kv import KVCacheParams, PagedKVCacheCollection
 from torch_paged_kv.checkpoint import load_cache, save_cache, verify
 
@@ -30,8 +30,9 @@ def make_cache(size_mb: int, device: str) -> PagedKVCacheCollection:
     params = KVCacheParams(torch.bfloat16, num_layers=32, num_kv_heads=8, head_dim=128, page_size=16)
     pages = max(8, size_mb * (1 << 20) // (params.bytes_per_token * params.page_size))
     per_row = pages // 8
-    c = PagedKVCacheCollection(params, num_pages=pages, max_batch_size=8,
-                               max_seq_len=per_row * params.page_size, device=device)
+    c = PagedKVCacheCollection(
+        params, num_pages=pages, max_batch_size=8, max_seq_len=per_row * params.page_size, device=device
+    )
     c.blocks.copy_(torch.randn(c.blocks.shape, dtype=torch.bfloat16, device=device))
     order = (torch.randperm(pages)[: 8 * per_row] + 1).to(torch.int32).view(8, per_row)
     c.lookup_table[:, :per_row] = order.to(device)
@@ -80,16 +81,25 @@ def main() -> None:
             ("verify", lambda: verify(path, progress=False)),
             ("anchor: raw write + fsync", lambda: raw_write(Path(tmp) / "raw.bin", flat)),
             ("anchor: safetensors save_file (host tensor, no fsync)", lambda: st_save(stored, Path(tmp))),
-            ("anchor: safetensors load_file (+ clone on CPU)", lambda: owned(load_file(Path(tmp) / "st.safetensors",
-                                                                                   device=args.device))),
+            (
+                "anchor: safetensors load_file (+ clone on CPU)",
+                lambda: owned(load_file(Path(tmp) / "st.safetensors", device=args.device)),
+            ),
         ]
         for name, fn in cases:
             ms = time_ms(fn, warmup=1, repeats=args.repeats)
             rows.append({"op": name, "ms": ms, "GB/s": nbytes / ms / 1e6})
             print(f"{name:45s} {ms:9.1f} ms {nbytes / ms / 1e6:7.2f} GB/s", flush=True)
 
-    setup = {"device": args.device, "cpus": os.cpu_count(), "bytes": nbytes, "pages": ids.numel(),
-             "layout": "bf16 pages of 2 MiB, shuffled", "repeats": args.repeats, "params": cache.params.to_dict()}
+    setup = {
+        "device": args.device,
+        "cpus": os.cpu_count(),
+        "bytes": nbytes,
+        "pages": ids.numel(),
+        "layout": "bf16 pages of 2 MiB, shuffled",
+        "repeats": args.repeats,
+        "params": cache.params.to_dict(),
+    }
     print(report(f"checkpoint_{args.device.split(':')[0]}", rows, setup))
 
 

@@ -14,10 +14,9 @@ Prints a markdown table, writes benchmarks/results/bench_cute_decode.{md,json}; 
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
-
 from harness import DecodeBench, DecodeInputs, gpu_main, matches
 
 BATCH, CONTEXT, Q_HEADS, KV_HEADS, HEAD_DIM = 64, 8192, 32, 8, 128
@@ -31,15 +30,18 @@ KERNELS = ("cute paged", "triton paged", "SDPA contiguous", "FA4 paged")
 def fa4_paged(x: DecodeInputs) -> Callable[[], torch.Tensor]:
     """FlashAttention-4 (CuTe DSL) paged decode over the same pages: K/V as `[pages, page_size, kv_heads, d]`."""
     from flash_attn.cute.interface import flash_attn_varlen_func
+
     key, value = (x.collection.blocks[1:, plane, 0].contiguous() for plane in (0, 1))  # drop the null page
     table = (x.page_table() - 1).contiguous()
     seqused_k = torch.full((x.q.shape[0],), x.context, dtype=torch.int32, device=x.q.device)
     q = x.q[:, None]  # [batch, 1, q_heads, head_dim]
 
     def run() -> torch.Tensor:
-        out = flash_attn_varlen_func(q, key, value, seqused_k=seqused_k, page_table=table, softmax_scale=x.scale,
-                                     causal=True, num_splits=0)
+        out = flash_attn_varlen_func(
+            q, key, value, seqused_k=seqused_k, page_table=table, softmax_scale=x.scale, causal=True, num_splits=0
+        )
         return (out[0] if isinstance(out, tuple) else out)[:, 0]
+
     return run
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from harness import check_close, decode_bytes, median_us, paged_decode_inputs, report, sdpa_decode
 
 
@@ -37,18 +36,28 @@ def main() -> None:
     print(report("bench_decode", rows))
 
 
-def compare(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, page_size: int,
-            backends: list[str]) -> list[dict]:
+def compare(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, page_size: int, backends: list[str]
+) -> list[dict]:
     """SDPA on contiguous K/V, then each paged backend on the same K/V."""
-    x = paged_decode_inputs(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim, page_size,
-                            dtype, device)
+    x = paged_decode_inputs(
+        args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim, page_size, dtype, device
+    )
     key, value, expected = x.sdpa_reference()
     nbytes = decode_bytes(args.batch, args.context, args.q_heads, args.kv_heads, args.head_dim, dtype)
     dtype_name = str(dtype).removeprefix("torch.")
 
     def row(kernel: str, page: int | str, ms: float) -> dict:
-        return dict(kernel=kernel, dtype=dtype_name, page_size=page, batch=args.batch, context=args.context, ms=ms,
-                    GBps=nbytes / ms / 1e6, vs_sdpa=ms / sdpa_ms)
+        return dict(
+            kernel=kernel,
+            dtype=dtype_name,
+            page_size=page,
+            batch=args.batch,
+            context=args.context,
+            ms=ms,
+            GBps=nbytes / ms / 1e6,
+            vs_sdpa=ms / sdpa_ms,
+        )
 
     sdpa_ms = median_us(lambda: sdpa_decode(x.q, key, value, x.scale), device) / 1e3
     rows = [row("sdpa (contiguous)", "-", sdpa_ms)]

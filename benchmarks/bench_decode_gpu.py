@@ -14,12 +14,12 @@ Prints a markdown table, writes benchmarks/results/bench_decode_gpu.{md,json}; e
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from harness import DecodeBench, DecodeInputs, WrongOutputError, forced_backend, gpu_main, matches
 
 import torch_paged_kv as pk
-from harness import DecodeBench, DecodeInputs, WrongOutputError, forced_backend, gpu_main, matches
 
 BATCH, CONTEXT, Q_HEADS, KV_HEADS, HEAD_DIM = 64, 4096, 32, 8, 128
 PAGE_SIZES = (1, 16, 128)
@@ -32,6 +32,7 @@ def flex_paged(x: DecodeInputs, key: torch.Tensor, value: torch.Tensor) -> Calla
     """FlexAttention over torch's experimental PagedAttention cache holding the same K/V (pages shuffled)."""
     from torch.nn.attention.experimental._paged_attention import PagedAttention
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
+
     batch, kv_heads, context, head_dim = key.shape
     page_size, device = x.collection.params.page_size, key.device
     num_pages = batch * x.pages_per_seq
@@ -74,10 +75,12 @@ def store_kv_graph(x: DecodeInputs, key: torch.Tensor, value: torch.Tensor) -> C
 
 def stored(x: DecodeInputs, key: torch.Tensor, value: torch.Tensor) -> Callable[[object], None]:
     """A `DecodeBench.row` check: the last cached token of every sequence is `key`/`value`."""
+
     def check(_: object) -> None:
         k, v = x.contiguous_kv()
         if not (torch.equal(k[:, :, -1], key) and torch.equal(v[:, :, -1], value)):
             raise WrongOutputError("store_kv: the replayed graph did not write this step's K/V")
+
     return check
 
 
@@ -93,8 +96,15 @@ def measure() -> tuple[list[dict], dict]:
             rows.append(bench.sdpa_row(x, key, value, expected))
         rows.append(bench.row("flex paged", page, lambda: flex_paged(x, key, value), matches(expected, "flex")))
         new_key, new_value = torch.randn(2, BATCH, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-        rows.append(bench.row(KERNELS[-1], page, lambda: store_kv_graph(x, new_key, new_value),
-                              stored(x, new_key, new_value), bandwidth=False))
+        rows.append(
+            bench.row(
+                KERNELS[-1],
+                page,
+                lambda: store_kv_graph(x, new_key, new_value),
+                stored(x, new_key, new_value),
+                bandwidth=False,
+            )
+        )
     rows.sort(key=lambda r: KERNELS.index(r["kernel"]))
     return rows, bench.setup()
 

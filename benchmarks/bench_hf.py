@@ -14,25 +14,34 @@ with sdpa (gathered K/V), and with the ops' value checks off (`TORCH_PAGED_KV_VA
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
 from typing import NamedTuple
 
 import torch
+from harness import report
 from transformers import Cache, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
-from harness import report
 from torch_paged_kv.integrations.transformers import PagedCache
 
 
 def build_model(layers: int, hidden: int, device: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 32, num_key_value_heads=2, max_position_embeddings=1024,
-                         pad_token_id=0, initializer_range=0.1)
+    config = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
     return LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
 
 
@@ -72,7 +81,7 @@ def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tupl
     out = model.generate(ids, past_key_values=cache, streamer=clock, **kwargs)
     if ids.is_cuda:
         torch.cuda.synchronize()
-    steps = [b - a for a, b in zip(clock.stamps[1:], clock.stamps[2:])]
+    steps = [b - a for a, b in itertools.pairwise(clock.stamps[1:])]
     decode_step = statistics.median(steps) if steps else float("nan")  # --new-tokens 1: no decode step
     return Timing(time.perf_counter() - start, clock.stamps[1] - start, decode_step), out
 
@@ -92,10 +101,17 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--compile", action="store_true",
-                        help="compile the decode step (fullgraph; CUDA graphs on a GPU) where possible")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads (default 1: on a shared machine more threads oversubscribe and swamp results)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (fullgraph; CUDA graphs on a GPU) where possible",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads (default 1: on a shared machine more threads oversubscribe and swamp results)",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
@@ -118,8 +134,13 @@ def main() -> int:
         ("PagedCache", "paged_kv", "full", paged, True),
         ("PagedCache", "paged_kv", "shapes", paged, True),
     ]
-    kwargs = dict(attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                  do_sample=False, pad_token_id=0)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     torch._dynamo.config.cache_size_limit = 64  # one graph per case, all kept
     timings: list[list[Timing]] = [[] for _ in cases]
     outputs = []
@@ -128,29 +149,44 @@ def main() -> int:
             model.set_attn_implementation(attn)
             os.environ["TORCH_PAGED_KV_VALIDATE"] = validate if validate != "-" else "full"
             compiled = compile_config is not None and compiles  # else eager, also where generate would auto-compile
-            run_kwargs = {**kwargs, "compile_config": compile_config if compiled else None,
-                          "disable_compile": not compiled}
+            run_kwargs = {
+                **kwargs,
+                "compile_config": compile_config if compiled else None,
+                "disable_compile": not compiled,
+            }
             timing, out = timed_generate(model, factory(), ids, run_kwargs)
             if repeat == 0:  # warm-up (and compilation)
                 outputs.append(out)
             else:
                 timings[i].append(timing)
     rows = []
-    for (cache_name, attn, validate, _, compiles), runs, out in zip(cases, timings, outputs):
+    for (cache_name, attn, validate, _, compiles), runs, out in zip(cases, timings, outputs, strict=True):
         tokens_per_s = args.batch * args.new_tokens / statistics.median(t.seconds for t in runs)
-        rows.append({"cache": cache_name, "attention": attn, "op checks": validate,
-                     "compiled": bool(compile_config and compiles),
-                     "tokens/s": _rounded(tokens_per_s),
-                     "prefill ms": _rounded(1e3 * statistics.median(t.prefill for t in runs)),
-                     "decode step ms": round(1e3 * statistics.median(t.decode_step for t in runs), 2),
-                     "same tokens as DynamicCache": bool(torch.equal(out, outputs[0]))})
+        rows.append(
+            {
+                "cache": cache_name,
+                "attention": attn,
+                "op checks": validate,
+                "compiled": bool(compile_config and compiles),
+                "tokens/s": _rounded(tokens_per_s),
+                "prefill ms": _rounded(1e3 * statistics.median(t.prefill for t in runs)),
+                "decode step ms": round(1e3 * statistics.median(t.decode_step for t in runs), 2),
+                "same tokens as DynamicCache": bool(torch.equal(out, outputs[0])),
+            }
+        )
     static = next(r for r in rows if r["cache"] == "StaticCache")
     for row in rows:
         row["vs StaticCache"] = round(row["tokens/s"] / static["tokens/s"], 2)
         row["decode vs StaticCache"] = round(static["decode step ms"] / row["decode step ms"], 2)
-    setup = {"batch": args.batch, "prompts": f"{args.prompt // 2}..{args.prompt} left-padded",
-             "new tokens": args.new_tokens, "model": f"Llama {args.layers} layers x {args.hidden} hidden",
-             "page_size": args.page_size, "dtype": args.dtype, "device": device}
+    setup = {
+        "batch": args.batch,
+        "prompts": f"{args.prompt // 2}..{args.prompt} left-padded",
+        "new tokens": args.new_tokens,
+        "model": f"Llama {args.layers} layers x {args.hidden} hidden",
+        "page_size": args.page_size,
+        "dtype": args.dtype,
+        "device": device,
+    }
     print(report("bench_hf_compiled" if args.compile else "bench_hf", rows, setup))
     wrong = [f"{r['cache']}/{r['attention']}" for r in rows if not r["same tokens as DynamicCache"]]
     if wrong and args.dtype == "float32":  # in 16-bit, rounding may legitimately flip a greedy choice

@@ -17,9 +17,9 @@ import statistics
 import time
 
 import torch
+from harness import report
 
 import torch_paged_kv as pk
-from harness import report
 from torch_paged_kv.manager import KVCacheManager
 
 CASES = {
@@ -30,8 +30,9 @@ CASES = {
 }
 
 
-def time_decode(batch: int, steps: int, page_size: int, device: str, tokens: bool, caching: bool,
-                shuffle: bool) -> tuple[float, float]:
+def time_decode(
+    batch: int, steps: int, page_size: int, device: str, tokens: bool, caching: bool, shuffle: bool
+) -> tuple[float, float]:
     """Wall and process-CPU microseconds per decode step (prepare_step + commit_step), one fresh manager."""
     params = pk.KVCacheParams(torch.float16, num_layers=1, num_kv_heads=1, head_dim=8, page_size=page_size)
     max_len = 64 + page_size + steps
@@ -39,7 +40,7 @@ def time_decode(batch: int, steps: int, page_size: int, device: str, tokens: boo
     manager = KVCacheManager(collection, enable_prefix_caching=caching)
     ids = list(range(batch))
     prompts = [[i] * (64 + i % page_size) for i in ids]  # staggered: ~batch/page_size rows grow per step
-    for i, prompt in zip(ids, prompts):
+    for i, prompt in zip(ids, prompts, strict=True):
         manager.claim(i, prompt)
     manager.prepare_step(ids, [len(p) for p in prompts])
     manager.commit_step()
@@ -65,8 +66,17 @@ def main() -> None:
     for name, case in CASES.items():
         runs = [time_decode(args.batch, args.steps, args.page_size, args.device, **case) for _ in range(args.repeats)]
         wall, cpu = (statistics.median(r[k] for r in runs) for k in (0, 1))
-        rows.append({"case": name, "batch": args.batch, "page_size": args.page_size, "device": args.device,
-                     "us_per_step": wall, "steps_per_s": 1e6 / wall, "cpu_us_per_step": cpu})
+        rows.append(
+            {
+                "case": name,
+                "batch": args.batch,
+                "page_size": args.page_size,
+                "device": args.device,
+                "us_per_step": wall,
+                "steps_per_s": 1e6 / wall,
+                "cpu_us_per_step": cpu,
+            }
+        )
     print(report("bench_manager", rows))
 
 

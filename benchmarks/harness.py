@@ -13,9 +13,10 @@ import pathlib
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,7 @@ def median_us(fn: Callable[[], Any], device: torch.device | str) -> float:
     """Median microseconds of `fn()`: `triton.testing.do_bench` on CUDA, `time_ms` elsewhere."""
     if torch.device(device).type == "cuda":
         import triton.testing
+
         return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
     return time_ms(fn) * 1e3
 
@@ -88,9 +90,11 @@ class DecodeInputs:
 
     def paged_attention(self, backend: str) -> Callable[[], torch.Tensor]:
         """A call of `paged_kv::flash_attention` on these inputs with `backend` forced."""
+
         def run() -> torch.Tensor:
             with forced_backend(backend):
                 return pk.flash_attention(*self.args)
+
         return run
 
     def page_table(self) -> torch.Tensor:
@@ -111,8 +115,17 @@ class DecodeInputs:
         return key, value, sdpa_decode(self.q, key, value, self.scale)
 
 
-def paged_decode_inputs(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, page_size: int,
-                        dtype: torch.dtype, device: torch.device | str, seed: int = 0) -> DecodeInputs:
+def paged_decode_inputs(
+    batch: int,
+    context: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+) -> DecodeInputs:
     """Random K/V of `context` tokens per sequence in shuffled pages, and one new query per sequence.
 
     The new token's K/V is already stored (`cache_lengths = context - 1`, one query row each), so
@@ -129,7 +142,7 @@ def paged_decode_inputs(batch: int, context: int, q_heads: int, kv_heads: int, h
     step.cache_lengths.fill_(context - 1)
     step.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32))
     q = torch.randn(batch, q_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    return DecodeInputs(q, collection, step, context, head_dim ** -0.5)
+    return DecodeInputs(q, collection, step, context, head_dim**-0.5)
 
 
 def sdpa_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -176,10 +189,19 @@ class DecodeBench:
     """Rows of one decode shape: each kernel is checked before it is timed; GB/s counts `decode_bytes`,
     `of_copy` divides that by the measured `copy_bandwidth_gbps`."""
 
-    def __init__(self, batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        self.shape = dict(batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                          dtype=dtype)
+    def __init__(
+        self,
+        batch: int,
+        context: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.shape = dict(
+            batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype
+        )
         self.device = torch.device(device)
         self.moved = decode_bytes(batch, context, q_heads, kv_heads, head_dim, dtype)
         self.copy_gbps = copy_bandwidth_gbps(self.device)
@@ -190,20 +212,33 @@ class DecodeBench:
 
     def setup(self) -> dict[str, Any]:
         """The shape, bytes moved and copy bandwidth, for `report`."""
-        return {**self.shape, "dtype": str(self.shape["dtype"]).removeprefix("torch."), "bytes_moved": self.moved,
-                "copy GB/s (read+write)": self.copy_gbps}
+        return {
+            **self.shape,
+            "dtype": str(self.shape["dtype"]).removeprefix("torch."),
+            "bytes_moved": self.moved,
+            "copy GB/s (read+write)": self.copy_gbps,
+        }
 
-    def sdpa_row(self, x: DecodeInputs, key: torch.Tensor, value: torch.Tensor,
-                 expected: torch.Tensor) -> dict[str, Any]:
+    def sdpa_row(
+        self, x: DecodeInputs, key: torch.Tensor, value: torch.Tensor, expected: torch.Tensor
+    ) -> dict[str, Any]:
         """SDPA on the contiguous K/V of `x` (`x.sdpa_reference()`): the no-paging bound."""
-        return self.row("SDPA contiguous", None, lambda: partial(sdpa_decode, x.q, key, value, x.scale),
-                        matches(expected, "sdpa"))
+        return self.row(
+            "SDPA contiguous", None, lambda: partial(sdpa_decode, x.q, key, value, x.scale), matches(expected, "sdpa")
+        )
 
-    def row(self, kernel: str, page_size: int | None, make: Callable[[], Callable[[], Any]],
-            check: Callable[[Any], None], bandwidth: bool = True) -> dict[str, Any]:
+    def row(
+        self,
+        kernel: str,
+        page_size: int | None,
+        make: Callable[[], Callable[[], Any]],
+        check: Callable[[Any], None],
+        bandwidth: bool = True,
+    ) -> dict[str, Any]:
         """Build the call with `make()`, time its first call (compilation included), `check` that
         call's output, then time it. A call that cannot be built or run is reported in `us`; a
         wrong one too ("WRONG: ..."), never timed."""
+
         def run() -> tuple[float, float]:
             fn = make()
             start = time.perf_counter()
@@ -213,11 +248,18 @@ class DecodeBench:
             first_s = time.perf_counter() - start
             check(out)
             return median_us(fn, self.device), first_s
+
         result = _attempt(run)
         us, first_s = result if isinstance(result, tuple) else (result, None)
         gbps = self.moved / us / 1e3 if bandwidth and isinstance(us, float) else None
-        return {"kernel": kernel, "page_size": page_size, "us": us, "GB/s": gbps,
-                "of_copy": gbps / self.copy_gbps if gbps is not None else None, "first_call_s": first_s}
+        return {
+            "kernel": kernel,
+            "page_size": page_size,
+            "us": us,
+            "GB/s": gbps,
+            "of_copy": gbps / self.copy_gbps if gbps is not None else None,
+            "first_call_s": first_s,
+        }
 
 
 def _attempt(fn: Callable[[], Any]) -> Any:
@@ -248,8 +290,12 @@ def gpu_main(name: str, measure: Callable[[], tuple[list[dict[str, Any]], dict[s
 def environment() -> dict[str, str]:
     """Device and versions, recorded with every result."""
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-            "threads": str(torch.get_num_threads())}
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": str(torch.get_num_threads()),
+    }
 
 
 def report(name: str, rows: list[dict[str, Any]], setup: dict[str, Any] | None = None) -> str:

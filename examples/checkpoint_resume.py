@@ -19,9 +19,9 @@ import sys
 import tempfile
 
 import torch
+from compiled_decode import Config, Transformer
 
 import torch_paged_kv as pk
-from compiled_decode import Config, Transformer
 
 FIRST_TOKENS, MORE_TOKENS = 8, 8
 
@@ -31,8 +31,9 @@ def build(device: torch.device) -> tuple[Transformer, pk.KVCacheManager]:
     cfg = Config()
     model = Transformer(cfg).to(device).eval()
     params = pk.KVCacheParams(torch.float32, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_size=16)
-    collection = pk.PagedKVCacheCollection(params, num_pages=64, max_batch_size=4, max_seq_len=cfg.max_seq_len,
-                                           device=device)
+    collection = pk.PagedKVCacheCollection(
+        params, num_pages=64, max_batch_size=4, max_seq_len=cfg.max_seq_len, device=device
+    )
     model.attach_cache(collection)
     return model, pk.KVCacheManager(collection)
 
@@ -45,7 +46,7 @@ def generate(model, manager, seq_ids: list, inputs: list[list[int]], steps: int,
         logits = model(torch.tensor([t for x in inputs for t in x], device=device), step)
         manager.commit_step()
         inputs = [[t] for t in logits.argmax(-1).tolist()]
-        for row, (t,) in zip(out, inputs):
+        for row, (t,) in zip(out, inputs, strict=True):
             row.append(t)
     return out
 
@@ -73,7 +74,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(Config.vocab_size, (n,), generator=gen).tolist() for n in (21, 37, 9)]
     seq_ids = ["a", "b", "c"]
-    for seq_id, prompt in zip(seq_ids, prompts):
+    for seq_id, prompt in zip(seq_ids, prompts, strict=True):
         manager.claim(seq_id, prompt)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         directory = pathlib.Path(tmp)
@@ -81,11 +82,15 @@ def main() -> None:
         manager.save(directory / "kv.safetensors", seq_ids)
         (directory / "state.json").write_text(json.dumps({"generated": first}))
         uninterrupted = generate(model, manager, seq_ids, [[g[-1]] for g in first], MORE_TOKENS, device)
-        child = subprocess.run([sys.executable, __file__, "--resume", tmp, "--device", args.device],
-                               check=True, capture_output=True, text=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--resume", tmp, "--device", args.device],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         resumed = json.loads(child.stdout.strip().splitlines()[-1])
         size = (directory / "kv.safetensors").stat().st_size
-    for seq_id, a, b, c in zip(seq_ids, first, uninterrupted, resumed):
+    for seq_id, a, b, c in zip(seq_ids, first, uninterrupted, resumed, strict=True):
         print(f"{seq_id}: first {a} | uninterrupted {b} | resumed in a new process {c}")
     if resumed != uninterrupted:
         raise SystemExit("the resumed continuation differs from the uninterrupted one")

@@ -55,19 +55,24 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, blocks, step: pk.StepTensors, causal_mask=None):
         cfg = self.cfg
-        q, k, v = self.wqkv(x).split([cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim,
-                                      cfg.n_kv_heads * cfg.head_dim], dim=-1)
+        q, k, v = self.wqkv(x).split(
+            [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], dim=-1
+        )
         q = rotate(q.unflatten(-1, (cfg.n_heads, cfg.head_dim)), cos, sin)
         k = rotate(k.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim)), cos, sin)
         v = v.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim))
         if blocks is None:  # no cache: one sequence, plain causal SDPA (the check at the end)
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                               is_causal=True, enable_gqa=True).transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            ).transpose(0, 1)
         else:  # layer 0 checks the step tensors, which stay as they are up to the last layer
-            store, attend = (pk.store_kv, pk.flash_attention) if self.layer_idx == 0 else \
-                (pk.ops.store_kv_unchecked, pk.ops.flash_attention_unchecked)
+            store, attend = (
+                (pk.store_kv, pk.flash_attention)
+                if self.layer_idx == 0
+                else (pk.ops.store_kv_unchecked, pk.ops.flash_attention_unchecked)
+            )
             store(k, v, blocks, *step, self.layer_idx)
-            o = attend(q, blocks, *step, self.layer_idx, cfg.head_dim ** -0.5)
+            o = attend(q, blocks, *step, self.layer_idx, cfg.head_dim**-0.5)
         return self.wo(o.flatten(1))
 
 
@@ -148,7 +153,7 @@ def serve(model, manager, prompts, arrivals, new_tokens, device):
                 torch.compiler.set_stance("fail_on_recompile")
                 compiled_once = True
         manager.commit_step()
-        for i, t in zip(list(running), next_tokens):
+        for i, t in zip(list(running), next_tokens, strict=True):
             generated[i].append(t)
             if len(generated[i]) == new_tokens:
                 manager.release(i)
@@ -162,7 +167,7 @@ def greedy_without_cache(model, prompt, new_tokens, device):
     tokens = list(prompt)
     for _ in range(new_tokens):
         tokens.append(int(model(torch.tensor(tokens, device=device), None).argmax(-1)))
-    return tokens[len(prompt):]
+    return tokens[len(prompt) :]
 
 
 def main() -> None:
@@ -177,14 +182,17 @@ def main() -> None:
     cfg = Config()
     model = Transformer(cfg).to(device).eval()
     params = pk.KVCacheParams(torch.float32, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, args.page_size)
-    collection = pk.PagedKVCacheCollection(params, num_pages=128, max_batch_size=args.requests,
-                                           max_seq_len=cfg.max_seq_len, device=device)
+    collection = pk.PagedKVCacheCollection(
+        params, num_pages=128, max_batch_size=args.requests, max_seq_len=cfg.max_seq_len, device=device
+    )
     model.attach_cache(collection)
     manager = pk.KVCacheManager(collection)
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(cfg.vocab_size, (40,), generator=gen).tolist()  # a common system prompt
-    prompts = [shared + torch.randint(cfg.vocab_size, (int(n),), generator=gen).tolist()
-               for n in torch.randint(3, 30, (args.requests,), generator=gen)]
+    prompts = [
+        shared + torch.randint(cfg.vocab_size, (int(n),), generator=gen).tolist()
+        for n in torch.randint(3, 30, (args.requests,), generator=gen)
+    ]
     arrivals = {i: 3 * i for i in range(args.requests)}  # a new request every 3 steps
 
     with torch.no_grad():
@@ -195,8 +203,10 @@ def main() -> None:
     for i in range(args.requests):
         print(f"request {i} (arrived at step {arrivals[i]}, prompt {len(prompts[i])}): {generated[i][:12]} ...")
     print(f"prefix cache: {manager.prefix_cache_hits} prompt tokens reused, {manager.prefix_cache_misses} computed")
-    print(f"all {args.requests} requests match an uncached recomputation; "
-          f"compiled decode: {tokens_per_s:.0f} tokens/s on {device}")
+    print(
+        f"all {args.requests} requests match an uncached recomputation; "
+        f"compiled decode: {tokens_per_s:.0f} tokens/s on {device}"
+    )
 
 
 if __name__ == "__main__":

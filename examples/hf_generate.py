@@ -18,15 +18,29 @@ from transformers.generation.configuration_utils import CompileConfig
 
 from torch_paged_kv.integrations.transformers import PagedCache
 
-PROMPTS = ["The capital of France is", "Paged attention stores keys and values in", "Once upon a time",
-           "def fibonacci(n):"]
+PROMPTS = [
+    "The capital of France is",
+    "Paged attention stores keys and values in",
+    "Once upon a time",
+    "def fibonacci(n):",
+]
 
 
 def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                         pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.1,
+    )
     return LlamaForCausalLM(config)
 
 
@@ -65,10 +79,21 @@ def main() -> None:
     model.eval()
     ids, mask = ids.to(device), mask.to(device)
 
-    cache = PagedCache(model.config, max_batch_size=args.batch, max_cache_len=ids.shape[1] + args.new_tokens,
-                       page_size=args.page_size, device=device, dtype=model.dtype)
-    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                  pad_token_id=model.config.pad_token_id or 0, past_key_values=cache)
+    cache = PagedCache(
+        model.config,
+        max_batch_size=args.batch,
+        max_cache_len=ids.shape[1] + args.new_tokens,
+        page_size=args.page_size,
+        device=device,
+        dtype=model.dtype,
+    )
+    kwargs = dict(
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
+        pad_token_id=model.config.pad_token_id or 0,
+        past_key_values=cache,
+    )
     if args.compile:
         compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
         compile_config._compile_all_devices = True  # generate compiles only on GPUs unless told
@@ -84,7 +109,7 @@ def main() -> None:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
 
-    new = out[:, ids.shape[1]:]
+    new = out[:, ids.shape[1] :]
     for row in new.tolist():
         print(tokenizer.decode(row, skip_special_tokens=True) if tokenizer else row)
     print(f"{args.attn} on {device}: {new.numel()} tokens in {seconds:.3f} s = {new.numel() / seconds:.1f} tokens/s")

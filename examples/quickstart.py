@@ -23,7 +23,7 @@ for new in ([5, 11], [1, 1]):  # prefill, then one decode step
     q = torch.randn(sum(new), 4, 16, device=device)  # 4 query heads over 2 KV heads (GQA)
     k, v = torch.randn(2, sum(new), 2, 16, device=device)
     pk.store_kv(k, v, kv.blocks, lengths, table, offsets, 0)
-    out = pk.flash_attention(q, kv.blocks, lengths, table, offsets, 0, 16 ** -0.5)
+    out = pk.flash_attention(q, kv.blocks, lengths, table, offsets, 0, 16**-0.5)
 
     for b in range(2):  # SDPA reference, one sequence at a time
         rows = slice(int(offsets[b]), int(offsets[b + 1]))

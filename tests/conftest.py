@@ -1,10 +1,29 @@
-"""Session setup that must happen before any test module imports triton."""
+"""Session setup that must happen before any test module imports triton, and shared fixtures."""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     # No GPU: the Triton kernels run on CPU tensors in Triton's interpreter. Triton fixes the mode
     # when it is first imported (transformers imports it), so set it before collection starts.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def force_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], None]:
+    """`force_backend(name)` makes every op call of this test run backend `name` (None: the default
+    order again), through `TORCH_PAGED_KV_BACKEND`; the setting ends with the test."""
+    from torch_paged_kv.ops import dispatch
+
+    def force(name: str | None) -> None:
+        if name is None:
+            monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(dispatch.ENV_VAR, name)
+
+    return force

@@ -17,12 +17,38 @@ import torch
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 CPU_RUNS = {
-    "bench_decode.py": ["--device", "cpu", "--batch", "2", "--context", "64", "--q-heads", "4", "--kv-heads", "2",
-                        "--head-dim", "32", "--page-sizes", "1,16"],
+    "bench_decode.py": [
+        "--device",
+        "cpu",
+        "--batch",
+        "2",
+        "--context",
+        "64",
+        "--q-heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "32",
+        "--page-sizes",
+        "1,16",
+    ],
     "bench_manager.py": ["--batch", "8", "--steps", "20", "--repeats", "1"],
     "bench_checkpoint.py": ["--device", "cpu", "--size-mb", "4", "--repeats", "1"],
-    "bench_hf.py": ["--layers", "1", "--hidden", "64", "--batch", "2", "--prompt", "8", "--new-tokens", "4",
-                    "--repeats", "1"],
+    "bench_hf.py": [
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--batch",
+        "2",
+        "--prompt",
+        "8",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
+    ],
 }
 GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py"]
 
@@ -35,8 +61,9 @@ def benchmarks(tmp_path) -> pathlib.Path:
 
 
 def _run(folder: pathlib.Path, script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, str(folder / script), *args], capture_output=True, text=True,
-                          timeout=600, cwd=folder)
+    done = subprocess.run(
+        [sys.executable, str(folder / script), *args], capture_output=True, text=True, timeout=600, cwd=folder
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -56,10 +83,20 @@ def test_gpu_benchmark_says_it_needs_a_gpu(benchmarks, script):
 
 def test_gpu_session_script_runs_stages_and_summarises(tmp_path):
     script = BENCHMARKS / "gpu_session.sh"
-    done = subprocess.run(["bash", str(script), "paths"], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OUT": str(tmp_path)})
+    done = subprocess.run(
+        ["bash", str(script), "paths"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     assert "| paths | 0 |" in done.stdout and (tmp_path / "paths.log").is_file()
-    unknown = subprocess.run(["bash", str(script), "nonsense"], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "OUT": str(tmp_path)})
+    unknown = subprocess.run(
+        ["bash", str(script), "nonsense"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
     assert unknown.returncode == 2 and "unknown stage nonsense" in unknown.stdout

@@ -12,8 +12,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from torch_paged_kv import ContinuousBatchingKVCacheCollection, KVCacheParams, PagedKVCacheCollection
-from torch_paged_kv import checkpoint, page_stream
+from torch_paged_kv import (
+    ContinuousBatchingKVCacheCollection,
+    KVCacheParams,
+    PagedKVCacheCollection,
+    checkpoint,
+    page_stream,
+)
 from torch_paged_kv.checkpoint import CheckpointError, load_cache, load_pages, read_info, save_cache, verify
 from torch_paged_kv.safetensors_stream import SafetensorsWriter
 
@@ -64,8 +69,10 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
         n = int(src.cache_lengths[b])
         if loaded.lookup_table.dim() == 1:
             if n:
-                assert torch.equal(bits(loaded.blocks[int(loaded.lookup_table[i]), :, :, :n]),
-                                   bits(src.blocks[int(src.lookup_table[b]), :, :, :n]))
+                assert torch.equal(
+                    bits(loaded.blocks[int(loaded.lookup_table[i]), :, :, :n]),
+                    bits(src.blocks[int(src.lookup_table[b]), :, :, :n]),
+                )
                 src_pages.append(int(src.lookup_table[b]))
                 new_pages.append(int(loaded.lookup_table[i]))
             continue
@@ -76,7 +83,7 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
             assert d != 0 and torch.equal(bits(loaded.blocks[d]), bits(src.blocks[s]))  # whole page
             src_pages.append(s)
             new_pages.append(d)
-    pairs = set(zip(src_pages, new_pages))
+    pairs = set(zip(src_pages, new_pages, strict=True))
     assert len(pairs) == len(set(src_pages)) == len(set(new_pages))  # sharing preserved, nothing extra
     if loaded.lookup_table.dim() == 2:
         assert loaded.num_pages == max(1, len(set(new_pages)))
@@ -85,8 +92,9 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_paged_round_trip_bit_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-                                    in_place: bool) -> None:
+def test_paged_round_trip_bit_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, in_place: bool
+) -> None:
     if in_place:  # write runs of consecutive pages straight from the pool instead of gathering
         monkeypatch.setattr(page_stream, "DIRECT_RUN_BYTES", 1)
     src = make_paged(dtype)
@@ -171,7 +179,7 @@ def test_sharded_round_trip_and_chunking(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(files) == 5  # 13 pages, 3 per file: the main file and 4 shards
     for name in files:
         with safe_open(tmp_path / name, framework="pt") as f:
-            assert all(f.get_tensor(k).numel() for k in f.keys())
+            assert all(f.get_tensor(k).numel() for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
     assert_rows_equal(src, load_cache(tmp_path / "kv.safetensors"), [0, 1, 2, 3])
     save_cache(src, tmp_path / "kv.safetensors")  # re-save unsharded: the old shards go away
     assert [p.name for p in tmp_path.iterdir()] == ["kv.safetensors"]
@@ -196,9 +204,9 @@ def test_load_pages_into_live_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with pytest.raises(CheckpointError, match="do not fit the target blocks"):
         load_pages(tmp_path / "kv.safetensors", pool.half(), targets)
     with pytest.raises(ValueError, match="pages: expected 12 distinct ids"):
-        load_pages(tmp_path / "kv.safetensors", pool, targets[:-1] + [30])
+        load_pages(tmp_path / "kv.safetensors", pool, [*targets[:-1], 30])
     with pytest.raises(ValueError, match="never the null page"):
-        load_pages(tmp_path / "kv.safetensors", pool, targets[:-1] + [0])
+        load_pages(tmp_path / "kv.safetensors", pool, [*targets[:-1], 0])
 
 
 def _flip(path: Path, offset_from_end: int) -> None:
@@ -219,8 +227,10 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
         "garbage": (b"definitely not a checkpoint" * 3, "not a safetensors file"),
         "tiny": (b"abc", "not a safetensors file"),
         "version": (raw.replace(b'"format_version":"1"', b'"format_version":"7"'), "unknown format version '7'"),
-        "foreign": (raw.replace(b'"format":"torch_paged_kv.kv_cache"', b'"format":"torch_paged_kv.other___"'),
-                    "not a torch_paged_kv checkpoint"),
+        "foreign": (
+            raw.replace(b'"format":"torch_paged_kv.kv_cache"', b'"format":"torch_paged_kv.other___"'),
+            "not a torch_paged_kv checkpoint",
+        ),
     }
     for name, (content, message) in cases.items():
         bad = tmp_path / f"{name}.safetensors"
@@ -240,13 +250,17 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
     assert load_cache(good, expected_params=src.params).num_pages == 13
 
 
-@pytest.mark.parametrize("entry, lengths, message", [
-    ((0, 0), None, "puts a row's tokens in a page it does not store"),
-    ((0, 1), None, "page ids outside 0..13"),
-    (None, [10, 31, 13, 0], "outside 0..30"),
-])
-def test_inconsistent_tables_raise_checkpoint_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry,
-                                                    lengths, message) -> None:
+@pytest.mark.parametrize(
+    "entry, lengths, message",
+    [
+        ((0, 0), None, "puts a row's tokens in a page it does not store"),
+        ((0, 1), None, "page ids outside 0..13"),
+        (None, [10, 31, 13, 0], "outside 0..30"),
+    ],
+)
+def test_inconsistent_tables_raise_checkpoint_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry, lengths, message
+) -> None:
     """A file whose checksums are right but whose lookup table or lengths do not describe its pages."""
     real_plan = checkpoint._plan
 
@@ -257,6 +271,7 @@ def test_inconsistent_tables_raise_checkpoint_error(tmp_path: Path, monkeypatch:
         if lengths is not None:
             plan.cache_lengths = torch.tensor(lengths, dtype=torch.int32)
         return plan
+
     monkeypatch.setattr(checkpoint, "_plan", bad_plan)
     save_cache(make_paged(seed=8), tmp_path / "bad.safetensors")
     for read in (read_info, load_cache):
@@ -284,8 +299,9 @@ def test_bad_shards(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("shard_pages, fail_after", [(None, 2), (2, 4), (2, 8)])
-def test_interrupted_save_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_pages,
-                                         fail_after: int) -> None:
+def test_interrupted_save_keeps_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_pages, fail_after: int
+) -> None:
     """Fail in the single file's pages; after 4 of 6 shards are in place; in the main file's pages."""
     old, new = make_paged(seed=8), make_paged(seed=9)
     shard_bytes = shard_pages * old.blocks[0].numel() * 2 if shard_pages else checkpoint.DEFAULT_SHARD_BYTES
@@ -309,8 +325,13 @@ def test_interrupted_save_keeps_previous(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch_paged_kv", *args], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "torch_paged_kv", *args],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=120,
+    )
 
 
 def test_cli_inspect(tmp_path: Path) -> None:
@@ -322,8 +343,14 @@ def test_cli_inspect(tmp_path: Path) -> None:
     _flip(bad, 5)
     out = _cli("inspect", str(good))
     assert out.returncode == 0, out.stderr
-    for text in ("dtype=bfloat16", "pages stored=11", "checksums:  OK", "'model': 'tiny'", "rows:       2",
-                 "11 referenced by the rows, 11 stored"):
+    for text in (
+        "dtype=bfloat16",
+        "pages stored=11",
+        "checksums:  OK",
+        "'model': 'tiny'",
+        "rows:       2",
+        "11 referenced by the rows, 11 stored",
+    ):
         assert text in out.stdout
     assert "   0            29      8" in out.stdout
     out = _cli("inspect", str(bad))

@@ -13,8 +13,7 @@ def decode_step(q, k, v, blocks, cache_lengths, lookup_table, input_row_offsets)
     out = q
     for layer in range(NUM_LAYERS):
         pk.store_kv(k, v, blocks, cache_lengths, lookup_table, input_row_offsets, layer)
-        out = pk.flash_attention(out, blocks, cache_lengths, lookup_table, input_row_offsets, layer,
-                                 HEAD_DIM ** -0.5)
+        out = pk.flash_attention(out, blocks, cache_lengths, lookup_table, input_row_offsets, layer, HEAD_DIM**-0.5)
     return out * 2
 
 
@@ -55,8 +54,16 @@ def test_decode_step_compiles_fullgraph_without_recompiling():
 def test_compiled_attention_matches_fp64():
     torch._dynamo.reset()
     from torch_paged_kv.testing import make_paged_batch
-    b = make_paged_batch([6, 1, 0], [1, 1, 1], page_size=PAGE, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         group=Q_HEADS // KV_HEADS, seed=1)
+
+    b = make_paged_batch(
+        [6, 1, 0],
+        [1, 1, 1],
+        page_size=PAGE,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        group=Q_HEADS // KV_HEADS,
+        seed=1,
+    )
 
     @torch.compile(fullgraph=True)
     def step(q, k, v, blocks, cache_lengths, lookup_table, input_row_offsets):

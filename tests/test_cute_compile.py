@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import torch_paged_kv as pk
-from torch_paged_kv.cute.operand import KVCacheMHAOperand
+from torch_paged_kv.ops.cute.operand import KVCacheMHAOperand
 
 cute = pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl (cutlass.cute) is not importable")
 
-from torch_paged_kv.cute import __main__ as cli  # noqa: E402
-from torch_paged_kv.cute import variants  # noqa: E402
-from torch_paged_kv.cute.compile_cache import CompileCache  # noqa: E402
+from torch_paged_kv.ops.cute import __main__ as cli  # noqa: E402
+from torch_paged_kv.ops.cute import variants  # noqa: E402
+from torch_paged_kv.ops.cute.compile_cache import CompileCache  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", variants.ARCHES)
@@ -88,12 +88,14 @@ def test_operand_rows_match_cache_views(page_size, continuous):
         coll.lookup_table.copy_(torch.randint(1, 41, coll.lookup_table.shape, dtype=torch.int32))
     coll.blocks.copy_(torch.randn(coll.blocks.shape))
     layer = 1
-    op = KVCacheMHAOperand.from_cache(coll.get_key_cache(layer))
+    op = KVCacheMHAOperand.from_blocks(coll.blocks, coll.cache_lengths, coll.lookup_table, layer)
     assert op.lookup_table.dim() == 2 and not op.quantization_enabled
     assert op.num_kv_rows() == coll.get_key_cache(layer).num_kv_rows()
     for plane in (0, 1):
         for b in range(4):
             rows = op.populate(b, 0, 24, plane)
+            view = (coll.get_key_cache if plane == 0 else coll.get_value_cache)(layer)
+            assert torch.equal(rows, view.populate(b, 0, 24))  # the collection's views: the same rows
             for tok in (0, 7, 23):  # each row holds that token's data, found by plain indexing
                 page = int(op.lookup_table[b, tok // page_size])
                 expected = coll.blocks[page, plane, layer, tok % page_size].flatten()
@@ -101,19 +103,26 @@ def test_operand_rows_match_cache_views(page_size, continuous):
 
 
 def test_supports_declines_cpu_and_import_needs_no_cutlass():
-    from torch_paged_kv.cute.attention import supports
+    from torch_paged_kv.ops.cute.attention import supports
 
     q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
     blocks = torch.zeros(3, 2, 1, 16, 2, 64, dtype=torch.bfloat16)
-    assert not supports(q, blocks, torch.zeros(2, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32),
-                        torch.arange(3, dtype=torch.int32), 0, 0.125)
+    assert not supports(
+        q,
+        blocks,
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(2, 8, dtype=torch.int32),
+        torch.arange(3, dtype=torch.int32),
+        0,
+        0.125,
+    )
     code = "import sys, torch_paged_kv; assert 'cutlass' not in sys.modules; print(torch_paged_kv.backend_info('cpu'))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 
 
 def test_launch_arguments_match_the_compiled_signature(tmp_path):
     """Exported TVM-FFI kernels check every argument; on CPU tensors the first complaint must be the device."""
-    from torch_paged_kv.cute.attention import launch
+    from torch_paged_kv.ops.cute.attention import launch
 
     writer = CompileCache(cache_dir=tmp_path)
     keys = (variants.decode_key("sm_90a", "bfloat16", 128, 16, 4), variants.combine_key("sm_90a", "bfloat16", 128))

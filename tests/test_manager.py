@@ -39,16 +39,17 @@ def kv_rows(tokens: list[int], start: int, stop: int) -> torch.Tensor:
     return (vals.float() / 997).view(-1, 2, PARAMS.num_layers, PARAMS.num_kv_heads, PARAMS.head_dim)
 
 
-def run_step(m: KVCacheManager, ids: list, news: list[list[int]], model: dict, pass_tokens: bool = True) -> tpk.StepTensors:
+def run_step(
+    m: KVCacheManager, ids: list, news: list[list[int]], model: dict, pass_tokens: bool = True
+) -> tpk.StepTensors:
     """One step: prepare, store each row's K/V (a function of its model tokens), commit."""
     step = m.prepare_step(ids, [len(t) for t in news], news if pass_tokens else None)
-    rows = [kv_rows(model[i] + t, len(model[i]), len(model[i]) + len(t)) for i, t in zip(ids, news)]
+    rows = [kv_rows(model[i] + t, len(model[i]), len(model[i]) + len(t)) for i, t in zip(ids, news, strict=True)]
     kv = torch.cat(rows)
     for layer in range(PARAMS.num_layers):
-        tpk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), m.collection.blocks,
-                     *step, layer)
+        tpk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), m.collection.blocks, *step, layer)
     m.commit_step()
-    for i, t in zip(ids, news):
+    for i, t in zip(ids, news, strict=True):
         model[i] = model[i] + t
     return step
 
@@ -84,7 +85,7 @@ def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
             continue
         assert len(pages) == -(-len(model[i]) // PS)
         assert len(set(pages)) == len(pages) and tpk.NULL_PAGE not in pages
-        assert (m._table[seq.slot, len(pages):] == tpk.NULL_PAGE).all()
+        assert (m._table[seq.slot, len(pages) :] == tpk.NULL_PAGE).all()
         for idx, page in enumerate(pages):
             holders.setdefault(page, []).append((i, idx))
     for page in range(1, n + 1):
@@ -103,11 +104,13 @@ def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
 def snapshot(m: KVCacheManager) -> dict:
     """Everything an all-or-nothing operation must leave unchanged."""
     c = m.collection
-    state = {k: copy.deepcopy(v) for k, v in vars(m).items()
-             if k not in ("collection", "_host_views", "_step_views", "_rows_seqs", "_pending", "_seqs", "_pool")}
+    state = {
+        k: copy.deepcopy(v)
+        for k, v in vars(m).items()
+        if k not in ("collection", "_host_views", "_step_views", "_rows_seqs", "_pending", "_seqs", "_pool")
+    }
     state["pool"] = copy.deepcopy(vars(m._pool))
-    state["seqs"] = {i: (s.slot, m._token_ids(s), list(s.keys), s.host_pages is None)
-                     for i, s in m._seqs.items()}
+    state["seqs"] = {i: (s.slot, m._token_ids(s), list(s.keys), s.host_pages is None) for i, s in m._seqs.items()}
     state["pending"] = None if m._pending is None else [s.seq_id for s in m._pending.seqs]
     state["rows_seqs"] = [s.seq_id for s in m._rows_seqs]
     state["device"] = [t.clone() for t in (c.cache_lengths, c.lookup_table, c.input_row_offsets, c.blocks)]
@@ -121,16 +124,17 @@ def assert_same(a: dict, b: dict) -> None:
         if isinstance(x, np.ndarray):
             assert np.array_equal(x, y), k
         elif k == "device":
-            assert all(torch.equal(p, q) for p, q in zip(x, y)), k
+            assert all(torch.equal(p, q) for p, q in zip(x, y, strict=True)), k
         else:
             assert x == y, k
 
 
 def pages_needed(model: dict, ids: list, counts: list[int]) -> int:
-    return sum(-(-(len(model[i]) + n) // PS) - -(-len(model[i]) // PS) for i, n in zip(ids, counts))
+    return sum(-(-(len(model[i]) + n) // PS) - -(-len(model[i]) // PS) for i, n in zip(ids, counts, strict=True))
 
 
 # -- randomized workload ------------------------------------------------------------------------
+
 
 def test_random_workload_against_model():
     rng = random.Random(1234)
@@ -146,7 +150,9 @@ def test_random_workload_against_model():
         op = rng.choices(["claim", "step", "fork", "release", "offload", "restore"], [3, 8, 1, 2, 1, 1])[0]
         live = sorted(on_device)
         if op == "claim" and len(model) < 10:
-            prompt = bases[rng.randrange(3)][: rng.randrange(0, 20)] + [rng.randrange(3) for _ in range(rng.randrange(1, 6))]
+            prompt = bases[rng.randrange(3)][: rng.randrange(0, 20)] + [
+                rng.randrange(3) for _ in range(rng.randrange(1, 6))
+            ]
             reused = m.claim(next_id, prompt)
             assert reused % PS == 0 and reused < len(prompt)
             model[next_id], prompt_left[next_id] = prompt[:reused], prompt[reused:]
@@ -177,10 +183,10 @@ def test_random_workload_against_model():
                     pages = m._pages(m._seqs[i])
                     assert step.cache_lengths[b] == len(model[i]) - len(news[b])
                     assert step.lookup_table[b, : len(pages)].tolist() == pages
-                    assert (step.lookup_table[b, len(pages):] == tpk.NULL_PAGE).all()
+                    assert (step.lookup_table[b, len(pages) :] == tpk.NULL_PAGE).all()
                 assert step.input_row_offsets.tolist() == [0, *np.cumsum([len(t) for t in news])]
-                for i, t in zip(ids, news):
-                    prompt_left[i] = prompt_left[i][len(t):] if prompt_left[i][: len(t)] == t else []
+                for i, t in zip(ids, news, strict=True):
+                    prompt_left[i] = prompt_left[i][len(t) :] if prompt_left[i][: len(t)] == t else []
         elif op == "fork" and live and len(model) < 10:
             parent = rng.choice(live)
             if len(model[parent]) % PS and m.num_free_pages() == 0:
@@ -221,11 +227,14 @@ def test_random_workload_against_model():
         if op_index % 7 == 0:
             check_contents(m, model, sorted(on_device))
     check_contents(m, model, sorted(on_device))
-    assert all(counts.get(op, 0) >= 20 for op in ("claim", "step", "fork", "release", "offload", "restore", "oom")), counts
+    assert all(counts.get(op, 0) >= 20 for op in ("claim", "step", "fork", "release", "offload", "restore", "oom")), (
+        counts
+    )
     assert m.prefix_cache_hits > 100 and m.prefix_cache_misses > 100
 
 
 # -- prefix caching -----------------------------------------------------------------------------
+
 
 def attention_of_last(m: KVCacheManager, seq_id, prompt: list[int], start: int | None = None) -> torch.Tensor:
     """Claim `prompt`, compute what the cache lacks (or from `start`), return attention of the computed rows."""
@@ -287,7 +296,7 @@ def test_lru_evicts_least_recently_released_tail_first():
     # touching b's head makes it most recent: reuse then release
     assert m.claim("b2", pb[:5]) == 4
     m.release("b2")
-    assert list(m._pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3] + [b_pages[0]]
+    assert list(m._pool.evictable) == [*[a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3], b_pages[0]]
     m.claim("c", [3] * 12)
     model["c"] = []
     run_step(m, ["c"], [[3] * 12], model)  # 3 pages: 2 free (the partial ones), then a's tail
@@ -331,7 +340,7 @@ def chained_keys(tokens: list[int], salt: bytes | None = None) -> list[bytes]:
     """Prefix-cache keys of the full pages of `tokens`, recomputed from scratch."""
     keys, parent = [], root_key(salt)
     for i in range(len(tokens) // PS):
-        parent = page_key(parent, tokens[i * PS:(i + 1) * PS])
+        parent = page_key(parent, tokens[i * PS : (i + 1) * PS])
         keys.append(parent)
     return keys
 
@@ -373,12 +382,13 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
     for caching in (True, False):
         dst = make(enable_prefix_caching=caching)
         ids = dst.load(tmp_path / "kv.safetensors")
-        for new, old in zip(ids, ["a", "b"]):
+        for new, old in zip(ids, ["a", "b"], strict=True):
             assert dst._token_ids(dst._seqs[new]) == (model[old] if caching else None)
             assert dst._seqs[new].keys == (chained_keys(model[old]) if caching else [])
 
 
 # -- fork / copy-on-write -----------------------------------------------------------------------
+
 
 def test_fork_shares_full_pages_and_copies_the_partial_one():
     m = make()
@@ -402,6 +412,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
 
 
 # -- all or nothing -----------------------------------------------------------------------------
+
 
 def test_out_of_pages_leaves_manager_unchanged():
     m = make(num_pages=5)
@@ -507,6 +518,7 @@ def test_abandoned_and_released_steps():
 
 # -- save / load --------------------------------------------------------------------------------
 
+
 def test_save_load_into_a_live_manager(tmp_path):
     src = make()
     model = {"a": [], "b": [], "c": []}
@@ -526,7 +538,7 @@ def test_save_load_into_a_live_manager(tmp_path):
     ids = dst.load(tmp_path / "kv.safetensors")
     assert ids == [("loaded", 0), ("loaded", 1), ("loaded", 2)]
     assert dst.num_free_pages() == free_before - 5  # 2 shared by a and c, 1 of each own, 1 of b
-    loaded_model = {new: model[old] for new, old in zip(ids, ["c", "b", "a"])}
+    loaded_model = {new: model[old] for new, old in zip(ids, ["c", "b", "a"], strict=True)}
     check_contents(dst, {**loaded_model, **live}, [*ids, "x"])
     check_ownership(dst, {**loaded_model, **live}, {*ids, "x"})
     # token ids came along: the loaded prefix is in dst's prefix cache

@@ -18,19 +18,24 @@ def batch():
 
 
 def test_opcheck_store_kv(batch, overload):
-    torch.library.opcheck(getattr(torch.ops.paged_kv.store_kv, overload),
-                          (batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx))
+    torch.library.opcheck(
+        getattr(torch.ops.paged_kv.store_kv, overload),
+        (batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx),
+    )
 
 
 def test_opcheck_flash_attention(batch, overload):
-    torch.library.opcheck(getattr(torch.ops.paged_kv.flash_attention, overload),
-                          (batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.5),
-                          {"causal": True, "sliding_window": 3, "softcap": 1.0})
+    torch.library.opcheck(
+        getattr(torch.ops.paged_kv.flash_attention, overload),
+        (batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.5),
+        {"causal": True, "sliding_window": 3, "softcap": 1.0},
+    )
 
 
 def test_opcheck_gather_kv(batch, overload):
-    torch.library.opcheck(getattr(torch.ops.paged_kv.gather_kv, overload),
-                          (batch.blocks, *batch.step, batch.layer_idx, 8))
+    torch.library.opcheck(
+        getattr(torch.ops.paged_kv.gather_kv, overload), (batch.blocks, *batch.step, batch.layer_idx, 8)
+    )
 
 
 def test_opcheck_copy_pages(batch, overload):

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_paged_kv as pk
@@ -27,15 +27,23 @@ def batches(draw, max_batch=4, max_cached=40, max_new=6):
     if sum(new) == 0:
         new[draw(st.integers(0, batch - 1))] = 1
     continuous = draw(st.booleans())
-    longest = max(c + n for c, n in zip(cached, new))
+    longest = max(c + n for c, n in zip(cached, new, strict=True))
     page_size = longest + draw(st.integers(0, 5)) if continuous else draw(st.sampled_from([1, 2, 3, 5, 8, 16]))
-    return dict(cache_lengths=cached, new_lengths=new, page_size=page_size, continuous=continuous,
-                num_kv_heads=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 2, 4])),
-                head_dim=draw(st.sampled_from([16, 32])), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        cache_lengths=cached,
+        new_lengths=new,
+        page_size=page_size,
+        continuous=continuous,
+        num_kv_heads=draw(st.integers(1, 3)),
+        group=draw(st.sampled_from([1, 2, 4])),
+        head_dim=draw(st.sampled_from([16, 32])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
-masks = st.fixed_dictionaries(dict(causal=st.booleans(), sliding_window=st.sampled_from([-1, 1, 3, 17]),
-                                   softcap=st.sampled_from([0.0, 2.5])))
+masks = st.fixed_dictionaries(
+    dict(causal=st.booleans(), sliding_window=st.sampled_from([-1, 1, 3, 17]), softcap=st.sampled_from([0.0, 2.5]))
+)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -52,26 +60,29 @@ def test_reference_attention_matches_fp64(shape, mask, dtype):
     ref = attention_fp64(b.q, b.keys, b.values, shape["cache_lengths"], 0.3, **mask)
     assert _close(out, ref, dtype)
     key, value = pk.gather_kv(b.blocks, *b.step, b.layer_idx, max(k.shape[0] for k in b.keys))
-    for i, (k, v) in enumerate(zip(b.keys, b.values)):
+    for i, (k, v) in enumerate(zip(b.keys, b.values, strict=True)):
         assert torch.equal(key[i, : k.shape[0]], k) and torch.equal(value[i, : v.shape[0]], v)
-        assert not key[i, k.shape[0]:].any() and not value[i, v.shape[0]:].any()
+        assert not key[i, k.shape[0] :].any() and not value[i, v.shape[0] :].any()
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs TRITON_INTERPRET=1 "
-                    "(tests/conftest.py sets it when no GPU is visible; tests/gpu covers the kernels on a GPU)")
-@settings(max_examples=20, deadline=None)
-@given(shape=batches(max_batch=3, max_cached=24, max_new=4), mask=masks,
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_triton_matches_reference(shape, mask, dtype):
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton on CPU tensors needs TRITON_INTERPRET=1 "
+    "(tests/conftest.py sets it when no GPU is visible; tests/gpu covers the kernels on a GPU)",
+)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=batches(max_batch=3, max_cached=24, max_new=4),
+    mask=masks,
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_triton_matches_reference(force_backend, shape, mask, dtype):
     results = []
     for backend in ("reference", "triton"):
         b = make_paged_batch(dtype=dtype, **shape)
-        os.environ["TORCH_PAGED_KV_BACKEND"] = backend
-        try:
-            pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
-            out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, **mask)
-        finally:
-            del os.environ["TORCH_PAGED_KV_BACKEND"]
+        force_backend(backend)
+        pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+        out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, **mask)
         results.append((b.blocks, out))
     (ref_blocks, ref_out), (blocks, out) = results
     assert torch.equal(blocks, ref_blocks)  # store_kv writes the same slots, bit for bit

@@ -27,8 +27,9 @@ def _max_error(out, ref):
 
 @pytest.mark.parametrize("page_size, dtype", itertools.product([1, 7, 16, 128], list(TOLERANCE)))
 def test_attention_matches_fp64(page_size, dtype):
-    batch = make_paged_batch(CACHED, NEW, page_size=page_size, num_kv_heads=2, head_dim=64, group=4,
-                             dtype=dtype, seed=page_size)
+    batch = make_paged_batch(
+        CACHED, NEW, page_size=page_size, num_kv_heads=2, head_dim=64, group=4, dtype=dtype, seed=page_size
+    )
     out = _store_then_attend(batch, 0.125)
     assert out.dtype == dtype and out.shape == batch.q.shape
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.125)
@@ -37,15 +38,25 @@ def test_attention_matches_fp64(page_size, dtype):
 
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (256, 8), (128, 8)])
 def test_attention_head_dims_and_gqa(head_dim, group):
-    batch = make_paged_batch(CACHED, NEW, page_size=16, num_kv_heads=2, head_dim=head_dim, group=group,
-                             dtype=torch.bfloat16, seed=head_dim + group)
-    scale = head_dim ** -0.5
+    batch = make_paged_batch(
+        CACHED,
+        NEW,
+        page_size=16,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        group=group,
+        dtype=torch.bfloat16,
+        seed=head_dim + group,
+    )
+    scale = head_dim**-0.5
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, scale)
     assert _max_error(_store_then_attend(batch, scale), ref) <= TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("causal, sliding_window, softcap", [(False, -1, 0.0), (True, 4, 0.0), (True, 50, 0.0),
-                                                              (True, -1, 2.5), (False, 7, 1.5)])
+@pytest.mark.parametrize(
+    "causal, sliding_window, softcap",
+    [(False, -1, 0.0), (True, 4, 0.0), (True, 50, 0.0), (True, -1, 2.5), (False, 7, 1.5)],
+)
 def test_attention_masks_and_softcap(causal, sliding_window, softcap):
     batch = make_paged_batch(CACHED, NEW, page_size=8, group=2, seed=3)
     kwargs = dict(causal=causal, sliding_window=sliding_window, softcap=softcap)
@@ -69,17 +80,18 @@ def test_continuous_batching_layout(dtype):
 
 def test_attention_matches_sdpa_on_contiguous_kv():
     batch = make_paged_batch(CACHED, NEW, page_size=16, num_kv_heads=2, head_dim=64, group=4, seed=11)
-    out = _store_then_attend(batch, 64 ** -0.5)
+    out = _store_then_attend(batch, 64**-0.5)
     row = 0
-    for k, v, cached in zip(batch.keys, batch.values, CACHED):
+    for k, v, cached in zip(batch.keys, batch.values, CACHED, strict=True):
         new = k.shape[0] - cached
         if new == 0:
             continue
-        q = batch.q[row: row + new].transpose(0, 1)[None]                  # [1, Hq, new, D]
+        q = batch.q[row : row + new].transpose(0, 1)[None]  # [1, Hq, new, D]
         mask = torch.arange(k.shape[0])[None] <= cached + torch.arange(new)[:, None]
-        ref = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             attn_mask=mask, enable_gqa=True)
-        torch.testing.assert_close(out[row: row + new], ref[0].transpose(0, 1), atol=2e-5, rtol=1e-5)
+        ref = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+        )
+        torch.testing.assert_close(out[row : row + new], ref[0].transpose(0, 1), atol=2e-5, rtol=1e-5)
         row += new
 
 
@@ -93,7 +105,7 @@ def test_attention_empty_step():
 def test_store_kv_writes_exactly_the_new_slots(page_size, continuous):
     batch = make_paged_batch(CACHED, NEW, page_size=page_size, continuous=continuous, seed=2)
     expected = batch.blocks.clone()
-    for b, (cached, new) in enumerate(zip(CACHED, NEW)):
+    for b, (cached, new) in enumerate(zip(CACHED, NEW, strict=True)):
         for t in range(new):
             pos = cached + t
             page = int(batch.lookup_table[b]) if continuous else int(batch.lookup_table[b, pos // page_size])
@@ -133,6 +145,7 @@ def test_copy_pages_overlapping_lists_read_before_write():
 def test_attention_in_query_chunks_matches_fp64(monkeypatch, softcap):
     """Chunks of query positions (a tiny budget forces one position per chunk) give the same answer."""
     from torch_paged_kv.ops import reference
+
     monkeypatch.setattr(reference, "CHUNK_BUDGET_BYTES", 1)
     batch = make_paged_batch(CACHED, NEW, page_size=5, num_kv_heads=3, head_dim=32, group=4, seed=21)
     kwargs = dict(sliding_window=40, softcap=softcap)
@@ -140,13 +153,16 @@ def test_attention_in_query_chunks_matches_fp64(monkeypatch, softcap):
     assert _max_error(_store_then_attend(batch, 0.2, **kwargs), ref) <= TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("new, causal, sliding_window", [
-    ([1, 1, 1], True, -1),     # decode, equal lengths: every query sees its whole sequence (no mask)
-    ([1, 1, 1], True, 500),    # a window longer than the sequences changes nothing (no mask)
-    ([1, 1, 1], True, 9),      # a window that cuts in needs the mask
-    ([6, 6, 6], False, -1),    # non-causal prefill over equal lengths (no mask)
-    ([6, 6, 6], True, -1),     # causal prefill needs the mask
-])
+@pytest.mark.parametrize(
+    "new, causal, sliding_window",
+    [
+        ([1, 1, 1], True, -1),  # decode, equal lengths: every query sees its whole sequence (no mask)
+        ([1, 1, 1], True, 500),  # a window longer than the sequences changes nothing (no mask)
+        ([1, 1, 1], True, 9),  # a window that cuts in needs the mask
+        ([6, 6, 6], False, -1),  # non-causal prefill over equal lengths (no mask)
+        ([6, 6, 6], True, -1),  # causal prefill needs the mask
+    ],
+)
 def test_attention_with_equal_lengths_matches_fp64(new, causal, sliding_window):
     cached = [30 - n for n in new]
     batch = make_paged_batch(cached, new, page_size=8, group=2, seed=sum(new) + sliding_window)

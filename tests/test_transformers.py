@@ -12,11 +12,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
-from transformers.generation.configuration_utils import CompileConfig  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.generation.configuration_utils import CompileConfig
 
-from torch_paged_kv.integrations.transformers import PagedCache, paged_kv_mask  # noqa: E402
-from torch_paged_kv.ops import validate  # noqa: E402
+from torch_paged_kv.integrations.transformers import PagedCache, paged_kv_mask
+from torch_paged_kv.ops import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [5, 9, 3, 7]  # uneven prompts, left-padded to 9
@@ -26,9 +26,17 @@ GREEDY = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_i
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         pad_token_id=0, initializer_range=0.1)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -191,7 +199,7 @@ def test_pool_follows_the_model_dtype_unless_given(model, attn):
     for step in range(3):
         nxt = got[:, -1:].argmax(-1)
         got, expected = forward(bf16, cache, nxt, 6 + step), forward(bf16_sdpa, dynamic, nxt, 6 + step)
-        two_ulps = 2 * 2.0 ** -7 * expected.abs().max().item()  # of the largest logit, in bf16
+        two_ulps = 2 * 2.0**-7 * expected.abs().max().item()  # of the largest logit, in bf16
         torch.testing.assert_close(got, expected, atol=two_ulps, rtol=0)  # paged attends in fp32, SDPA in bf16
     assert cache.collection.blocks.dtype == torch.bfloat16
     fixed = PagedCache(bf16.config, max_batch_size=2, max_cache_len=24, page_size=4, dtype=torch.float32)
@@ -232,11 +240,13 @@ def test_forward_without_cache(model, prompts):
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("script, args", [("hf_generate.py", ["--new-tokens", "8", "--batch", "2"]),
-                                          ("quickstart.py", [])])
+@pytest.mark.parametrize(
+    "script, args", [("hf_generate.py", ["--new-tokens", "8", "--batch", "2"]), ("quickstart.py", [])]
+)
 def test_example_runs(script, args):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "tokens/s" in done.stdout or "matches SDPA" in done.stdout

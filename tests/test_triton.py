@@ -9,8 +9,11 @@ import pytest
 import torch
 
 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("a GPU is visible: tests/gpu covers the Triton kernels (TRITON_INTERPRET=1 would put every "
-                "Triton kernel in this process in the interpreter)", allow_module_level=True)
+    pytest.skip(
+        "a GPU is visible: tests/gpu covers the Triton kernels (TRITON_INTERPRET=1 would put every "
+        "Triton kernel in this process in the interpreter)",
+        allow_module_level=True,
+    )
 
 import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
@@ -22,24 +25,32 @@ from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp
 # Without a GPU these are the only Triton tests that run: if the interpreter cannot run, fail.
 # (tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.)
 if unavailable_reason(torch.device("cpu")) is not None:
-    pytest.fail(f"Triton kernels cannot run on CPU tensors here: {unavailable_reason(torch.device('cpu'))}",
-                pytrace=False)
+    pytest.fail(
+        f"Triton kernels cannot run on CPU tensors here: {unavailable_reason(torch.device('cpu'))}", pytrace=False
+    )
 
 
 @pytest.fixture(autouse=True)
-def force_triton(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TORCH_PAGED_KV_BACKEND", "triton")
+def force_triton(force_backend):
+    force_backend("triton")
 
 
 # -- store_kv, gather_kv, copy_pages ------------------------------------------------------------
 
-@pytest.mark.parametrize("page_size, slots, dtype", [
-    (1, False, torch.float32), (3, False, torch.bfloat16), (16, False, torch.float16), (40, True, torch.bfloat16),
-])
+
+@pytest.mark.parametrize(
+    "page_size, slots, dtype",
+    [
+        (1, False, torch.float32),
+        (3, False, torch.bfloat16),
+        (16, False, torch.float16),
+        (40, True, torch.bfloat16),
+    ],
+)
 def test_store_kv_writes_exactly_the_reference_slots(page_size, slots, dtype):
-    batch = make_paged_batch([5, 0, 17, 2], [3, 4, 1, 0], page_size=page_size, head_dim=16, dtype=dtype,
-                             continuous=slots)
+    batch = make_paged_batch(
+        [5, 0, 17, 2], [3, 4, 1, 0], page_size=page_size, head_dim=16, dtype=dtype, continuous=slots
+    )
     args = (*batch.step, batch.layer_idx)
     expected = batch.blocks.clone()
     reference.store_kv(batch.new_keys, batch.new_values, expected, *args)
@@ -56,8 +67,9 @@ def test_store_kv_skips_out_of_range_and_null_pages_when_checks_are_off(monkeypa
     bad_table[0, :3] = torch.tensor([-1, batch.blocks.shape[0], NULL_PAGE])  # tokens 2..6 of sequence 0
     ops.store_kv(key, value, batch.blocks, batch.cache_lengths, bad_table, batch.input_row_offsets, 0)
     # Only sequence 1 is written: the same as storing it alone.
-    reference.store_kv(key[5:], value[5:], before, batch.cache_lengths[1:], batch.lookup_table[1:],
-                       batch.input_row_offsets[1:] - 5, 0)
+    reference.store_kv(
+        key[5:], value[5:], before, batch.cache_lengths[1:], batch.lookup_table[1:], batch.input_row_offsets[1:] - 5, 0
+    )
     assert torch.equal(batch.blocks, before)
 
 
@@ -71,10 +83,11 @@ def test_copy_pages_never_writes_the_null_page_or_outside_when_checks_are_off():
 
 @pytest.mark.parametrize("page_size, slots", [(3, False), (16, False), (40, True)])
 def test_gather_kv_matches_reference(page_size, slots):
-    batch = make_paged_batch([5, 0, 17], [3, 4, 1], page_size=page_size, head_dim=16, dtype=torch.bfloat16,
-                             continuous=slots)
+    batch = make_paged_batch(
+        [5, 0, 17], [3, 4, 1], page_size=page_size, head_dim=16, dtype=torch.bfloat16, continuous=slots
+    )
     args = (batch.blocks, *batch.step, 1, 23)
-    for got, want in zip(ops.gather_kv(*args), reference.gather_kv(*args)):
+    for got, want in zip(ops.gather_kv(*args), reference.gather_kv(*args), strict=True):
         assert torch.equal(got, want)
         assert got[:, 18:].abs().sum() == 0 and got[0, 7].abs().sum() > 0
 
@@ -86,7 +99,7 @@ def test_copy_pages_reads_every_source_first(src, dst):
     reference.copy_pages(expected, torch.tensor(src, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32))
     ops.copy_pages(blocks, torch.tensor(src, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32))
     assert torch.equal(blocks, expected)
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         assert torch.equal(blocks[d], original[s])
 
 
@@ -110,31 +123,36 @@ def check_attention(batch: PagedBatch, scale: float, causal: bool, window: int, 
     got = ops.flash_attention(*args)
     assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
     torch.testing.assert_close(got, reference.flash_attention(*args), **ATTENTION_TOLERANCE[got.dtype])
-    expected = attention_fp64(batch.q, batch.keys, batch.values, batch.cache_lengths.tolist(), scale, causal,
-                              window, softcap)
+    expected = attention_fp64(
+        batch.q, batch.keys, batch.values, batch.cache_lengths.tolist(), scale, causal, window, softcap
+    )
     torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
 
 
 @pytest.mark.parametrize("name", ATTENTION_CASES)
 def test_flash_attention_matches_reference_and_fp64(name):
     cached, new, page_size, slots, gqa, head_dim, dtype, causal, window, softcap = ATTENTION_CASES[name]
-    batch = make_paged_batch(cached, new, page_size=page_size, head_dim=head_dim, group=gqa, dtype=dtype,
-                             continuous=slots, seed=len(name))
-    check_attention(batch, head_dim ** -0.5, causal, window, softcap)
+    batch = make_paged_batch(
+        cached, new, page_size=page_size, head_dim=head_dim, group=gqa, dtype=dtype, continuous=slots, seed=len(name)
+    )
+    check_attention(batch, head_dim**-0.5, causal, window, softcap)
 
 
 @pytest.mark.parametrize("window, softcap, dtype", [(-1, 0.0, torch.float32), (21, 4.0, torch.bfloat16)])
 def test_split_kv_decode_matches_fp64(monkeypatch, window, softcap, dtype):
     monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
-    batch = make_paged_batch([70, 5, 33], [1, 1, 1], page_size=8, num_kv_heads=1, head_dim=16, group=4,
-                             layer_idx=0, dtype=dtype, seed=3)
-    launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.3, True, window,
-                                                     softcap)[1]
+    batch = make_paged_batch(
+        [70, 5, 33], [1, 1, 1], page_size=8, num_kv_heads=1, head_dim=16, group=4, layer_idx=0, dtype=dtype, seed=3
+    )
+    launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.3, True, window, softcap)[
+        1
+    ]
     assert len(launches) == 2 and launches[0].grid[2] > 1  # split attention, then the merge
     check_attention(batch, 0.3, True, window, softcap)
 
 
 # -- dispatch ----------------------------------------------------------------------------------
+
 
 def test_forced_triton_explains_why_it_cannot_run(monkeypatch):
     batch = make_paged_batch([2], [1], page_size=4, head_dim=24, layer_idx=0)
@@ -143,4 +161,3 @@ def test_forced_triton_explains_why_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
         ops.gather_kv(batch.blocks, *batch.step, 0, 3)
-

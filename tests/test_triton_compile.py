@@ -22,8 +22,13 @@ def compiled(tmp_path_factory) -> tuple[dict[tuple[int, str], tuple[int, int, st
     """(arch, variant) -> (registers, spill bytes, tensor-core instructions), and the kept asm."""
     keep = tmp_path_factory.mktemp("aot")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch_paged_kv.ops.triton.aot", "--arch", "90", "80", "--quick",
-                          "--keep", str(keep)], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch_paged_kv.ops.triton.aot", "--arch", "90", "80", "--quick", "--keep", str(keep)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-5000:]
     rows = {(int(m[1]), m[2]): (int(m[3]), int(m[4]), m[5]) for m in map(ROW.match, run.stdout.splitlines()) if m}

@@ -19,8 +19,15 @@ def _i32(values):
 
 
 def _store(b, **over):
-    args = dict(key=b.new_keys, value=b.new_values, blocks=b.blocks, cache_lengths=b.cache_lengths,
-                lookup_table=b.lookup_table, input_row_offsets=b.input_row_offsets, layer_idx=b.layer_idx)
+    args = dict(
+        key=b.new_keys,
+        value=b.new_values,
+        blocks=b.blocks,
+        cache_lengths=b.cache_lengths,
+        lookup_table=b.lookup_table,
+        input_row_offsets=b.input_row_offsets,
+        layer_idx=b.layer_idx,
+    )
     args.update(over)
     pk.store_kv(*args.values())
 
@@ -83,16 +90,19 @@ def test_device_mismatch_is_named():
         _store(b, cache_lengths=b.cache_lengths.to("meta"))
 
 
-@pytest.mark.parametrize("name, over", [
-    ("q", dict(q_heads=3)),
-    ("softmax_scale", dict(softmax_scale=0.0)),
-    ("softmax_scale", dict(softmax_scale=float("nan"))),
-    ("softcap", dict(softcap=-1.0)),
-    ("input_row_offsets", dict(q_rows=-1)),
-    ("lookup_table", dict(bad_page=True)),
-    ("lookup_table", dict(null_page=True)),
-    ("q", dict(requires_grad=True)),
-])
+@pytest.mark.parametrize(
+    "name, over",
+    [
+        ("q", dict(q_heads=3)),
+        ("softmax_scale", dict(softmax_scale=0.0)),
+        ("softmax_scale", dict(softmax_scale=float("nan"))),
+        ("softcap", dict(softcap=-1.0)),
+        ("input_row_offsets", dict(q_rows=-1)),
+        ("lookup_table", dict(bad_page=True)),
+        ("lookup_table", dict(null_page=True)),
+        ("q", dict(requires_grad=True)),
+    ],
+)
 def test_flash_attention_rejects(name, over):
     b = _batch()
     q = b.q[: b.q.shape[0] + over.get("q_rows", 0)]
@@ -105,8 +115,16 @@ def test_flash_attention_rejects(name, over):
         table = _bad_page(b, 0, 0, pk.NULL_PAGE)
     before = b.blocks.clone()
     with pytest.raises(ValueError, match=f"^{name}:"):
-        pk.flash_attention(q, b.blocks, b.cache_lengths, table, b.input_row_offsets, b.layer_idx,
-                           over.get("softmax_scale", 0.5), softcap=over.get("softcap", 0.0))
+        pk.flash_attention(
+            q,
+            b.blocks,
+            b.cache_lengths,
+            table,
+            b.input_row_offsets,
+            b.layer_idx,
+            over.get("softmax_scale", 0.5),
+            softcap=over.get("softcap", 0.0),
+        )
     assert torch.equal(b.blocks, before)
 
 
@@ -118,13 +136,16 @@ def test_gather_kv_rejects_short_max_kv_len():
         pk.gather_kv(b.blocks, *b.step, b.layer_idx, -1)
 
 
-@pytest.mark.parametrize("name, src, dst", [
-    ("src_pages", [1, 99], [2, 3]),
-    ("dst_pages", [1, 2], [3, -1]),
-    ("dst_pages", [1, 2], [3, 3]),
-    ("dst_pages", [1, 2], [3]),
-    ("dst_pages", [1, 2], [3, pk.NULL_PAGE]),
-])
+@pytest.mark.parametrize(
+    "name, src, dst",
+    [
+        ("src_pages", [1, 99], [2, 3]),
+        ("dst_pages", [1, 2], [3, -1]),
+        ("dst_pages", [1, 2], [3, 3]),
+        ("dst_pages", [1, 2], [3]),
+        ("dst_pages", [1, 2], [3, pk.NULL_PAGE]),
+    ],
+)
 def test_copy_pages_rejects_and_writes_nothing(name, src, dst):
     b = _batch()
     before = b.blocks.clone()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"  # first: checkpoint.py records it
-
+from ._version import __version__
+from .checkpoint import CheckpointError, load_cache, save_cache
 from .collection import (
     ContinuousBatchingKVCache,
     ContinuousBatchingKVCacheCollection,
@@ -12,7 +12,6 @@ from .collection import (
     StepTensors,
 )
 from .compile import mark_step_dynamic
-from .checkpoint import CheckpointError, load_cache, save_cache
 from .layout import NULL_PAGE
 from .manager import KVCacheManager, OutOfPagesError
 from .ops import (
@@ -25,10 +24,25 @@ from .ops import (
 )
 from .params import KVCacheParams
 
-
 __all__ = [
-    "KVCacheParams", "PagedKVCacheCollection", "ContinuousBatchingKVCacheCollection", "PagedKVCache",
-    "ContinuousBatchingKVCache", "StepTensors", "NULL_PAGE", "store_kv", "flash_attention", "gather_kv",
-    "copy_pages", "backend_info", "BackendUnavailableError", "KVCacheManager", "OutOfPagesError",
-    "save_cache", "load_cache", "CheckpointError", "mark_step_dynamic", "__version__",
+    "NULL_PAGE",
+    "BackendUnavailableError",
+    "CheckpointError",
+    "ContinuousBatchingKVCache",
+    "ContinuousBatchingKVCacheCollection",
+    "KVCacheManager",
+    "KVCacheParams",
+    "OutOfPagesError",
+    "PagedKVCache",
+    "PagedKVCacheCollection",
+    "StepTensors",
+    "__version__",
+    "backend_info",
+    "copy_pages",
+    "flash_attention",
+    "gather_kv",
+    "load_cache",
+    "mark_step_dynamic",
+    "save_cache",
+    "store_kv",
 ]

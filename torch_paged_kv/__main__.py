@@ -28,8 +28,10 @@ def _describe(info: CheckpointInfo) -> str:
         f"({info.page_tokens} tokens each, {_size(info.num_pages * info.page_tokens * info.params.bytes_per_token)})",
     ]
     references = sum(info.pages_per_row())
-    lines.append(f"pages:      {references} referenced by the rows, {info.num_pages} stored "
-                 f"({references - info.num_pages} references to shared pages)")
+    lines.append(
+        f"pages:      {references} referenced by the rows, {info.num_pages} stored "
+        f"({references - info.num_pages} references to shared pages)"
+    )
     if len(info.files) > 1:
         lines += [f"  file {f.name}: {_size(f.stat().st_size)}" for f in info.files]
     if info.user_metadata:
@@ -37,7 +39,7 @@ def _describe(info: CheckpointInfo) -> str:
     sources = meta.get("source_batch_indices", "[]")
     lines.append(f"rows:       {len(info.cache_lengths)} (saved from rows {sources})")
     lines.append("  row  cache_length  pages")
-    for row, (length, pages) in enumerate(zip(info.cache_lengths, info.pages_per_row())):
+    for row, (length, pages) in enumerate(zip(info.cache_lengths, info.pages_per_row(), strict=True)):
         lines.append(f"  {row:>3}  {length:>12}  {pages:>5}")
     return "\n".join(lines)
 

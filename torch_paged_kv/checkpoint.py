@@ -21,14 +21,20 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-import torch_paged_kv
-
 from . import layout
+from ._version import __version__
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
-from .params import KVCacheParams
 from .page_stream import PageStream
-from .safetensors_stream import (CHECKSUM_KEY, DTYPE_NAMES, SafetensorsFormatError, SafetensorsWriter, TensorSpec,
-                                 format_crc, read_header)
+from .params import KVCacheParams
+from .safetensors_stream import (
+    CHECKSUM_KEY,
+    DTYPE_NAMES,
+    SafetensorsFormatError,
+    SafetensorsWriter,
+    TensorSpec,
+    format_crc,
+    read_header,
+)
 
 FORMAT = "torch_paged_kv.kv_cache"
 FORMAT_VERSION = 1
@@ -50,9 +56,9 @@ class _Plan:
     kind: str
     rows: list[int]
     cache_lengths: torch.Tensor  # int32 [B], CPU
-    lookup_table: torch.Tensor   # int32 [B, W] or [B], CPU, renumbered
-    source_pages: torch.Tensor   # int64 [n], physical ids in the source, stored order
-    page_tokens: int             # tokens stored per page (CB slots: the longest saved length)
+    lookup_table: torch.Tensor  # int32 [B, W] or [B], CPU, renumbered
+    source_pages: torch.Tensor  # int64 [n], physical ids in the source, stored order
+    page_tokens: int  # tokens stored per page (CB slots: the longest saved length)
 
 
 def _first_use_order(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,7 +77,9 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
     if not rows:
         raise CheckpointError("batch_indices: nothing to save (empty)")
     if len(set(rows)) != len(rows) or not all(0 <= b < collection.max_batch_size for b in rows):
-        raise CheckpointError(f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {rows}")
+        raise CheckpointError(
+            f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {rows}"
+        )
     index = torch.tensor(rows)
     lengths = collection.cache_lengths.cpu()[index]
     table = collection.lookup_table.cpu()[index]
@@ -94,8 +102,9 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
     if not continuous:
         return _Plan(PAGED, rows, lengths, new_table, source_pages, page_size)
     free = ~mask  # CB rows without tokens still need a slot of their own
-    new_table[free] = torch.arange(source_pages.numel() + 1, source_pages.numel() + 1 + int(free.sum()),
-                                   dtype=torch.int32)
+    new_table[free] = torch.arange(
+        source_pages.numel() + 1, source_pages.numel() + 1 + int(free.sum()), dtype=torch.int32
+    )
     page_tokens = int(lengths.max()) if source_pages.numel() else 0
     return _Plan(CONTINUOUS, rows, lengths, new_table, source_pages, page_tokens)
 
@@ -125,9 +134,15 @@ def _old_shards(path: Path) -> list[Path]:
         return []
 
 
-def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_indices: list[int] | None = None,
-               metadata: dict[str, str] | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-               progress: bool | None = None) -> None:
+def save_cache(
+    collection: Collection,
+    path: str | os.PathLike[str],
+    *,
+    batch_indices: list[int] | None = None,
+    metadata: dict[str, str] | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool | None = None,
+) -> None:
     """Save rows `batch_indices` (default: every row, in order) of `collection` to `path`.
 
     The loaded collection's row i is saved row `batch_indices[i]`. `metadata` (str -> str) is
@@ -153,8 +168,13 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
     stem, suffix = path.stem, path.suffix or ".safetensors"
     names = [path.name] + [f"{stem}-{save_id}-{k:05d}-of-{len(ranges) - 1:05d}{suffix}" for k in range(1, len(ranges))]
     common = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "save_id": save_id}
-    bar = tqdm(total=n * io.page_bytes, unit="B", unit_scale=True, desc=f"save {path.name}",
-               disable=not _show_progress(progress, n * io.page_bytes))
+    bar = tqdm(
+        total=n * io.page_bytes,
+        unit="B",
+        unit_scale=True,
+        desc=f"save {path.name}",
+        disable=not _show_progress(progress, n * io.page_bytes),
+    )
     index_device = plan.source_pages.to(collection.device)
     written: list[Path] = []
     shard_entries: list[dict[str, Any]] = []
@@ -184,11 +204,17 @@ def save_cache(collection: Collection, path: str | os.PathLike[str], *, batch_in
             shard_entries.append({"file": names[k], "checksums": sums})
         _fsync_dir(path.parent)
         main_metadata = {
-            **common, "collection": plan.kind, "params": json.dumps(params.to_dict()),
-            "max_seq_len": str(collection.max_seq_len), "num_pages": str(n),
-            "page_tokens": str(plan.page_tokens), "source_batch_indices": json.dumps(plan.rows),
-            "shards": json.dumps(shard_entries), "user_metadata": json.dumps(metadata or {}),
-            "torch_version": torch.__version__, "torch_paged_kv_version": torch_paged_kv.__version__,
+            **common,
+            "collection": plan.kind,
+            "params": json.dumps(params.to_dict()),
+            "max_seq_len": str(collection.max_seq_len),
+            "num_pages": str(n),
+            "page_tokens": str(plan.page_tokens),
+            "source_batch_indices": json.dumps(plan.rows),
+            "shards": json.dumps(shard_entries),
+            "user_metadata": json.dumps(metadata or {}),
+            "torch_version": torch.__version__,
+            "torch_paged_kv_version": __version__,
         }
         write_file(0, [("cache_lengths", plan.cache_lengths), ("lookup_table", plan.lookup_table)], main_metadata)
         written.clear()  # committed: the new checkpoint is at `path` now
@@ -217,10 +243,10 @@ class CheckpointInfo:
     cache_lengths: list[int]
     lookup_table: torch.Tensor
     files: list[Path]
-    checksums: dict[str, str]      # tensor name -> stored checksum, every file
+    checksums: dict[str, str]  # tensor name -> stored checksum, every file
     tensor_files: dict[str, Path]  # tensor name -> file holding it
     tensor_offsets: dict[str, tuple[int, int]]  # tensor name -> byte range in its file
-    metadata: dict[str, str]       # the main file's raw header metadata
+    metadata: dict[str, str]  # the main file's raw header metadata
 
     @property
     def user_metadata(self) -> dict[str, str]:
@@ -246,8 +272,10 @@ def _check_format(path: Path, metadata: dict[str, str]) -> None:
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a torch_paged_kv checkpoint (format {metadata.get('format')!r})")
     if metadata.get("format_version") != str(FORMAT_VERSION):
-        raise CheckpointError(f"{path}: unknown format version {metadata.get('format_version')!r} "
-                              f"(this library reads version {FORMAT_VERSION})")
+        raise CheckpointError(
+            f"{path}: unknown format version {metadata.get('format_version')!r} "
+            f"(this library reads version {FORMAT_VERSION})"
+        )
 
 
 def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
@@ -272,8 +300,10 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         shard = path.parent / entry["file"]
         shard_metadata, shard_tensors = _header(shard, f"shard {entry['file']} listed in {path.name}")
         _check_format(shard, shard_metadata)
-        if shard_metadata.get("save_id") != metadata.get("save_id") or \
-                json.loads(shard_metadata.get(CHECKSUM_KEY, "{}")) != entry["checksums"]:
+        if (
+            shard_metadata.get("save_id") != metadata.get("save_id")
+            or json.loads(shard_metadata.get(CHECKSUM_KEY, "{}")) != entry["checksums"]
+        ):
             raise CheckpointError(f"{shard}: shard does not belong to {path.name} (save id or checksums differ)")
         files.append(shard)
         checksums.update(entry["checksums"])
@@ -286,8 +316,21 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         lengths = _read_small(f, "cache_lengths", checksums, path)
         table = _read_small(f, "lookup_table", checksums, path)
     offsets = {name: tuple(t["data_offsets"]) for name, t in all_tensors.items()}
-    info = CheckpointInfo(path, params, kind, max_seq_len, num_pages, page_tokens, lengths.tolist(), table,
-                          files, checksums, tensor_files, offsets, metadata)
+    info = CheckpointInfo(
+        path,
+        params,
+        kind,
+        max_seq_len,
+        num_pages,
+        page_tokens,
+        lengths.tolist(),
+        table,
+        files,
+        checksums,
+        tensor_files,
+        offsets,
+        metadata,
+    )
     _check_tables(info)
     return info
 
@@ -305,12 +348,21 @@ def _check_tables(info: CheckpointInfo) -> None:
         raise CheckpointError(f"{info.path}: lookup_table has page ids outside 0..{bound}")
     used = torch.arange(table.shape[1])[None] < torch.tensor(info.pages_per_row())[:, None]
     if bool((used & ((table == layout.NULL_PAGE) | (table > info.num_pages))).any()):
-        raise CheckpointError(f"{info.path}: lookup_table puts a row's tokens in a page it does not store "
-                              f"(the null page {layout.NULL_PAGE}, or past {info.num_pages})")
+        raise CheckpointError(
+            f"{info.path}: lookup_table puts a row's tokens in a page it does not store "
+            f"(the null page {layout.NULL_PAGE}, or past {info.num_pages})"
+        )
 
 
-def _check_shapes(path: Path, params: KVCacheParams, kind: str, max_seq_len: int, num_pages: int,
-                  page_tokens: int, tensors: dict[str, dict]) -> None:
+def _check_shapes(
+    path: Path,
+    params: KVCacheParams,
+    kind: str,
+    max_seq_len: int,
+    num_pages: int,
+    page_tokens: int,
+    tensors: dict[str, dict],
+) -> None:
     def fail(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: {what}")
 
@@ -342,24 +394,31 @@ def _read_small(f: Any, name: str, checksums: dict[str, str], path: Path) -> tor
 
 def _verify(name: str, crc: int, checksums: dict[str, str], path: Path) -> None:
     if format_crc(crc) != checksums[name]:
-        raise CheckpointError(f"{path}: checksum mismatch in tensor {name!r} "
-                              f"(stored {checksums[name]}, computed {format_crc(crc)})")
+        raise CheckpointError(
+            f"{path}: checksum mismatch in tensor {name!r} (stored {checksums[name]}, computed {format_crc(crc)})"
+        )
 
 
-def _stream_pages(info: CheckpointInfo, blocks: torch.Tensor | None, pages: torch.Tensor | None,
-                  progress: bool | None) -> None:
+def _stream_pages(
+    info: CheckpointInfo, blocks: torch.Tensor | None, pages: torch.Tensor | None, progress: bool | None
+) -> None:
     """Read every page tensor in chunks and verify its checksum; stored page j (from 0) goes to
     `blocks[pages[j]]` when `blocks` is given."""
     io = PageStream(info.params, info.page_tokens, blocks)
-    bar = tqdm(total=info.num_pages * io.page_bytes, unit="B", unit_scale=True, desc=f"load {info.path.name}",
-               disable=not _show_progress(progress, info.num_pages * io.page_bytes))
+    bar = tqdm(
+        total=info.num_pages * io.page_bytes,
+        unit="B",
+        unit_scale=True,
+        desc=f"load {info.path.name}",
+        disable=not _show_progress(progress, info.num_pages * io.page_bytes),
+    )
     first = 0
     try:
         for name in sorted(n for n in info.tensor_files if n.startswith("blocks.")):
             path = info.tensor_files[name]
             start, end = info.tensor_offsets[name]
             count = (end - start) // io.page_bytes if io.page_bytes else 0
-            ids = None if pages is None else pages[first: first + count]
+            ids = None if pages is None else pages[first : first + count]
             with open(path, "rb") as f:
                 crc = io.read(f, start, ids, count, bar)
             _verify(name, crc, info.checksums, path)
@@ -375,8 +434,9 @@ def verify(path: str | os.PathLike[str], *, progress: bool | None = None) -> Che
     return info
 
 
-def load_pages(path: str | os.PathLike[str], blocks: torch.Tensor, pages: list[int] | torch.Tensor, *,
-               progress: bool | None = None) -> CheckpointInfo:
+def load_pages(
+    path: str | os.PathLike[str], blocks: torch.Tensor, pages: list[int] | torch.Tensor, *, progress: bool | None = None
+) -> CheckpointInfo:
     """Stream the stored pages of a checkpoint into an existing pool: stored page j + 1 (the id
     in the file's lookup table) goes to `blocks[pages[j]]`, through bounded host memory.
 
@@ -389,19 +449,28 @@ def load_pages(path: str | os.PathLike[str], blocks: torch.Tensor, pages: list[i
     p = info.params
     expected = (p.num_planes, p.num_layers, p.page_size, p.num_kv_heads, p.head_dim)
     if tuple(blocks.shape[1:]) != expected or blocks.dtype != p.dtype:
-        raise CheckpointError(f"{path}: params {p} do not fit the target blocks "
-                              f"{blocks.dtype}{list(blocks.shape)}")
+        raise CheckpointError(f"{path}: params {p} do not fit the target blocks {blocks.dtype}{list(blocks.shape)}")
     ids = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
-    if ids.numel() != info.num_pages or ids.unique().numel() != ids.numel() or \
-            bool(((ids <= layout.NULL_PAGE) | (ids >= blocks.shape[0])).any()):
-        raise ValueError(f"pages: expected {info.num_pages} distinct ids in 1..{blocks.shape[0] - 1} "
-                         f"(never the null page {layout.NULL_PAGE}), got {ids.tolist()}")
+    if (
+        ids.numel() != info.num_pages
+        or ids.unique().numel() != ids.numel()
+        or bool(((ids <= layout.NULL_PAGE) | (ids >= blocks.shape[0])).any())
+    ):
+        raise ValueError(
+            f"pages: expected {info.num_pages} distinct ids in 1..{blocks.shape[0] - 1} "
+            f"(never the null page {layout.NULL_PAGE}), got {ids.tolist()}"
+        )
     _stream_pages(info, blocks, ids, progress)
     return info
 
 
-def load_cache(path: str | os.PathLike[str], *, device: torch.device | str | None = None,
-               progress: bool | None = None, expected_params: KVCacheParams | None = None) -> Collection:
+def load_cache(
+    path: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    progress: bool | None = None,
+    expected_params: KVCacheParams | None = None,
+) -> Collection:
     """Load a checkpoint into a new collection of the saved kind on `device` (default CPU).
 
     Row i is the i-th saved row; pages are `1..num_pages` (at least one page is allocated);

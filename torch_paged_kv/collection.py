@@ -41,15 +41,28 @@ class _Collection:
     max_batch_size: int
     max_seq_len: int
 
-    def _allocate(self, params: KVCacheParams, physical_pages: int, table_shape: tuple[int, ...],
-                  device: torch.device | str | None) -> None:
+    def _allocate(
+        self,
+        params: KVCacheParams,
+        physical_pages: int,
+        table_shape: tuple[int, ...],
+        device: torch.device | str | None,
+    ) -> None:
         if not isinstance(params, KVCacheParams):
             raise ValueError(f"params: expected KVCacheParams, got {type(params).__name__}")
         self.params = params
         device = torch.device(device if device is not None else "cpu")
         p = params
-        self.blocks = torch.zeros(physical_pages, p.num_planes, p.num_layers, p.page_size,
-                                  p.num_kv_heads, p.head_dim, dtype=p.dtype, device=device)
+        self.blocks = torch.zeros(
+            physical_pages,
+            p.num_planes,
+            p.num_layers,
+            p.page_size,
+            p.num_kv_heads,
+            p.head_dim,
+            dtype=p.dtype,
+            device=device,
+        )
         self.cache_lengths = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
         self.lookup_table = torch.full(table_shape, layout.NULL_PAGE, dtype=torch.int32, device=device)
         self.input_row_offsets = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=device)
@@ -72,8 +85,7 @@ class _Collection:
         """Views of the first `batch` rows of the step tensors (no copy)."""
         if not 0 < batch <= self.max_batch_size:
             raise ValueError(f"batch: expected 1..{self.max_batch_size}, got {batch}")
-        return StepTensors(self.cache_lengths[:batch], self.lookup_table[:batch],
-                           self.input_row_offsets[: batch + 1])
+        return StepTensors(self.cache_lengths[:batch], self.lookup_table[:batch], self.input_row_offsets[: batch + 1])
 
     def get_key_cache(self, layer_idx: int) -> PagedKVCache:
         """Per-layer view of the keys (the latent plane of an MLA cache)."""
@@ -87,8 +99,7 @@ class _Collection:
 
     def _view(self, layer_idx: int, plane: int) -> PagedKVCache:
         view_type = ContinuousBatchingKVCache if self.lookup_table.dim() == 1 else PagedKVCache
-        return view_type(self.blocks, self.cache_lengths, self.lookup_table, layer_idx, plane,
-                         self.input_row_offsets)
+        return view_type(self.blocks, self.cache_lengths, self.lookup_table, layer_idx, plane, self.input_row_offsets)
 
 
 class PagedKVCacheCollection(_Collection):
@@ -99,8 +110,14 @@ class PagedKVCacheCollection(_Collection):
     with 8 slack entries beyond the `max_seq_len` a sequence may reach.
     """
 
-    def __init__(self, params: KVCacheParams, num_pages: int, max_batch_size: int, max_seq_len: int,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        params: KVCacheParams,
+        num_pages: int,
+        max_batch_size: int,
+        max_seq_len: int,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.num_pages = _positive_int("num_pages", num_pages)
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
@@ -113,9 +130,11 @@ class PagedKVCacheCollection(_Collection):
         return -(-self.max_seq_len // self.params.page_size)
 
     def __repr__(self) -> str:
-        return (f"PagedKVCacheCollection({self.params}, num_pages={self.num_pages}, "
-                f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
-                f"device={self.device})")
+        return (
+            f"PagedKVCacheCollection({self.params}, num_pages={self.num_pages}, "
+            f"max_batch_size={self.max_batch_size}, max_seq_len={self.max_seq_len}, "
+            f"device={self.device})"
+        )
 
 
 class ContinuousBatchingKVCacheCollection(_Collection):
@@ -125,20 +144,25 @@ class ContinuousBatchingKVCacheCollection(_Collection):
     table starts out pointing at slot b + 1.
     """
 
-    def __init__(self, params: KVCacheParams, max_batch_size: int, max_seq_len: int,
-                 device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, params: KVCacheParams, max_batch_size: int, max_seq_len: int, device: torch.device | str | None = None
+    ) -> None:
         self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
         self.max_seq_len = _positive_int("max_seq_len", max_seq_len)
         if params.page_size != max_seq_len:
-            raise ValueError(f"params.page_size: a continuous-batching slot holds max_seq_len tokens, "
-                             f"so page_size must equal max_seq_len={max_seq_len}, got {params.page_size}")
+            raise ValueError(
+                f"params.page_size: a continuous-batching slot holds max_seq_len tokens, "
+                f"so page_size must equal max_seq_len={max_seq_len}, got {params.page_size}"
+            )
         self.num_pages = self.max_batch_size
         self._allocate(params, self.max_batch_size + 1, (self.max_batch_size,), device)
         self.lookup_table.copy_(torch.arange(1, self.max_batch_size + 1, dtype=torch.int32))
 
     def __repr__(self) -> str:
-        return (f"ContinuousBatchingKVCacheCollection({self.params}, max_batch_size={self.max_batch_size}, "
-                f"max_seq_len={self.max_seq_len}, device={self.device})")
+        return (
+            f"ContinuousBatchingKVCacheCollection({self.params}, max_batch_size={self.max_batch_size}, "
+            f"max_seq_len={self.max_seq_len}, device={self.device})"
+        )
 
 
 class PagedKVCache:
@@ -149,8 +173,15 @@ class PagedKVCache:
     kernels use the same arithmetic (`layout.tma_row`) on device.
     """
 
-    def __init__(self, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-                 layer_idx: int, plane: int = 0, input_row_offsets: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        cache_lengths: torch.Tensor,
+        lookup_table: torch.Tensor,
+        layer_idx: int,
+        plane: int = 0,
+        input_row_offsets: torch.Tensor | None = None,
+    ) -> None:
         if blocks.dim() != 6:
             raise ValueError(f"blocks: expected 6 dims, got shape {tuple(blocks.shape)}")
         num_planes, num_layers = blocks.shape[1], blocks.shape[2]
@@ -235,12 +266,12 @@ class PagedKVCache:
         """`width` elements (default: to the end of the head) of one cached token's head vector."""
         width = self.head_dim - dim if width is None else width
         col = self.col_idx(head_idx) + dim
-        return self.row_view()[self.row_idx(batch_idx, tok), col: col + width]
+        return self.row_view()[self.row_idx(batch_idx, tok), col : col + width]
 
     def store(self, batch_idx: int, head_idx: int, tok: int, dim: int, values: torch.Tensor) -> None:
         """Write `values` into one cached token's head vector starting at `dim`."""
         col = self.col_idx(head_idx) + dim
-        self.row_view()[self.row_idx(batch_idx, tok), col: col + values.numel()] = values.reshape(-1)
+        self.row_view()[self.row_idx(batch_idx, tok), col : col + values.numel()] = values.reshape(-1)
 
 
 class ContinuousBatchingKVCache(PagedKVCache):

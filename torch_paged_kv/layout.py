@@ -49,4 +49,3 @@ def plane_row_offset(layer_idx: int, plane: int, num_layers: int, page_size: int
 def tma_row(encoded: IntLike, page_size: int, page_stride: int, plane_offset: int) -> IntLike:
     """Row-view row of an encoded token index `encoded = page * page_size + offset`."""
     return (encoded // page_size) * page_stride + plane_offset + encoded % page_size
-

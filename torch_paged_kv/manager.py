@@ -27,7 +27,6 @@ from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
 from .prefix_cache import TOKEN_DTYPE, PagePool, page_key, page_key_of_bytes, root_key
 
-
 METADATA_KEY = "torch_paged_kv.manager"
 """Checkpoint user-metadata key holding the saved sequences' token ids (JSON)."""
 
@@ -73,8 +72,9 @@ class KVCacheManager:
     that were reused / must be computed.
     """
 
-    def __init__(self, collection: PagedKVCacheCollection, enable_prefix_caching: bool = True,
-                 hash_salt: bytes | None = None) -> None:
+    def __init__(
+        self, collection: PagedKVCacheCollection, enable_prefix_caching: bool = True, hash_salt: bytes | None = None
+    ) -> None:
         if not isinstance(collection, PagedKVCacheCollection):
             raise ValueError(f"collection: expected a PagedKVCacheCollection, got {type(collection).__name__}")
         if hash_salt is not None and not isinstance(hash_salt, bytes):
@@ -105,8 +105,11 @@ class KVCacheManager:
         self._step_views: dict[int, StepTensors] = {}
         self._next_loaded_id = 0
         on_cpu = collection.device.type == "cpu"
-        self._host_views = ((collection.cache_lengths.numpy(), collection.lookup_table.numpy(),
-                             collection.input_row_offsets.numpy()) if on_cpu else None)
+        self._host_views = (
+            (collection.cache_lengths.numpy(), collection.lookup_table.numpy(), collection.input_row_offsets.numpy())
+            if on_cpu
+            else None
+        )
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -145,7 +148,7 @@ class KVCacheManager:
         if self.enable_prefix_caching and prompt_tokens is not None:
             ps, parent = self.page_size, self._root
             for i in range((len(prompt) - 1) // ps):
-                key = page_key(parent, prompt[i * ps:(i + 1) * ps])
+                key = page_key(parent, prompt[i * ps : (i + 1) * ps])
                 page = self._pool.lookup(key)
                 if page is None:
                     break
@@ -169,9 +172,13 @@ class KVCacheManager:
         if self._pending is not None and seq in self._pending.seqs:
             p = self._pending
             keep = np.array([s is not seq for s in p.seqs])
-            self._pending = _Step([s for s in p.seqs if s is not seq], p.slots[keep], p.num_new[keep],
-                                  p.new_lengths[keep],
-                                  None if p.token_ids is None else p.token_ids[np.repeat(keep, p.num_new)])
+            self._pending = _Step(
+                [s for s in p.seqs if s is not seq],
+                p.slots[keep],
+                p.num_new[keep],
+                p.new_lengths[keep],
+                None if p.token_ids is None else p.token_ids[np.repeat(keep, p.num_new)],
+            )
         self._rows_ids = None
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
@@ -194,8 +201,9 @@ class KVCacheManager:
         self._add(child, pages, length, tokens, src.keys[:full])
 
     # -- steps ---------------------------------------------------------------------------------
-    def prepare_step(self, seq_ids: Sequence, num_new_tokens: Sequence[int],
-                     token_ids: Sequence[Sequence[int]] | None = None) -> StepTensors:
+    def prepare_step(
+        self, seq_ids: Sequence, num_new_tokens: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None
+    ) -> StepTensors:
         """Reserve pages for this step's new tokens and fill the step tensors; row b is `seq_ids[b]`.
 
         `token_ids[b]` (optional) are the ids of row b's new tokens, for the prefix cache.
@@ -220,8 +228,10 @@ class KVCacheManager:
         longest = int(new_lengths.max())
         if longest > self.collection.max_seq_len:
             b = int(new_lengths.argmax())
-            raise ValueError(f"num_new_tokens: sequence {ids[b]!r} would reach {longest} tokens, "
-                             f"past max_seq_len={self.collection.max_seq_len}")
+            raise ValueError(
+                f"num_new_tokens: sequence {ids[b]!r} would reach {longest} tokens, "
+                f"past max_seq_len={self.collection.max_seq_len}"
+            )
         missing = (new_lengths + (self.page_size - 1)) // self.page_size - self._num_pages[slots]
         grow = np.flatnonzero(missing > 0)
         if grow.size:
@@ -265,8 +275,7 @@ class KVCacheManager:
         blocks = self.collection.blocks
         for seq in seqs:
             used = self._pages(seq)[: self._pages_for(int(self._lengths[seq.slot]))]
-            host = torch.empty((len(used), *blocks.shape[1:]), dtype=blocks.dtype,
-                               pin_memory=blocks.is_cuda)
+            host = torch.empty((len(used), *blocks.shape[1:]), dtype=blocks.dtype, pin_memory=blocks.is_cuda)
             host.copy_(blocks[torch.tensor(used, dtype=torch.long, device=blocks.device)])
             self._drop_pages(seq)
             seq.host_pages = host
@@ -283,23 +292,25 @@ class KVCacheManager:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
         # A full page still in the prefix cache (its key) is shared again, not copied back.
         cached = [[self._pool.lookup(key) for key in seq.keys] for seq in seqs]
-        missing = sum(seq.host_pages.shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached))
+        missing = sum(
+            seq.host_pages.shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached, strict=True)
+        )
         revived = {page for hits in cached for page in hits if page is not None and self._pool.refcounts[page] == 0}
         self._require_pages(missing + len(revived))  # a revived cached page leaves the evictable ones
         for hits in cached:
             for page in hits:
                 if page is not None:
                     self._pool.ref(page)
-        for seq, hits in zip(seqs, cached):
+        for seq, hits in zip(seqs, cached, strict=True):
             host, seq.host_pages = seq.host_pages, None
             hits += [None] * (host.shape[0] - len(hits))
             todo = [i for i, page in enumerate(hits) if page is None]
             fresh = self._pool.allocate(len(todo))
             self._write_pages(fresh, host[todo])
-            for i, page in zip(todo, fresh):
+            for i, page in zip(todo, fresh, strict=True):
                 hits[i] = page
             self._set_pages(seq.slot, hits)
-            for page, key in zip(hits, seq.keys):
+            for page, key in zip(hits[: len(seq.keys)], seq.keys, strict=True):  # keyed: the leading full pages
                 self._pool.register(page, key)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -331,11 +342,13 @@ class KVCacheManager:
         info = checkpoint.read_info(path)
         params, c = self.collection.params, self.collection
         if info.kind != checkpoint.PAGED or info.params != params:
-            raise checkpoint.CheckpointError(f"{path}: a {info.kind} cache of {info.params} does not fit "
-                                             f"this paged cache of {params}")
+            raise checkpoint.CheckpointError(
+                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}"
+            )
         if max(info.cache_lengths) > c.max_seq_len:
-            raise checkpoint.CheckpointError(f"{path}: a sequence of {max(info.cache_lengths)} tokens exceeds "
-                                             f"max_seq_len={c.max_seq_len}")
+            raise checkpoint.CheckpointError(
+                f"{path}: a sequence of {max(info.cache_lengths)} tokens exceeds max_seq_len={c.max_seq_len}"
+            )
         batch = len(info.cache_lengths)
         ids = self._new_ids(batch) if seq_ids is None else list(seq_ids)
         if len(ids) != batch:
@@ -345,8 +358,9 @@ class KVCacheManager:
             self._check_new_id(i, "seq_ids")
         self._require_pages(info.num_pages)
         tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
-        tokens = [None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t)
-                  for t in tokens]
+        tokens = [
+            None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t) for t in tokens
+        ]
         new_pages = self._pool.allocate(info.num_pages)
         try:  # streamed straight into the pool, through bounded host buffers
             checkpoint.load_pages(path, c.blocks, new_pages)
@@ -355,7 +369,7 @@ class KVCacheManager:
             raise
         pages = [layout.NULL_PAGE, *new_pages]  # checkpoint page j -> pages[j]
         seen: set[int] = set()
-        for b, (seq_id, per_row) in enumerate(zip(ids, info.pages_per_row())):
+        for b, (seq_id, per_row) in enumerate(zip(ids, info.pages_per_row(), strict=True)):
             length = info.cache_lengths[b]
             row = [pages[j] for j in info.lookup_table[b, :per_row].tolist()]
             for page in row:
@@ -364,8 +378,10 @@ class KVCacheManager:
                 seen.add(page)
             self._add(seq_id, row, length, tokens[b], [])
         seqs = [self._seqs[i] for i in ids]
-        self._register_full_pages(seqs, [min(n, int(self._known[s.slot])) // self.page_size
-                                         for s, n in zip(seqs, info.cache_lengths)])
+        self._register_full_pages(
+            seqs,
+            [min(n, int(self._known[s.slot])) // self.page_size for s, n in zip(seqs, info.cache_lengths, strict=True)],
+        )
         if seq_ids is None:
             self._next_loaded_id = ids[-1][1] + 1
         return ids
@@ -412,11 +428,14 @@ class KVCacheManager:
         if not unique:
             raise ValueError(f"{name}: lists a sequence more than once")
 
-    def _resolve(self, ids: list, name: str = "seq_ids", limit_batch: bool = True) -> tuple[list[_Sequence], np.ndarray]:
+    def _resolve(
+        self, ids: list, name: str = "seq_ids", limit_batch: bool = True
+    ) -> tuple[list[_Sequence], np.ndarray]:
         """Sequences (on device, not pending unless this is a step) and slots of `ids`, validated."""
         if limit_batch and not 0 < len(ids) <= self.collection.max_batch_size:
-            raise ValueError(f"{name}: expected 1..{self.collection.max_batch_size} sequences "
-                             f"(max_batch_size), got {len(ids)}")
+            raise ValueError(
+                f"{name}: expected 1..{self.collection.max_batch_size} sequences (max_batch_size), got {len(ids)}"
+            )
         self._check_unique(ids, name)
         if limit_batch:  # a step may re-prepare sequences of an abandoned step
             seqs = [self._get(i, name) for i in ids]
@@ -441,7 +460,7 @@ class KVCacheManager:
         """The rows' ids concatenated, after checking their counts and types."""
         if int(num_new.sum()) == len(num_new):  # one id per row (decode): unpacking checks the counts
             try:
-                flat = [x for x, in token_ids]
+                flat = [x for (x,) in token_ids]
             except (TypeError, ValueError):
                 flat = None
             if flat is not None and len(flat) == len(num_new):
@@ -473,8 +492,9 @@ class KVCacheManager:
         self._table = np.concatenate([self._table, pad])
         self._free_slots.extend(range(start + extra - 1, start - 1, -1))
 
-    def _add(self, seq_id: Hashable, pages: list[int], length: int, tokens: np.ndarray | None,
-             keys: list[bytes]) -> None:
+    def _add(
+        self, seq_id: Hashable, pages: list[int], length: int, tokens: np.ndarray | None, keys: list[bytes]
+    ) -> None:
         if not self._free_slots:
             self._grow_slots(len(self._lengths))
         slot = self._free_slots.pop()
@@ -541,9 +561,9 @@ class KVCacheManager:
             self._num_pages[slots] += 1
             return
         i = 0
-        for slot, count in zip(slots.tolist(), counts.tolist()):
+        for slot, count in zip(slots.tolist(), counts.tolist(), strict=True):
             start = int(self._num_pages[slot])
-            self._table[slot, start: start + count] = pages[i: i + count]
+            self._table[slot, start : start + count] = pages[i : i + count]
             self._num_pages[slot] = start + count
             i += count
 
@@ -556,29 +576,41 @@ class KVCacheManager:
     def _register_full_pages(self, seqs: list[_Sequence], num_full: Sequence[int]) -> None:
         """Cache the pages of `seqs[i]` below page `num_full[i]` not yet keyed (their ids are known)."""
         ps, width, root, register = self.page_size, 8 * self.page_size, self._root, self._pool.register
-        todo = [(seq, i) for seq, n in zip(seqs, num_full) for i in range(len(seq.keys), n)]
+        todo = [(seq, i) for seq, n in zip(seqs, num_full, strict=True) for i in range(len(seq.keys), n)]
         if not todo:
             return
         slots, index = [seq.slot for seq, _ in todo], [i for _, i in todo]
         data = self._tokens.reshape(len(self._tokens), -1, ps)[slots, index].tobytes()  # one page a row
-        for (seq, _), page, start in zip(todo, self._table[slots, index].tolist(), range(0, len(data), width)):
+        for (seq, _), page, start in zip(
+            todo, self._table[slots, index].tolist(), range(0, len(data), width), strict=True
+        ):
             keys = seq.keys  # a sequence's pages come in order: each chains over the one before
-            key = page_key_of_bytes(keys[-1] if keys else root, data[start: start + width])
+            key = page_key_of_bytes(keys[-1] if keys else root, data[start : start + width])
             keys.append(key)
             register(page, key)
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         device = self.collection.device
-        copy_pages(self.collection.blocks, torch.tensor(src, dtype=torch.int32, device=device),
-                   torch.tensor(dst, dtype=torch.int32, device=device))
+        copy_pages(
+            self.collection.blocks,
+            torch.tensor(src, dtype=torch.int32, device=device),
+            torch.tensor(dst, dtype=torch.int32, device=device),
+        )
 
     def _write_pages(self, pages: list[int], contents: torch.Tensor) -> None:
         blocks = self.collection.blocks
         index = torch.tensor(pages, dtype=torch.long, device=blocks.device)
         blocks.index_copy_(0, index, contents.to(blocks.device))
 
-    def _upload(self, batch: int, same_rows: bool, grow: np.ndarray, slots: np.ndarray,
-                old_lengths: np.ndarray, num_new: np.ndarray) -> None:
+    def _upload(
+        self,
+        batch: int,
+        same_rows: bool,
+        grow: np.ndarray,
+        slots: np.ndarray,
+        old_lengths: np.ndarray,
+        num_new: np.ndarray,
+    ) -> None:
         """Write the step into the collection's tensors: lengths, offsets, changed table rows."""
         c = self.collection
         rows = grow if same_rows else slice(0, batch)
@@ -590,13 +622,15 @@ class KVCacheManager:
             if not table_same:
                 table_np[rows] = self._table[slots[rows]]
             if not offsets_same:
-                np.cumsum(num_new, out=offsets_np[1: batch + 1])
+                np.cumsum(num_new, out=offsets_np[1 : batch + 1])
             return
         c.cache_lengths[:batch].copy_(torch.from_numpy(old_lengths))
         if not table_same:
             if same_rows:
-                c.lookup_table[torch.from_numpy(grow).to(c.device)] = torch.from_numpy(self._table[slots[grow]]).to(c.device)
+                c.lookup_table[torch.from_numpy(grow).to(c.device)] = torch.from_numpy(self._table[slots[grow]]).to(
+                    c.device
+                )
             else:
                 c.lookup_table[:batch].copy_(torch.from_numpy(self._table[slots]))
         if not offsets_same:
-            c.input_row_offsets[1: batch + 1].copy_(torch.from_numpy(np.cumsum(num_new)))
+            c.input_row_offsets[1 : batch + 1].copy_(torch.from_numpy(np.cumsum(num_new)))

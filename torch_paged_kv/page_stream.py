@@ -49,8 +49,15 @@ class PageStream:
             step = max(1, CHUNK_BYTES // max(self.page_bytes, 1))
             for a in range(0, num_pages, step):
                 b = min(num_pages, a + step)
-                out.append((slice(a, b), slice(0, self.planes), slice(0, self.layers), a * self.page_bytes,
-                            (b - a) * self.page_bytes))
+                out.append(
+                    (
+                        slice(a, b),
+                        slice(0, self.planes),
+                        slice(0, self.layers),
+                        a * self.page_bytes,
+                        (b - a) * self.page_bytes,
+                    )
+                )
             return out
         step = max(1, CHUNK_BYTES // self.unit)
         for p in range(num_pages):
@@ -81,7 +88,7 @@ class PageStream:
         if first.numel() * DIRECT_RUN_BYTES > ids.numel() * self.page_bytes:
             return None
         counts = torch.diff(first, append=torch.tensor([ids.numel()]))
-        return list(zip(ids[first].tolist(), counts.tolist()))
+        return list(zip(ids[first].tolist(), counts.tolist(), strict=True))
 
     def write(self, writer: SafetensorsWriter, ids: torch.Tensor, bar: tqdm) -> None:
         """Write pages `ids` (on the blocks' device) in order: CPU pages in place when they lie in
@@ -93,7 +100,7 @@ class PageStream:
                 src = self.view[:, planes, layers]
                 runs = self._runs(ids[pages])
                 if runs is not None:
-                    job = [src[first: first + count] for first, count in runs]
+                    job = [src[first : first + count] for first, count in runs]
                 else:
                     job = [self._gather(i % 2, src, ids[pages])]
                 if pending is not None:
@@ -127,7 +134,7 @@ class PageStream:
             ids = None if dst_ids is None or self.view is None else dst_ids[pages]
             dst = None
             if ids is not None and torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
-                dst = self.view[int(ids[0]): int(ids[0]) + ids.numel(), planes, layers]
+                dst = self.view[int(ids[0]) : int(ids[0]) + ids.numel(), planes, layers]
             direct = dst is not None and not self.cuda and dst.is_contiguous()
             target = dst if direct else self._host_buffer(0, shape)  # reads are synchronous: one buffer
             read_into(file, offset + chunk_offset, target)

@@ -56,8 +56,8 @@ class PagePool:
         The caller checks `available()` first.
         """
         take = min(count, len(self.free))
-        pages = self.free[len(self.free) - take:]
-        del self.free[len(self.free) - take:]
+        pages = self.free[len(self.free) - take :]
+        del self.free[len(self.free) - take :]
         pages.reverse()
         for _ in range(count - take):
             page, _ = self.evictable.popitem(last=False)

@@ -23,8 +23,12 @@ from typing import BinaryIO
 import torch
 
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
-    torch.int64: "I64", torch.uint8: "U8",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
 }
 CHECKSUM_KEY = "checksums"
 _PLACEHOLDER = "crc32:" + "0" * 8
@@ -57,8 +61,11 @@ def _header_bytes(specs: list[TensorSpec], metadata: dict[str, str], checksums: 
     header: dict[str, object] = {"__metadata__": {**metadata, CHECKSUM_KEY: json.dumps(checksums)}}
     offset = 0
     for spec in specs:
-        header[spec.name] = {"dtype": DTYPE_NAMES[spec.dtype], "shape": list(spec.shape),
-                             "data_offsets": [offset, offset + spec.nbytes]}
+        header[spec.name] = {
+            "dtype": DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
+        }
         offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (-len(raw) % 8)
@@ -138,8 +145,9 @@ def read_header(path: str | os.PathLike[str]) -> tuple[dict[str, str], dict[str,
             raise SafetensorsFormatError(f"not a safetensors file ({size} bytes, too short for a header)")
         (header_len,) = struct.unpack("<Q", prefix)
         if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise SafetensorsFormatError(f"not a safetensors file (header length {header_len} "
-                                         f"exceeds the file's {size} bytes)")
+            raise SafetensorsFormatError(
+                f"not a safetensors file (header length {header_len} exceeds the file's {size} bytes)"
+            )
         try:
             header = json.loads(f.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:

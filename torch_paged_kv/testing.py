@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .layout import NULL_PAGE, table_width
-
 
 ATTENTION_TOLERANCE = {
     torch.bfloat16: {"atol": 2e-3, "rtol": 1.6e-2},
@@ -37,9 +36,9 @@ class PagedBatch:
     lookup_table: torch.Tensor
     input_row_offsets: torch.Tensor
     layer_idx: int
-    keys: list[torch.Tensor]    # per sequence [cache_len + new, kv_heads, head_dim]: cached then new
+    keys: list[torch.Tensor]  # per sequence [cache_len + new, kv_heads, head_dim]: cached then new
     values: list[torch.Tensor]
-    q: torch.Tensor             # [total_new, q_heads, head_dim]
+    q: torch.Tensor  # [total_new, q_heads, head_dim]
 
     @property
     def new_keys(self) -> torch.Tensor:
@@ -52,7 +51,7 @@ class PagedBatch:
 
     def _new(self, full: list[torch.Tensor]) -> torch.Tensor:
         lengths = self.cache_lengths.tolist()
-        parts = [seq[length:] for seq, length in zip(full, lengths)]
+        parts = [seq[length:] for seq, length in zip(full, lengths, strict=True)]
         return torch.cat(parts) if parts else full[0][:0]
 
     @property
@@ -61,11 +60,23 @@ class PagedBatch:
         return self.cache_lengths, self.lookup_table, self.input_row_offsets
 
 
-def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *, page_size: int,
-                     num_kv_heads: int = 2, head_dim: int = 32, group: int = 1, num_layers: int = 2,
-                     layer_idx: int = 1, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     continuous: bool = False, spare_pages: int = 3, seed: int = 0,
-                     fill: float | None = None) -> PagedBatch:
+def make_paged_batch(
+    cache_lengths: Sequence[int],
+    new_lengths: Sequence[int],
+    *,
+    page_size: int,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    group: int = 1,
+    num_layers: int = 2,
+    layer_idx: int = 1,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    continuous: bool = False,
+    spare_pages: int = 3,
+    seed: int = 0,
+    fill: float | None = None,
+) -> PagedBatch:
     """A random batch: shuffled physical pages, cached prefixes written, new K/V not yet stored.
 
     `continuous=True` builds the continuous-batching layout (1-D table, one slot per row, slot
@@ -75,7 +86,7 @@ def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *
     """
     gen = torch.Generator().manual_seed(seed)
     batch = len(cache_lengths)
-    kv_lens = [c + n for c, n in zip(cache_lengths, new_lengths)]
+    kv_lens = [c + n for c, n in zip(cache_lengths, new_lengths, strict=True)]
     planes = 2
     if continuous:
         if max(kv_lens, default=0) > page_size:
@@ -96,7 +107,7 @@ def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *
         table = torch.full((batch, width), NULL_PAGE, dtype=torch.int32)
         taken = 0
         for b, n in enumerate(pages_per_seq):
-            table[b, :n] = torch.tensor(physical[taken: taken + n], dtype=torch.int32)
+            table[b, :n] = torch.tensor(physical[taken : taken + n], dtype=torch.int32)
             taken += n
 
     keys, values = [], []
@@ -114,23 +125,37 @@ def make_paged_batch(cache_lengths: Sequence[int], new_lengths: Sequence[int], *
     offsets[1:] = torch.tensor(list(new_lengths), dtype=torch.int32).cumsum(0)
     q = torch.randn(int(offsets[-1]), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     device = torch.device(device)
-    return PagedBatch(blocks.to(device), torch.tensor(list(cache_lengths), dtype=torch.int32, device=device),
-                      table.to(device), offsets.to(device), layer_idx,
-                      [k.to(device) for k in keys], [v.to(device) for v in values], q.to(device))
+    return PagedBatch(
+        blocks.to(device),
+        torch.tensor(list(cache_lengths), dtype=torch.int32, device=device),
+        table.to(device),
+        offsets.to(device),
+        layer_idx,
+        [k.to(device) for k in keys],
+        [v.to(device) for v in values],
+        q.to(device),
+    )
 
 
-def attention_fp64(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                   cache_lengths: Sequence[int], softmax_scale: float, causal: bool = True,
-                   sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor:
+def attention_fp64(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    cache_lengths: Sequence[int],
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """Attention in float64 on contiguous per-sequence K/V, written from the op contract alone."""
     outputs, row = [], 0
-    for k, v, cached in zip(keys, values, cache_lengths):
+    for k, v, cached in zip(keys, values, cache_lengths, strict=True):
         new = k.shape[0] - cached
         if new == 0:
             continue
         group = q.shape[1] // k.shape[1]
-        qs = q[row: row + new].double()                               # [new, Hq, D]
-        kk = k.double().repeat_interleave(group, dim=1)               # [kv, Hq, D]
+        qs = q[row : row + new].double()  # [new, Hq, D]
+        kk = k.double().repeat_interleave(group, dim=1)  # [kv, Hq, D]
         vv = v.double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, kk) * softmax_scale
         if softcap > 0:

@@ -12,16 +12,19 @@ CACHED, NEW = [0, 37, 300, 5, 1000], [64, 9, 1, 1, 1]
 
 
 def reference_matches_fp64(device: str) -> None:
-    b = make_paged_batch(CACHED, NEW, page_size=16, num_kv_heads=4, head_dim=128, group=4, dtype=torch.bfloat16,
-                         device=device, seed=1)
-    cpu = make_paged_batch(CACHED, NEW, page_size=16, num_kv_heads=4, head_dim=128, group=4, dtype=torch.bfloat16,
-                           seed=1)
+    b = make_paged_batch(
+        CACHED, NEW, page_size=16, num_kv_heads=4, head_dim=128, group=4, dtype=torch.bfloat16, device=device, seed=1
+    )
+    cpu = make_paged_batch(
+        CACHED, NEW, page_size=16, num_kv_heads=4, head_dim=128, group=4, dtype=torch.bfloat16, seed=1
+    )
     for batch in (b, cpu):
         pk.store_kv(batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx)
     assert torch.equal(b.blocks.cpu(), cpu.blocks)  # the same slots, bit for bit, on either device
-    out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 128 ** -0.5, sliding_window=200)
-    ref = attention_fp64(b.q.cpu(), [k.cpu() for k in b.keys], [v.cpu() for v in b.values], CACHED, 128 ** -0.5,
-                         sliding_window=200)
+    out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 128**-0.5, sliding_window=200)
+    ref = attention_fp64(
+        b.q.cpu(), [k.cpu() for k in b.keys], [v.cpu() for v in b.values], CACHED, 128**-0.5, sliding_window=200
+    )
     assert (out.cpu().double() - ref).abs().max() <= 1.6e-2
     key, _ = pk.gather_kv(b.blocks, *b.step, b.layer_idx, 1001)
     assert torch.equal(key[4, :1001].cpu(), b.keys[4].cpu())
@@ -57,16 +60,28 @@ def checkpoint_round_trip(device: str, tmp_path) -> None:
     loaded = pk.load_cache(tmp_path / "kv.safetensors", device=device)
     assert loaded.blocks.device.type == torch.device(device).type
     for row, length in ((0, 29), (2, 17)):
-        src = pk.gather_kv(cache.blocks, cache.cache_lengths[row: row + 1], cache.lookup_table[row: row + 1],
-                           torch.zeros(2, dtype=torch.int32, device=device), 0, length)
-        dst = pk.gather_kv(loaded.blocks, loaded.cache_lengths[row: row + 1], loaded.lookup_table[row: row + 1],
-                           torch.zeros(2, dtype=torch.int32, device=device), 0, length)
-        assert all(torch.equal(s, d) for s, d in zip(src, dst))
+        src = pk.gather_kv(
+            cache.blocks,
+            cache.cache_lengths[row : row + 1],
+            cache.lookup_table[row : row + 1],
+            torch.zeros(2, dtype=torch.int32, device=device),
+            0,
+            length,
+        )
+        dst = pk.gather_kv(
+            loaded.blocks,
+            loaded.cache_lengths[row : row + 1],
+            loaded.lookup_table[row : row + 1],
+            torch.zeros(2, dtype=torch.int32, device=device),
+            0,
+            length,
+        )
+        assert all(torch.equal(s, d) for s, d in zip(src, dst, strict=True))
 
 
 @pytest.fixture(autouse=True)
-def reference_backend(monkeypatch):
-    monkeypatch.setenv("TORCH_PAGED_KV_BACKEND", "reference")
+def reference_backend(force_backend):
+    force_backend("reference")
 
 
 def test_reference_backend_on_cuda_matches_fp64():

@@ -19,20 +19,42 @@ if torch.cuda.is_available() and unavailable_reason(CUDA) is not None:
 
 
 @pytest.fixture(autouse=True)
-def force_triton(monkeypatch):
-    monkeypatch.setenv("TORCH_PAGED_KV_BACKEND", "triton")
+def force_triton(force_backend):
+    force_backend("triton")
 
 
-def make_batch(cached: list[int], new: list[int], page_size: int, *, kv_heads: int = 8, head_dim: int = 128,
-               group: int = 4, dtype: torch.dtype = torch.bfloat16, slots: bool = False, layers: int = 2,
-               seed: int = 0) -> PagedBatch:
+def make_batch(
+    cached: list[int],
+    new: list[int],
+    page_size: int,
+    *,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    group: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    slots: bool = False,
+    layers: int = 2,
+    seed: int = 0,
+) -> PagedBatch:
     """`make_paged_batch` on CUDA at this file's sizes, in the last layer (1-D slot table when `slots`)."""
-    return make_paged_batch(cached, new, page_size=page_size, num_kv_heads=kv_heads, head_dim=head_dim, group=group,
-                            num_layers=layers, layer_idx=layers - 1, dtype=dtype, device=CUDA, continuous=slots,
-                            seed=seed)
+    return make_paged_batch(
+        cached,
+        new,
+        page_size=page_size,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        group=group,
+        num_layers=layers,
+        layer_idx=layers - 1,
+        dtype=dtype,
+        device=CUDA,
+        continuous=slots,
+        seed=seed,
+    )
 
 
 # -- store_kv, gather_kv, copy_pages -------------------------------------------------------
+
 
 @pytest.mark.parametrize("page_size, slots", [(1, False), (16, False), (128, False), (4096, True)])
 def test_store_gather_copy_bit_exact(page_size, slots):
@@ -45,7 +67,7 @@ def test_store_gather_copy_bit_exact(page_size, slots):
     assert torch.equal(batch.blocks, expected)
 
     gather_args = (batch.blocks, *args, 3100)
-    for got, want in zip(ops.gather_kv(*gather_args), reference.gather_kv(*gather_args)):
+    for got, want in zip(ops.gather_kv(*gather_args), reference.gather_kv(*gather_args), strict=True):
         assert torch.equal(got, want)
 
     src = torch.tensor([1, 2, 3, 4], dtype=torch.int32, device=CUDA)
@@ -61,18 +83,49 @@ def test_store_gather_copy_bit_exact(page_size, slots):
 CASES = {
     # name: (cached, new, page_size, slots, gqa, kv_heads, head_dim, dtype, causal, window, softcap)
     "decode-b1-32k-page16": ([32767], [1], 16, False, 4, 8, 128, torch.bfloat16, True, -1, 0.0),
-    "decode-b64-4k-page1": ([4095 - 37 * i for i in range(64)], [1] * 64, 1, False, 4, 8, 128, torch.bfloat16,
-                            True, -1, 0.0),
-    "decode-b64-4k-page128": ([4095 - 11 * i for i in range(64)], [1] * 64, 128, False, 4, 8, 128, torch.float16,
-                              True, -1, 0.0),
-    "decode-window-softcap-d256": ([9000, 17, 4000], [1, 1, 1], 16, False, 2, 4, 256, torch.bfloat16, True, 1024,
-                                   30.0),
+    "decode-b64-4k-page1": (
+        [4095 - 37 * i for i in range(64)],
+        [1] * 64,
+        1,
+        False,
+        4,
+        8,
+        128,
+        torch.bfloat16,
+        True,
+        -1,
+        0.0,
+    ),
+    "decode-b64-4k-page128": (
+        [4095 - 11 * i for i in range(64)],
+        [1] * 64,
+        128,
+        False,
+        4,
+        8,
+        128,
+        torch.float16,
+        True,
+        -1,
+        0.0,
+    ),
+    "decode-window-softcap-d256": ([9000, 17, 4000], [1, 1, 1], 16, False, 2, 4, 256, torch.bfloat16, True, 1024, 30.0),
     "decode-slots-d64": ([2000, 5, 4094, 0], [1, 1, 1, 1], 4096, True, 8, 2, 64, torch.bfloat16, True, -1, 0.0),
-    "prefill-ragged-page16-d128": ([0, 0, 0, 0], [300, 1, 129, 512], 16, False, 4, 8, 128, torch.bfloat16, True,
-                                   -1, 0.0),
+    "prefill-ragged-page16-d128": (
+        [0, 0, 0, 0],
+        [300, 1, 129, 512],
+        16,
+        False,
+        4,
+        8,
+        128,
+        torch.bfloat16,
+        True,
+        -1,
+        0.0,
+    ),
     "prefill-ragged-page128-d256": ([0, 0], [700, 65], 128, False, 1, 4, 256, torch.float16, True, -1, 0.0),
-    "chunked-page1-window-d64": ([1000, 37, 0], [256, 100, 64], 1, False, 4, 2, 64, torch.bfloat16, True, 200,
-                                 0.0),
+    "chunked-page1-window-d64": ([1000, 37, 0], [256, 100, 64], 1, False, 4, 2, 64, torch.bfloat16, True, 200, 0.0),
     "chunked-noncausal-page16-fp32": ([300, 0], [40, 90], 16, False, 2, 2, 64, torch.float32, False, -1, 0.0),
     "mixed-slots-softcap": ([1500, 0, 700], [1, 333, 64], 2048, True, 4, 2, 128, torch.bfloat16, True, -1, 50.0),
 }
@@ -81,20 +134,31 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_flash_attention(name):
     cached, new, page_size, slots, gqa, kv_heads, head_dim, dtype, causal, window, softcap = CASES[name]
-    batch = make_batch(cached, new, page_size, kv_heads=kv_heads, head_dim=head_dim, group=gqa, dtype=dtype,
-                       slots=slots, layers=1, seed=len(name))
+    batch = make_batch(
+        cached,
+        new,
+        page_size,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        group=gqa,
+        dtype=dtype,
+        slots=slots,
+        layers=1,
+        seed=len(name),
+    )
     ops.store_kv(batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx)
-    args = (batch.q, batch.blocks, *batch.step, batch.layer_idx, head_dim ** -0.5, causal, window, softcap)
+    args = (batch.q, batch.blocks, *batch.step, batch.layer_idx, head_dim**-0.5, causal, window, softcap)
     got = ops.flash_attention(*args)
     assert got.shape == batch.q.shape and got.dtype == dtype
     torch.testing.assert_close(got, reference.flash_attention(*args), **TOLERANCE[dtype])
-    expected = attention_fp64(batch.q, batch.keys, batch.values, cached, head_dim ** -0.5, causal, window, softcap)
+    expected = attention_fp64(batch.q, batch.keys, batch.values, cached, head_dim**-0.5, causal, window, softcap)
     torch.testing.assert_close(got, expected.to(dtype), **TOLERANCE[dtype])
 
 
 def test_decode_batch_one_long_context_is_split():
     """Batch 1 x 32k must spread over the GPU (flash-decoding), from shapes alone: the plan launches."""
     from torch_paged_kv.ops.triton import flash_attention as triton_attention
+
     batch = make_batch([32767], [1], 16, layers=1)
     launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.1)[1]
     assert len(launches) == 2 and launches[0].grid[2] >= 16  # split attention, then the merge
@@ -102,21 +166,21 @@ def test_decode_batch_one_long_context_is_split():
 
 # -- a decode step under CUDA graphs and torch.compile --------------------------------------------
 
+
 def decode_step(q, key, value, blocks, cache_lengths, lookup_table, input_row_offsets):
     ops.store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, 0)
-    return ops.flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, 0, 128 ** -0.5)
+    return ops.flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, 0, 128**-0.5)
 
 
 def fresh_tokens(batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device=CUDA).manual_seed(seed)
-    return tuple(torch.randn(batch, heads, 128, generator=gen, device=CUDA).to(torch.bfloat16)
-                 for heads in (32, 8, 8))
+    return tuple(torch.randn(batch, heads, 128, generator=gen, device=CUDA).to(torch.bfloat16) for heads in (32, 8, 8))
 
 
 def expected_step(blocks, q, key, value, cache_lengths, lookup_table, input_row_offsets):
     blocks = blocks.clone()
     reference.store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, 0)
-    out = reference.flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, 0, 128 ** -0.5)
+    out = reference.flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, 0, 128**-0.5)
     return out, blocks
 
 
@@ -135,7 +199,7 @@ def test_decode_step_cuda_graph_replay():
         out = decode_step(*static)
     for seed in (1, 2):
         batch.cache_lengths.add_(1)
-        for dst, src in zip((q, key, value), fresh_tokens(rows, seed)):
+        for dst, src in zip((q, key, value), fresh_tokens(rows, seed), strict=True):
             dst.copy_(src)
         want, want_blocks = expected_step(batch.blocks, q, key, value, *batch.step)
         graph.replay()

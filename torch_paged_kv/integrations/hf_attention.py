@@ -7,7 +7,8 @@ the keys each query may see (up to causality, which `flash_attention` applies).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,9 +16,16 @@ from ..ops import flash_attention, flash_attention_unchecked, store_kv, store_kv
 from .hf_cache import PendingKV, token_rows
 
 
-def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
-                  mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-                  **kwargs: Any) -> torch.Tensor | None:
+def paged_kv_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
     """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, new]` bool).
 
     Contiguous: a compiled decode step guards on the mask's strides, and a slice of the growing 2D mask
@@ -28,10 +36,18 @@ def paged_kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any 
     return attention_mask[:, -q_length:].bool().contiguous()
 
 
-def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: PendingKV | torch.Tensor,
-                       value: PendingKV | torch.Tensor, attention_mask: torch.Tensor | None,
-                       scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
-                       softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_kv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: PendingKV | torch.Tensor,
+    value: PendingKV | torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """`AttentionInterface` entry: store this step's real tokens in the pages, attend from the pages.
 
     `query` is `[batch, heads, new, head_dim]`; returns `[batch, new, heads, head_dim]`. Padded query
@@ -48,8 +64,11 @@ def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: Pendin
         real = attention_mask.reshape(-1).nonzero().squeeze(1)
         q, k, v = q[real], k[real], v[real]
     if layer.layer_idx == 0:
-        counts = attention_mask.sum(1, dtype=torch.int32) if ragged else \
-            torch.full((batch,), new, dtype=torch.int32, device=query.device)
+        counts = (
+            attention_mask.sum(1, dtype=torch.int32)
+            if ragged
+            else torch.full((batch,), new, dtype=torch.int32, device=query.device)
+        )
         cache.begin_step(counts)
     lengths, table, offsets = cache.step_tensors(batch)
     blocks = cache.collection.blocks
@@ -66,8 +85,9 @@ def paged_kv_attention(module: torch.nn.Module, query: torch.Tensor, key: Pendin
     return out.view(batch, new, num_heads, head_dim), None
 
 
-def _uncached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _uncached_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """Causal SDPA over the given keys, hiding padded keys; only for a forward with no past."""
     new, kv_len = query.shape[2], key.shape[2]
     if kv_len != new:
@@ -75,6 +95,7 @@ def _uncached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     allowed = torch.ones(new, new, dtype=torch.bool, device=query.device).tril()[None, None]
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
-                                                           enable_gqa=query.shape[1] != key.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return out.transpose(1, 2).contiguous()

@@ -27,8 +27,8 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import copy_pages
-from ..ops import gather_kv, gather_kv_unchecked, store_kv, store_kv_unchecked
 from ..collection import PagedKVCacheCollection
+from ..ops import gather_kv, gather_kv_unchecked, store_kv, store_kv_unchecked
 from ..params import KVCacheParams
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -63,8 +63,9 @@ class PagedLayer(CacheLayerMixin):
         """Allocate the shared pool (for every layer) if it does not exist yet."""
         self.cache.ensure_pool(key_states)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[Any, Any]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[Any, Any]:
         """Paged attention: defer to the attention function. Otherwise store and gather K/V."""
         cache = self.cache
         if self.layer_idx == 0:
@@ -122,8 +123,15 @@ class PagedCache(Cache):
     max_cache_len: int = 0
     max_batch_size: int = 0
 
-    def __init__(self, config: PreTrainedConfig, max_batch_size: int, max_cache_len: int, page_size: int = 16,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        max_batch_size: int,
+        max_cache_len: int,
+        page_size: int = 16,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
         num_heads = cfg.num_attention_heads
@@ -148,8 +156,9 @@ class PagedCache(Cache):
         """The pool: row b owns pages `1 + b*P .. (b+1)*P`, written into the lookup table once."""
         params = KVCacheParams(dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.page_size)
         pages_per_row = -(-self.max_cache_len // self.page_size)
-        self.collection = PagedKVCacheCollection(params, self.max_batch_size * pages_per_row, self.max_batch_size,
-                                                 self.max_cache_len, device)
+        self.collection = PagedKVCacheCollection(
+            params, self.max_batch_size * pages_per_row, self.max_batch_size, self.max_cache_len, device
+        )
         self.device = self.collection.device
         own = torch.arange(1, self.max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
         self.collection.lookup_table[:, :pages_per_row] = own.view(self.max_batch_size, pages_per_row)
@@ -162,8 +171,13 @@ class PagedCache(Cache):
         step does it."""
         if self.static_addresses_marked or torch.compiler.is_compiling():
             return
-        for t in (self.collection.blocks, self.collection.cache_lengths, self.collection.input_row_offsets,
-                  self.collection.lookup_table, self.columns):
+        for t in (
+            self.collection.blocks,
+            self.collection.cache_lengths,
+            self.collection.input_row_offsets,
+            self.collection.lookup_table,
+            self.columns,
+        ):
             torch._dynamo.mark_static_address(t)
         self.static_addresses_marked = True
 
@@ -175,12 +189,16 @@ class PagedCache(Cache):
         else:
             dtype, device = self.collection.blocks.dtype, self.collection.blocks.device
         if key_states.dtype != dtype:
-            raise ValueError(f"dtype: the pool holds {dtype} but the model's keys are {key_states.dtype}; "
-                             f"pass dtype={key_states.dtype} (or leave it None to follow the model)")
+            raise ValueError(
+                f"dtype: the pool holds {dtype} but the model's keys are {key_states.dtype}; "
+                f"pass dtype={key_states.dtype} (or leave it None to follow the model)"
+            )
         here = key_states.device
         if here.type != device.type or (device.index is not None and here.index != device.index):
-            raise ValueError(f"device: the pool is on {device} but the model's keys are on {here}; "
-                             f"pass device={str(here)!r} (or leave it None to follow the model)")
+            raise ValueError(
+                f"device: the pool is on {device} but the model's keys are on {here}; "
+                f"pass device={str(here)!r} (or leave it None to follow the model)"
+            )
         if self.collection is None:
             self._allocate(here, dtype)
             for layer in self.layers:
@@ -206,7 +224,7 @@ class PagedCache(Cache):
             self.rows = batch
         offsets = self.collection.input_row_offsets
         offsets[0] = 0
-        offsets[1: batch + 1] = torch.cumsum(new_tokens, 0)
+        offsets[1 : batch + 1] = torch.cumsum(new_tokens, 0)
 
     def end_step(self, batch: int, columns: int) -> None:
         """After the last layer: lengths += new tokens, columns += this step's columns."""
@@ -276,6 +294,8 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         if self.collection is None:
-            return (f"PagedCache(not allocated yet: {self.max_batch_size} rows x {self.max_cache_len} tokens, "
-                    f"page_size={self.page_size})")
+            return (
+                f"PagedCache(not allocated yet: {self.max_batch_size} rows x {self.max_cache_len} tokens, "
+                f"page_size={self.page_size})"
+            )
         return f"PagedCache({self.collection!r})"

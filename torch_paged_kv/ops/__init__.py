@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from . import library  # noqa: F401  (registers torch.ops.paged_kv.*)
-from . import backends  # noqa: F401  (registers the backends)
+from . import (
+    backends,  # noqa: F401  (registers the backends)
+    library,  # noqa: F401  (registers torch.ops.paged_kv.*)
+)
 from .dispatch import BackendUnavailableError, backend_info
 
 store_kv = torch.ops.paged_kv.store_kv.default
@@ -41,5 +43,15 @@ copy_pages_unchecked = torch.ops.paged_kv.copy_pages.unchecked
 """`copy_pages` without the value checks (shape checks still run): page ids out of range or
 duplicate destinations are not caught."""
 
-__all__ = ["store_kv", "flash_attention", "gather_kv", "copy_pages", "store_kv_unchecked", "flash_attention_unchecked",
-           "gather_kv_unchecked", "copy_pages_unchecked", "backend_info", "BackendUnavailableError"]
+__all__ = [
+    "BackendUnavailableError",
+    "backend_info",
+    "copy_pages",
+    "copy_pages_unchecked",
+    "flash_attention",
+    "flash_attention_unchecked",
+    "gather_kv",
+    "gather_kv_unchecked",
+    "store_kv",
+    "store_kv_unchecked",
+]

@@ -5,8 +5,7 @@ Declaring a backend imports neither its kernels nor triton / cutlass: that happe
 
 from __future__ import annotations
 
-from .. import cute
-from . import dispatch, reference
+from . import cute, dispatch, reference
 from . import triton as triton_kernels
 
 

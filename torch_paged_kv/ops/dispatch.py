@@ -8,7 +8,8 @@ kernel covers a particular call (shapes, dtypes, arch); without it every call is
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -44,8 +44,15 @@ def _row_coordinates(input_row_offsets: torch.Tensor, total_rows: int) -> tuple[
     return seq, rows - offsets[seq]
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-             lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+) -> None:
     seq, tok = _row_coordinates(input_row_offsets, key.shape[0])
     pos = cache_lengths.long()[seq] + tok
     page_size = blocks.shape[3]
@@ -56,8 +63,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache
     blocks[:, 1, layer_idx].index_put_(index, value)
 
 
-def gather_tokens(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table: torch.Tensor,
-                  max_len: int, scratch_slot: str | None = None) -> torch.Tensor:
+def gather_tokens(
+    blocks: torch.Tensor,
+    plane: int,
+    layer_idx: int,
+    lookup_table: torch.Tensor,
+    max_len: int,
+    scratch_slot: str | None = None,
+) -> torch.Tensor:
     """`[batch, T, heads, head_dim]` with T >= min(max_len, what the table addresses): each row's
     first cached tokens, whole pages at a time (contents past a sequence's length are arbitrary).
 
@@ -80,8 +93,9 @@ def gather_tokens(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table
     return out
 
 
-def _gather_fp32(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table: torch.Tensor,
-                 max_len: int) -> torch.Tensor:
+def _gather_fp32(
+    blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table: torch.Tensor, max_len: int
+) -> torch.Tensor:
     """`[batch, max_len, heads, head_dim]` fp32: `gather_tokens` in scratch (valid until the next call)."""
     tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, f"gather{plane}")[:, :max_len]
     if tokens.dtype == torch.float32:
@@ -89,8 +103,14 @@ def _gather_fp32(blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table:
     return _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, tokens.device).copy_(tokens)
 
 
-def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-              input_row_offsets: torch.Tensor, layer_idx: int, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     kv_len = cache_lengths + input_row_offsets.diff()
     batch, heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     valid = (torch.arange(max_kv_len, device=blocks.device)[None] < kv_len[:, None])[:, :, None, None]
@@ -104,10 +124,18 @@ def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: t
     return outputs[0], outputs[1]
 
 
-def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-                    lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
-                    softmax_scale: float, causal: bool = True, sliding_window: int = -1,
-                    softcap: float = 0.0) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     total, num_q_heads, head_dim = q.shape
     batch = cache_lengths.shape[0]
     if total == 0:
@@ -150,8 +178,15 @@ def _decode_allowed(kv_len: torch.Tensor, key_pos: torch.Tensor, sliding_window:
     return allowed[:, None, None]
 
 
-def _allowed(lengths: torch.Tensor, kv_len: torch.Tensor, key_pos: torch.Tensor, start: int, stop: int,
-             causal: bool, sliding_window: int) -> torch.Tensor:
+def _allowed(
+    lengths: torch.Tensor,
+    kv_len: torch.Tensor,
+    key_pos: torch.Tensor,
+    start: int,
+    stop: int,
+    causal: bool,
+    sliding_window: int,
+) -> torch.Tensor:
     """`[batch, 1, n, max_kv]`: which keys the queries at new-token indices start..stop-1 may see."""
     q_pos = lengths[:, None, None] + torch.arange(start, stop, device=key_pos.device)[None, :, None]
     allowed = key_pos < kv_len[:, None, None]  # [batch, n, max_kv] once broadcast
@@ -162,8 +197,9 @@ def _allowed(lengths: torch.Tensor, kv_len: torch.Tensor, key_pos: torch.Tensor,
     return allowed.expand(lengths.shape[0], stop - start, key_pos.shape[0])[:, None]
 
 
-def _attend(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scale: float,
-            softcap: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
     """fp32 attention of `q` `[batch, q_heads, n, d]` over `key`/`value` `[batch, kv_heads, s, d]`
     where `allowed` `[batch, 1, n, s]` (None: everywhere); rows that may see no key (padding) are garbage."""
     group = q.shape[1] // key.shape[1]

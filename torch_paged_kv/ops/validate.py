@@ -53,8 +53,11 @@ def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torc
 
 def _check_inference(name: str, t: torch.Tensor) -> None:
     if t.requires_grad and torch.is_grad_enabled():
-        _fail(name, "requires grad, but the paged_kv ops have no backward (the cache is for inference): "
-                    "call them under torch.no_grad() or torch.inference_mode()")
+        _fail(
+            name,
+            "requires grad, but the paged_kv ops have no backward (the cache is for inference): "
+            "call them under torch.no_grad() or torch.inference_mode()",
+        )
 
 
 def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)) -> None:
@@ -71,17 +74,24 @@ def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] 
         _fail("layer_idx", f"expected 0..{blocks.shape[2] - 1}, got {layer_idx!r}")
 
 
-def _check_step(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-                input_row_offsets: torch.Tensor) -> None:
+def _check_step(
+    blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor
+) -> None:
     device = blocks.device
     _check_index("cache_lengths", cache_lengths, (1,), device)
     _check_index("lookup_table", lookup_table, (1, 2), device)
     _check_index("input_row_offsets", input_row_offsets, (1,), device)
     batch = cache_lengths.shape[0]
-    _require(lookup_table.shape[0] == batch, "lookup_table",
-             lambda: f"expected {batch} rows (one per cache_lengths entry), got {lookup_table.shape[0]}")
-    _require(input_row_offsets.shape[0] == batch + 1, "input_row_offsets",
-             lambda: f"expected batch + 1 = {batch + 1} entries, got {input_row_offsets.shape[0]}")
+    _require(
+        lookup_table.shape[0] == batch,
+        "lookup_table",
+        lambda: f"expected {batch} rows (one per cache_lengths entry), got {lookup_table.shape[0]}",
+    )
+    _require(
+        input_row_offsets.shape[0] == batch + 1,
+        "input_row_offsets",
+        lambda: f"expected batch + 1 = {batch + 1} entries, got {input_row_offsets.shape[0]}",
+    )
 
 
 def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | None = None) -> None:
@@ -103,11 +113,14 @@ def check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_r
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     _check_rows("key", key, blocks, blocks.shape[4])
     _check_rows("value", value, blocks, blocks.shape[4])
-    _require(value.shape[0] == key.shape[0], "value", lambda: f"expected {key.shape[0]} rows like key, got {value.shape[0]}")
+    _require(
+        value.shape[0] == key.shape[0], "value", lambda: f"expected {key.shape[0]} rows like key, got {value.shape[0]}"
+    )
 
 
-def check_flash_attention_meta(q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx,
-                               softmax_scale, causal, sliding_window, softcap) -> None:
+def check_flash_attention_meta(
+    q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window, softcap
+) -> None:
     _check_blocks(blocks, layer_idx)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     _check_rows("q", q, blocks)
@@ -130,8 +143,11 @@ def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
         _fail("blocks", "expected a contiguous 6-D tensor")
     _check_index("src_pages", src_pages, (1,), blocks.device)
     _check_index("dst_pages", dst_pages, (1,), blocks.device)
-    _require(src_pages.shape[0] == dst_pages.shape[0], "dst_pages",
-             lambda: f"expected {src_pages.shape[0]} entries like src_pages, got {dst_pages.shape[0]}")
+    _require(
+        src_pages.shape[0] == dst_pages.shape[0],
+        "dst_pages",
+        lambda: f"expected {src_pages.shape[0]} entries like src_pages, got {dst_pages.shape[0]}",
+    )
 
 
 # -- value checks (real tensors only) ---------------------------------------------------------
@@ -139,12 +155,14 @@ def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
 # operation than torch on tiny index tensors), one small device-to-host copy of each index tensor
 # on other devices (the sync the module docstring mentions).
 
+
 def _host(t: torch.Tensor) -> np.ndarray:
     return (t if t.device.type == "cpu" else t.cpu()).numpy().astype(np.int64, copy=False)
 
 
-def _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None,
-                   rows_name: str) -> tuple[np.ndarray, np.ndarray]:
+def _check_lengths(
+    blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None, rows_name: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Checks offsets and lengths; returns (cache_lengths, kv_len) as int64 host arrays."""
     offsets, lengths = _host(input_row_offsets), _host(cache_lengths)
     new = np.diff(offsets)
@@ -159,8 +177,10 @@ def _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total
         _fail("cache_lengths", f"sequence {b} has negative length {lengths[b]}")
     if (kv_len > capacity).any():
         b = np.flatnonzero(kv_len > capacity)[0]
-        _fail("cache_lengths", f"sequence {b} would reach {kv_len[b]} tokens, past the "
-                               f"{capacity} its lookup_table row can address")
+        _fail(
+            "cache_lengths",
+            f"sequence {b} would reach {kv_len[b]} tokens, past the {capacity} its lookup_table row can address",
+        )
     if total_rows is not None and offsets[-1] != total_rows:
         _fail("input_row_offsets", f"last entry {offsets[-1]} must equal the {total_rows} rows of {rows_name}")
     return lengths, kv_len
@@ -186,9 +206,14 @@ def _check_pages(blocks, lookup_table, first_tok: np.ndarray, end_tok: np.ndarra
         b, col = np.argwhere(bad)[0]
         page = table[b, col]
         if page == NULL_PAGE:
-            _fail("lookup_table", f"sequence {b} has no page for its tokens at entry {col} (it holds the "
-                                  f"null page {NULL_PAGE}): allocate pages before storing or reading them")
-        _fail("lookup_table", f"sequence {b} uses page id {page} (entry {col}), outside blocks' {blocks.shape[0]} pages")
+            _fail(
+                "lookup_table",
+                f"sequence {b} has no page for its tokens at entry {col} (it holds the "
+                f"null page {NULL_PAGE}): allocate pages before storing or reading them",
+            )
+        _fail(
+            "lookup_table", f"sequence {b} uses page id {page} (entry {col}), outside blocks' {blocks.shape[0]} pages"
+        )
 
 
 def check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets) -> None:
@@ -196,8 +221,9 @@ def check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offs
     _check_pages(blocks, lookup_table, lengths, kv_len)
 
 
-def check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None,
-                    max_kv_len: int | None = None) -> None:
+def check_read_data(
+    blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None, max_kv_len: int | None = None
+) -> None:
     """Checks for the ops that read every cached token (flash_attention, gather_kv)."""
     _, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
     if max_kv_len is not None and kv_len.size and kv_len.max() > max_kv_len:

@@ -11,7 +11,8 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ def _imported_triton_interprets() -> bool:
     """Triton's own answer; fixed for the life of the process once triton is imported (cached: asked per op)."""
     from triton.language import standard
     from triton.runtime.interpreter import InterpretedFunction
+
     return isinstance(standard.sum, InterpretedFunction)
 
 
@@ -64,6 +66,7 @@ def _lazy(op: str) -> Callable[..., Any]:
         if not kernel:
             kernel.append(getattr(importlib.import_module(f"{__name__}.{op}"), op))
         return kernel[0](*args)
+
     run.__name__ = op
     return run
 

@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,8 +52,9 @@ class Compiled(NamedTuple):
     asm: dict[str, str | bytes]
 
 
-def _paged(dtype: torch.dtype, head_dim: int, batch: int, new: int, context: int,
-           page_size: int = 16) -> tuple[torch.Tensor, ...]:
+def _paged(
+    dtype: torch.dtype, head_dim: int, batch: int, new: int, context: int, page_size: int = 16
+) -> tuple[torch.Tensor, ...]:
     """Meta tensors of a step: blocks, cache_lengths, lookup_table, input_row_offsets, new K/V rows."""
     width = triton.cdiv(context, page_size) + 8
     blocks = torch.empty(batch * width + 1, 2, 4, page_size, KV_HEADS, head_dim, dtype=dtype, device="meta")
@@ -66,18 +68,32 @@ def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) ->
     batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
     blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context)
     q = torch.empty(batch * new, KV_HEADS * group, head_dim, dtype=DTYPES[dtype], device="meta")
-    _, launches = plan_flash_attention(q, blocks, cache_lengths, table, offsets, LAYER, head_dim ** -0.5,
-                                       causal=option != "non-causal", sliding_window=512 if "window" in option else -1,
-                                       softcap=30.0 if "softcap" in option else 0.0)
+    _, launches = plan_flash_attention(
+        q,
+        blocks,
+        cache_lengths,
+        table,
+        offsets,
+        LAYER,
+        head_dim**-0.5,
+        causal=option != "non-causal",
+        sliding_window=512 if "window" in option else -1,
+        softcap=30.0 if "softcap" in option else 0.0,
+    )
     return launches
 
 
 def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
     if quick:  # the corners: each dtype, head_dim, group, mode and option at least once
-        yield from [("bf16", 128, 4, "decode-split", "causal"), ("bf16", 128, 1, "prefill", "causal"),
-                    ("bf16", 64, 16, "decode", "window+softcap"), ("fp16", 256, 8, "prefill", "non-causal"),
-                    ("fp16", 64, 1, "decode-split", "softcap"), ("fp32", 256, 16, "prefill", "window"),
-                    ("fp32", 128, 4, "decode-split", "causal")]
+        yield from [
+            ("bf16", 128, 4, "decode-split", "causal"),
+            ("bf16", 128, 1, "prefill", "causal"),
+            ("bf16", 64, 16, "decode", "window+softcap"),
+            ("fp16", 256, 8, "prefill", "non-causal"),
+            ("fp16", 64, 1, "decode-split", "softcap"),
+            ("fp32", 256, 16, "prefill", "window"),
+            ("fp32", 128, 4, "decode-split", "causal"),
+        ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):
         yield dtype, head_dim, group, mode, "causal"

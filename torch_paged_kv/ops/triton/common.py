@@ -18,6 +18,7 @@ from . import compat  # noqa: F401  (fixes triton < 3.7's interpreter for numpy 
 
 class Launch(NamedTuple):
     """One kernel launch planned from shapes: what a wrapper runs, and what `aot` compiles."""
+
     kernel: Any  # a triton JITFunction
     grid: tuple[int, ...]
     args: tuple[Any, ...]

@@ -11,11 +11,13 @@ def _squeeze_interpreter_index() -> None:
     """Make the interpreter turn a scalar (a 1-element numpy array) into an int as triton 3.7 does
     (triton#9172): before, it called `int(array)`, which numpy >= 2.4 rejects, failing `range(tensor)`."""
     from triton.runtime import interpreter
+
     patch_tensor = interpreter._patch_lang_tensor
 
     def patch(tensor: Any, *scope: Any) -> None:  # the scope (3.6) restores the original after the launch
         patch_tensor(tensor, *scope)
         tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+
     interpreter._patch_lang_tensor = patch
 
 

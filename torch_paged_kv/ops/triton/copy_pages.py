@@ -17,8 +17,7 @@ BLOCK = 1024
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
 @triton.jit(do_not_specialize=["num_pages"])
-def _copy_kernel(src, src_pages, dst, dst_pages, num_pages, page_numel,
-                 FROM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+def _copy_kernel(src, src_pages, dst, dst_pages, num_pages, page_numel, FROM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     idx = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped.
@@ -45,10 +44,20 @@ def plan_copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: to
     scratch = torch.empty((count, page_numel), dtype=blocks.dtype, device=blocks.device)
     grid = (count, triton.cdiv(page_numel, BLOCK))
     num_pages = blocks.shape[0]
-    return [Launch(_copy_kernel, grid, (blocks, src_pages, scratch, dst_pages, num_pages, page_numel),
-                   dict(FROM_BLOCKS=True, BLOCK=BLOCK)),
-            Launch(_copy_kernel, grid, (scratch, src_pages, blocks, dst_pages, num_pages, page_numel),
-                   dict(FROM_BLOCKS=False, BLOCK=BLOCK))]
+    return [
+        Launch(
+            _copy_kernel,
+            grid,
+            (blocks, src_pages, scratch, dst_pages, num_pages, page_numel),
+            dict(FROM_BLOCKS=True, BLOCK=BLOCK),
+        ),
+        Launch(
+            _copy_kernel,
+            grid,
+            (scratch, src_pages, blocks, dst_pages, num_pages, page_numel),
+            dict(FROM_BLOCKS=False, BLOCK=BLOCK),
+        ),
+    ]
 
 
 def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:

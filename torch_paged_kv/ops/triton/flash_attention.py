@@ -30,14 +30,48 @@ MAX_SPLITS = 64
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
 @triton.jit(do_not_specialize=["batch", "total", "layer_idx"])
-def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
-                      batch, total, num_q_heads, num_pages, table_width, table_stride, page_size, layer_idx,
-                      q_stride_row, q_stride_head, out_stride_row, out_stride_head,
-                      stride_page, stride_plane, stride_layer, stride_token,
-                      num_splits, softmax_scale, softcap, sliding_window,
-                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                      SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, STEPS: tl.constexpr):
+def _attention_kernel(
+    q,
+    out,
+    part_out,
+    part_lse,
+    blocks,
+    cache_lengths,
+    lookup_table,
+    input_row_offsets,
+    batch,
+    total,
+    num_q_heads,
+    num_pages,
+    table_width,
+    table_stride,
+    page_size,
+    layer_idx,
+    q_stride_row,
+    q_stride_head,
+    out_stride_row,
+    out_stride_head,
+    stride_page,
+    stride_plane,
+    stride_layer,
+    stride_token,
+    num_splits,
+    softmax_scale,
+    softcap,
+    sliding_window,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STEPS: tl.constexpr,
+):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -58,8 +92,9 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
     pos = cache_len + tok
     dim = tl.arange(0, HEAD_DIM)
     q_rows = (row0 + tok).to(tl.int64)
-    qt = tl.load(q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    qt = tl.load(
+        q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :], mask=row_ok[:, None], other=0.0
+    )
     if UPCAST:
         qt = qt.to(tl.float32)
 
@@ -115,14 +150,15 @@ def _attention_kernel(q, out, part_out, part_lse, blocks, cache_lengths, lookup_
     if SPLIT:
         part_row = (split * total + row0 + tok).to(tl.int64) * num_q_heads + head
         tl.store(part_out + part_row[:, None] * HEAD_DIM + dim[None, :], o, mask=row_ok[:, None])
-        tl.store(part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")),
-                 mask=row_ok)
+        tl.store(
+            part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok
+        )
     else:
         out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
         tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _target_programs(device: torch.device) -> int:
     """Programs that keep `device` busy: a few per SM on CUDA (on "meta", used to plan launches
     for ahead-of-time compiles, an H100's 132 SMs), a handful under the interpreter."""
@@ -154,10 +190,18 @@ def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, devi
     return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
 
 
-def plan_flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-                         lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
-                         softmax_scale: float, causal: bool = True, sliding_window: int = -1,
-                         softcap: float = 0.0) -> tuple[torch.Tensor, list[Launch]]:
+def plan_flash_attention(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, list[Launch]]:
     """The output, allocated, and the launches that fill it (attention, then the split merge)."""
     total, num_q_heads, head_dim = q.shape
     batch, num_kv_heads, page_size = cache_lengths.shape[0], blocks.shape[4], blocks.shape[3]
@@ -181,28 +225,83 @@ def plan_flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: t
         part_lse = torch.empty((splits, total, num_q_heads), dtype=torch.float32, device=q.device)
 
     grid = (total // block_q + batch, num_kv_heads, splits)
-    launches = [Launch(_attention_kernel, grid, (
-        q, out, part_out, part_lse, blocks, cache_lengths, lookup_table, input_row_offsets,
-        batch, total, num_q_heads, blocks.shape[0], width, table_stride, page_size, layer_idx,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *blocks_strides(blocks),
-        splits, float(softmax_scale), float(softcap), int(sliding_window),
-    ), dict(
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, CAUSAL=bool(causal), WINDOW=window, SOFTCAP=softcap > 0,
-        SPLIT=splits > 1, UPCAST=interpret, PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
-        STEPS=search_steps(batch), num_warps=num_warps,
-    ))]
+    launches = [
+        Launch(
+            _attention_kernel,
+            grid,
+            (
+                q,
+                out,
+                part_out,
+                part_lse,
+                blocks,
+                cache_lengths,
+                lookup_table,
+                input_row_offsets,
+                batch,
+                total,
+                num_q_heads,
+                blocks.shape[0],
+                width,
+                table_stride,
+                page_size,
+                layer_idx,
+                q.stride(0),
+                q.stride(1),
+                out.stride(0),
+                out.stride(1),
+                *blocks_strides(blocks),
+                splits,
+                float(softmax_scale),
+                float(softcap),
+                int(sliding_window),
+            ),
+            dict(
+                GROUP=group,
+                GROUP_P=triton.next_power_of_2(group),
+                BLOCK_Q=block_q,
+                BLOCK_N=block_n,
+                HEAD_DIM=head_dim,
+                CAUSAL=bool(causal),
+                WINDOW=window,
+                SOFTCAP=softcap > 0,
+                SPLIT=splits > 1,
+                UPCAST=interpret,
+                PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
+                STEPS=search_steps(batch),
+                num_warps=num_warps,
+            ),
+        )
+    ]
     if splits > 1:
         launches.append(plan_merge(part_out, part_lse, out))
     return out, launches
 
 
-def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-                    lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int,
-                    softmax_scale: float, causal: bool = True, sliding_window: int = -1,
-                    softcap: float = 0.0) -> torch.Tensor:
-    out, launches = plan_flash_attention(q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx,
-                                         softmax_scale, causal, sliding_window, softcap)
+def flash_attention(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    out, launches = plan_flash_attention(
+        q,
+        blocks,
+        cache_lengths,
+        lookup_table,
+        input_row_offsets,
+        layer_idx,
+        softmax_scale,
+        causal,
+        sliding_window,
+        softcap,
+    )
     for launch in launches:
         launch()
     return out

@@ -11,8 +11,18 @@ from .common import Launch
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
 @triton.jit(do_not_specialize=["total"])
-def _merge_kernel(part_out, part_lse, out, total, num_q_heads, out_stride_row, out_stride_head,
-                  SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_kernel(
+    part_out,
+    part_lse,
+    out,
+    total,
+    num_q_heads,
+    out_stride_row,
+    out_stride_head,
+    SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     row = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_P)
@@ -31,6 +41,9 @@ def plan_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     """Combine `part_out [splits, total, heads, head_dim]` (normalized, fp32) with log2-sum-exp
     `part_lse [splits, total, heads]` into `out [total, heads, head_dim]`."""
     splits, total, num_q_heads, head_dim = part_out.shape
-    return Launch(_merge_kernel, (total, num_q_heads),
-                  (part_out, part_lse, out, total, num_q_heads, out.stride(0), out.stride(1)),
-                  dict(SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM=head_dim))
+    return Launch(
+        _merge_kernel,
+        (total, num_q_heads),
+        (part_out, part_lse, out, total, num_q_heads, out.stride(0), out.stride(1)),
+        dict(SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), HEAD_DIM=head_dim),
+    )

@@ -12,20 +12,36 @@ from .common import Launch, blocks_strides
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
 @triton.jit(do_not_specialize=["layer_idx", "max_kv_len"])
-def _gather_kv_kernel(blocks, key_out, value_out, cache_lengths, lookup_table, input_row_offsets,
-                      num_pages, table_width, table_stride, page_size, layer_idx, max_kv_len,
-                      stride_page, stride_plane, stride_layer, stride_token,
-                      ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr):
+def _gather_kv_kernel(
+    blocks,
+    key_out,
+    value_out,
+    cache_lengths,
+    lookup_table,
+    input_row_offsets,
+    num_pages,
+    table_width,
+    table_stride,
+    page_size,
+    layer_idx,
+    max_kv_len,
+    stride_page,
+    stride_plane,
+    stride_layer,
+    stride_token,
+    ROW: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
     seq = tl.program_id(0)
-    kv_len = (tl.load(cache_lengths + seq) + tl.load(input_row_offsets + seq + 1)
-              - tl.load(input_row_offsets + seq))
+    kv_len = tl.load(cache_lengths + seq) + tl.load(input_row_offsets + seq + 1) - tl.load(input_row_offsets + seq)
     tok = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     idx = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     col = tok // page_size
     live = (tok < kv_len) & (col < table_width)
     page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + col, mask=live, other=0)
     live = live & (page >= 0) & (page < num_pages)
-    src = (page.to(tl.int64) * stride_page + layer_idx * stride_layer + (tok % page_size) * stride_token)
+    src = page.to(tl.int64) * stride_page + layer_idx * stride_layer + (tok % page_size) * stride_token
     src = src[:, None] + idx[None, :]
     load_mask = live[:, None] & (idx < ROW)[None, :]
     k = tl.load(blocks + src, mask=load_mask, other=0.0)
@@ -36,9 +52,14 @@ def _gather_kv_kernel(blocks, key_out, value_out, cache_lengths, lookup_table, i
     tl.store(value_out + dst, v, mask=store_mask)
 
 
-def plan_gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-                   input_row_offsets: torch.Tensor, layer_idx: int,
-                   max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+def plan_gather_kv(
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The (key, value) outputs, allocated, and the launch that fills them."""
     batch, num_kv_heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     shape = (batch, max_kv_len, num_kv_heads, head_dim)
@@ -51,14 +72,42 @@ def plan_gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_tab
     block_t = max(1, min(64, 4096 // block_r, triton.next_power_of_2(max_kv_len)))
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     grid = (batch, triton.cdiv(max_kv_len, block_t), triton.cdiv(row, block_r))
-    return key, value, [Launch(_gather_kv_kernel, grid, (
-        blocks, key, value, cache_lengths, lookup_table, input_row_offsets,
-        blocks.shape[0], width, table_stride, blocks.shape[3], layer_idx, max_kv_len, *blocks_strides(blocks),
-    ), dict(ROW=row, BLOCK_T=block_t, BLOCK_R=block_r))]
+    return (
+        key,
+        value,
+        [
+            Launch(
+                _gather_kv_kernel,
+                grid,
+                (
+                    blocks,
+                    key,
+                    value,
+                    cache_lengths,
+                    lookup_table,
+                    input_row_offsets,
+                    blocks.shape[0],
+                    width,
+                    table_stride,
+                    blocks.shape[3],
+                    layer_idx,
+                    max_kv_len,
+                    *blocks_strides(blocks),
+                ),
+                dict(ROW=row, BLOCK_T=block_t, BLOCK_R=block_r),
+            )
+        ],
+    )
 
 
-def gather_kv(blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-              input_row_offsets: torch.Tensor, layer_idx: int, max_kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     key, value, launches = plan_gather_kv(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len)
     for launch in launches:
         launch()

@@ -11,11 +11,32 @@ from .common import Launch, blocks_strides, owning_sequence, search_steps
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
 @triton.jit(do_not_specialize=["batch", "layer_idx"])
-def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_offsets,
-                     batch, num_pages, table_width, table_stride, page_size, layer_idx,
-                     key_stride_row, key_stride_head, value_stride_row, value_stride_head,
-                     stride_page, stride_plane, stride_layer, stride_token,
-                     HEAD_DIM: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+def _store_kv_kernel(
+    key,
+    value,
+    blocks,
+    cache_lengths,
+    lookup_table,
+    input_row_offsets,
+    batch,
+    num_pages,
+    table_width,
+    table_stride,
+    page_size,
+    layer_idx,
+    key_stride_row,
+    key_stride_head,
+    value_stride_row,
+    value_stride_head,
+    stride_page,
+    stride_plane,
+    stride_layer,
+    stride_token,
+    HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+):
     row = tl.program_id(0)
     seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
     pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
@@ -30,13 +51,20 @@ def _store_kv_kernel(key, value, blocks, cache_lengths, lookup_table, input_row_
     dim = idx % HEAD_DIM
     k = tl.load(key + row.to(tl.int64) * key_stride_row + head * key_stride_head + dim, mask=mask)
     v = tl.load(value + row.to(tl.int64) * value_stride_row + head * value_stride_head + dim, mask=mask)
-    slot = (page.to(tl.int64) * stride_page + layer_idx * stride_layer + (pos % page_size) * stride_token + idx)
+    slot = page.to(tl.int64) * stride_page + layer_idx * stride_layer + (pos % page_size) * stride_token + idx
     tl.store(blocks + slot, k, mask=mask)
     tl.store(blocks + slot + stride_plane, v, mask=mask)
 
 
-def plan_store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-                  lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> list[Launch]:
+def plan_store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+) -> list[Launch]:
     total, num_kv_heads, head_dim = key.shape
     batch = cache_lengths.shape[0]
     if total == 0 or batch == 0:
@@ -46,14 +74,42 @@ def plan_store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, 
     row = num_kv_heads * head_dim
     block = min(triton.next_power_of_2(row), 4096)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
-    return [Launch(_store_kv_kernel, (total, triton.cdiv(row, block)), (
-        key, value, blocks, cache_lengths, lookup_table, input_row_offsets,
-        batch, blocks.shape[0], width, table_stride, blocks.shape[3], layer_idx,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), *blocks_strides(blocks),
-    ), dict(HEAD_DIM=head_dim, ROW=row, BLOCK=block, STEPS=search_steps(batch)))]
+    return [
+        Launch(
+            _store_kv_kernel,
+            (total, triton.cdiv(row, block)),
+            (
+                key,
+                value,
+                blocks,
+                cache_lengths,
+                lookup_table,
+                input_row_offsets,
+                batch,
+                blocks.shape[0],
+                width,
+                table_stride,
+                blocks.shape[3],
+                layer_idx,
+                key.stride(0),
+                key.stride(1),
+                value.stride(0),
+                value.stride(1),
+                *blocks_strides(blocks),
+            ),
+            dict(HEAD_DIM=head_dim, ROW=row, BLOCK=block, STEPS=search_steps(batch)),
+        )
+    ]
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
-             lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, layer_idx: int) -> None:
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+) -> None:
     for launch in plan_store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx):
         launch()

@@ -20,7 +20,7 @@ MAX_SPLITS = 64
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -32,9 +32,18 @@ def num_splits(device_index: int, rows: int, kv_heads: int, max_keys: int, tile_
     return max(1, min(-(-2 * _sm_count(device_index) // ctas), tiles, MAX_SPLITS))
 
 
-def supports(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-             input_row_offsets: torch.Tensor, layer_idx: int, softmax_scale: float, causal: bool = True,
-             sliding_window: int = -1, softcap: float = 0.0) -> bool:
+def supports(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> bool:
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
     if q.device.type != "cuda" or softcap > 0 or q.dtype not in _DTYPES or blocks.dtype != q.dtype:
         return False
@@ -46,15 +55,25 @@ def supports(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor,
     return (
         0 < q.shape[0] == cache_lengths.shape[0]
         and head_dim in variants.HEAD_DIMS
-        and group in variants.GROUPS and group * head_dim <= variants.MAX_GROUP_DIM  # compiled and checked
+        and group in variants.GROUPS
+        and group * head_dim <= variants.MAX_GROUP_DIM  # compiled and checked
         and variants.page_supported(arch, page_size, variants.tile_config(head_dim)[0])
         and blocks.numel() // (kv_heads * head_dim) < 2**31 - page_size  # TMA coordinates are int32
     )
 
 
-def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-                    input_row_offsets: torch.Tensor, layer_idx: int, softmax_scale: float, causal: bool = True,
-                    sliding_window: int = -1, softcap: float = 0.0) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """`paged_kv::flash_attention` for calls `supports` accepts."""
     operand = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, lookup_table, layer_idx)
     index = device_index(q.device)
@@ -66,20 +85,51 @@ def flash_attention(q: torch.Tensor, blocks: torch.Tensor, cache_lengths: torch.
     if causal and sliding_window > 0:  # a query sees at most the window, plus a tile of alignment
         max_keys = min(max_keys, sliding_window + key.tile_n)
     splits = num_splits(index, rows, operand.num_kv_heads, max_keys, key.tile_n)
-    return launch(variants.get(key), variants.get(variants.combine_key(arch, dtype, head_dim)), q, operand,
-                  input_row_offsets, softmax_scale, causal, sliding_window, splits)
+    return launch(
+        variants.get(key),
+        variants.get(variants.combine_key(arch, dtype, head_dim)),
+        q,
+        operand,
+        input_row_offsets,
+        softmax_scale,
+        causal,
+        sliding_window,
+        splits,
+    )
 
 
-def launch(decode: Any, combine: Any, q: torch.Tensor, operand: KVCacheMHAOperand, input_row_offsets: torch.Tensor,
-           softmax_scale: float, causal: bool, sliding_window: int, splits: int) -> torch.Tensor:
+def launch(
+    decode: Any,
+    combine: Any,
+    q: torch.Tensor,
+    operand: KVCacheMHAOperand,
+    input_row_offsets: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    sliding_window: int,
+    splits: int,
+) -> torch.Tensor:
     """Run the compiled decode kernel into fp32 partials, then the combine kernel; returns the output."""
     q = q.contiguous()  # the combine kernel writes a compact `out`
     rows, q_heads, head_dim = q.shape
     partial = torch.empty(splits, rows, q_heads, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(splits, rows, q_heads, device=q.device, dtype=torch.float32)
     out = torch.empty_like(q)
-    decode(q, operand.rows, operand.lookup_table, operand.cache_lengths, input_row_offsets, partial, lse,
-           operand.page_stride, operand.k_plane_offset, operand.v_plane_offset, softmax_scale * math.log2(math.e),
-           sliding_window, int(causal), splits)
+    decode(
+        q,
+        operand.rows,
+        operand.lookup_table,
+        operand.cache_lengths,
+        input_row_offsets,
+        partial,
+        lse,
+        operand.page_stride,
+        operand.k_plane_offset,
+        operand.v_plane_offset,
+        softmax_scale * math.log2(math.e),
+        sliding_window,
+        int(causal),
+        splits,
+    )
     combine(partial, lse, out, splits)
     return out

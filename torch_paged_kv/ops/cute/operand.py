@@ -1,10 +1,9 @@
 """`KVCacheMHAOperand`: how every CuTe kernel sees one layer's K and V (MAX's struct of that name).
 
 Host side it is plain torch and Python ints (no cutlass import): the row view, the lookup table and
-the scalars a kernel needs, taken from the layer's `PagedKVCache` views, whose row arithmetic its
-host methods use. Device side, `create_tma_tile` and
-`create_gather4_tma_tile` build the TMA descriptors inside a `@cute.jit` function from the row view
-passed in as a `cute.Tensor`.
+the scalars a kernel needs, with the row arithmetic of `layout.py` (the same the collections' views
+use). Device side, `create_tma_tile` and `create_gather4_tma_tile` build the TMA descriptors inside a
+`@cute.jit` function from the row view passed in as a `cute.Tensor`.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import layout
-from ..collection import PagedKVCache
+from ... import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,27 +34,33 @@ class KVCacheMHAOperand:
     page_stride: int
     k_plane_offset: int
     v_plane_offset: int
-    planes: tuple[PagedKVCache, PagedKVCache] = dataclasses.field(repr=False, compare=False)
     quantization_enabled: bool = False
 
     @classmethod
-    def from_cache(cls, cache: PagedKVCache) -> KVCacheMHAOperand:
-        """Operand over the layer of `cache` (a `PagedKVCache` or `ContinuousBatchingKVCache` view)."""
-        return cls.from_blocks(cache.blocks, cache.cache_lengths, cache.lookup_table, cache.layer_idx)
-
-    @classmethod
-    def from_blocks(cls, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor,
-                    layer_idx: int) -> KVCacheMHAOperand:
+    def from_blocks(
+        cls, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, layer_idx: int
+    ) -> KVCacheMHAOperand:
         """Operand over layer `layer_idx` of a `[pages, 2, layers, page_size, heads, head_dim]` pool."""
         if blocks.dim() != 6 or blocks.shape[1] != 2:
-            raise ValueError(f"blocks: expected an MHA pool [pages, 2, layers, page, heads, dim], got {tuple(blocks.shape)}")
+            raise ValueError(
+                f"blocks: expected an MHA pool [pages, 2, layers, page, heads, dim], got {tuple(blocks.shape)}"
+            )
         if not blocks.is_contiguous():
             raise ValueError("blocks: the row view needs a contiguous pool")
-        table = lookup_table if lookup_table.dim() == 2 else lookup_table.view(-1, 1)  # a slot is one page
-        k, v = (PagedKVCache(blocks, cache_lengths, table, layer_idx, plane) for plane in (0, 1))
-        return cls(rows=k.row_view(), lookup_table=table, cache_lengths=cache_lengths, page_size=k.page_size,
-                   num_kv_heads=k.num_kv_heads, head_dim=k.head_dim, page_stride=k.page_stride,
-                   k_plane_offset=k.plane_offset, v_plane_offset=v.plane_offset, planes=(k, v))
+        _, planes, num_layers, page_size, num_kv_heads, head_dim = blocks.shape
+        if not 0 <= layer_idx < num_layers:
+            raise ValueError(f"layer_idx: expected 0..{num_layers - 1}, got {layer_idx}")
+        return cls(
+            rows=blocks.view(-1, num_kv_heads * head_dim),
+            lookup_table=lookup_table if lookup_table.dim() == 2 else lookup_table.view(-1, 1),  # a slot is a page
+            cache_lengths=cache_lengths,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            page_stride=layout.page_stride_rows(planes, num_layers, page_size),
+            k_plane_offset=layout.plane_row_offset(layer_idx, 0, num_layers, page_size),
+            v_plane_offset=layout.plane_row_offset(layer_idx, 1, num_layers, page_size),
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,15 +68,18 @@ class KVCacheMHAOperand:
 
     def num_kv_rows(self) -> int:
         """Height of the row view: the bound of every TMA descriptor (rows past it read as zeros)."""
-        return self.planes[0].num_kv_rows()
+        return self.rows.shape[0]
 
     def get_tma_row(self, encoded: layout.IntLike, plane: int = 0) -> layout.IntLike:
         """Row of `encoded = page * page_size + offset` in K (plane 0) or V (plane 1)."""
-        return self.planes[plane].get_tma_row(encoded)
+        offset = self.k_plane_offset if plane == 0 else self.v_plane_offset
+        return layout.tma_row(encoded, self.page_size, self.page_stride, offset)
 
     def populate(self, batch_idx: int, base_row: int, num_rows: int, plane: int = 0) -> torch.Tensor:
         """Rows (int64 `[num_rows]`) of tokens `base_row ..` of sequence `batch_idx`: gather4 indices."""
-        return self.planes[plane].populate(batch_idx, base_row, num_rows)
+        tokens = torch.arange(base_row, base_row + num_rows, device=self.lookup_table.device)
+        pages = self.lookup_table[batch_idx, tokens // self.page_size].to(torch.int64)
+        return self.get_tma_row(pages * self.page_size + tokens % self.page_size, plane)
 
     # -- device side (call inside @cute.jit) -------------------------------------------------
     @staticmethod
@@ -87,7 +94,8 @@ class KVCacheMHAOperand:
 
         smem_layout = cute.make_layout((box_rows, head_dim), stride=(head_dim, 1))
         atom, tma_tensor = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), rows, smem_layout, (box_rows, head_dim))
+            cpasync.CopyBulkTensorTileG2SOp(), rows, smem_layout, (box_rows, head_dim)
+        )
         return atom, cute.local_tile(tma_tensor, (box_rows, head_dim), (None, None))
 
     @staticmethod
@@ -103,12 +111,14 @@ class KVCacheMHAOperand:
         import cutlass.cute as cute
         from cutlass.cute.nvgpu import cpasync
 
-        columns = cute.make_tensor(rows.iterator, cute.make_layout((rows.shape[1], rows.shape[0]),
-                                                                   stride=(1, rows.stride[0])))
-        index = cute.make_tensor(cute.recast_ptr(rows.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout((head_dim, 4), stride=(0, 1)))
+        columns = cute.make_tensor(
+            rows.iterator, cute.make_layout((rows.shape[1], rows.shape[0]), stride=(1, rows.stride[0]))
+        )
+        index = cute.make_tensor(
+            cute.recast_ptr(rows.iterator, dtype=cutlass.Int32), cute.make_layout((head_dim, 4), stride=(0, 1))
+        )
         smem_layout = cute.make_layout((head_dim, 4), stride=(1, head_dim))
         atom, coords = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensor2DGather4G2SOp(), columns, smem_layout, (head_dim, 4),
-            gmem_coord_tensor=index)
+            cpasync.CopyBulkTensor2DGather4G2SOp(), columns, smem_layout, (head_dim, 4), gmem_coord_tensor=index
+        )
         return atom, coords

@@ -79,15 +79,17 @@ def build(key: KernelKey, ptx_dir: str | None = None) -> Any:
     dtype = _cutlass_dtype(key.dtype)
     stream = cutlass.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     rows, heads, splits = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
-    out_partial = make_fake_compact_tensor(Float32, (splits, rows, heads, key.head_dim),
-                                           stride_order=(3, 2, 1, 0), assumed_align=16)
+    out_partial = make_fake_compact_tensor(
+        Float32, (splits, rows, heads, key.head_dim), stride_order=(3, 2, 1, 0), assumed_align=16
+    )
     lse = make_fake_compact_tensor(Float32, (splits, rows, heads), stride_order=(2, 1, 0), assumed_align=4)
     if key.kernel == "combine":
         from .combine import SplitCombine
 
         out = make_fake_compact_tensor(dtype, (rows, heads, key.head_dim), stride_order=(2, 1, 0), assumed_align=16)
-        return cute.compile(SplitCombine(dtype, key.head_dim), out_partial, lse, out, Int32(1), stream,
-                            options=_options(key, ptx_dir))
+        return cute.compile(
+            SplitCombine(dtype, key.head_dim), out_partial, lse, out, Int32(1), stream, options=_options(key, ptx_dir)
+        )
 
     if key.arch == "sm_100a":
         from .decode_sm100 import PagedDecodeSm100 as Kernel
@@ -96,14 +98,26 @@ def build(key: KernelKey, ptx_dir: str | None = None) -> Any:
     kernel = Kernel(dtype, key.head_dim, key.page_size, key.group, key.tile_n, key.stages, key.consumer_warps)
     batch, pool_rows = cute.sym_int32(), cute.sym_int32()
     q = make_fake_compact_tensor(dtype, (rows, heads, key.head_dim), stride_order=(2, 1, 0), assumed_align=16)
-    row_view = make_fake_compact_tensor(dtype, (pool_rows, cute.sym_int32(divisibility=64)), stride_order=(1, 0),
-                                        assumed_align=16)
+    row_view = make_fake_compact_tensor(
+        dtype, (pool_rows, cute.sym_int32(divisibility=64)), stride_order=(1, 0), assumed_align=16
+    )
     table = make_fake_tensor(Int32, (batch, cute.sym_int32()), stride=(cute.sym_int32(), 1), assumed_align=4)
     cache_lengths = make_fake_compact_tensor(Int32, (batch,), assumed_align=4)
     offsets = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
     scalars = (Int32(1), Int32(0), Int32(0), Float32(1.0), Int32(0), Int32(1), Int32(1))
-    return cute.compile(kernel, q, row_view, table, cache_lengths, offsets, out_partial, lse, *scalars, stream,
-                        options=_options(key, ptx_dir))
+    return cute.compile(
+        kernel,
+        q,
+        row_view,
+        table,
+        cache_lengths,
+        offsets,
+        out_partial,
+        lse,
+        *scalars,
+        stream,
+        options=_options(key, ptx_dir),
+    )
 
 
 def get(key: KernelKey, cache: CompileCache | None = None) -> Any:

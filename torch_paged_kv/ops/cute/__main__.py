@@ -1,4 +1,4 @@
-"""`python -m torch_paged_kv.cute --compile-only --arch sm_90a --keep-ptx DIR`: compile without a GPU.
+"""`python -m torch_paged_kv.ops.cute --compile-only --arch sm_90a --keep-ptx DIR`: compile without a GPU.
 
 Compiles every kernel variant of `variants.all_keys(arch)` (or a representative few with `--quick`)
 for `arch`, writes each one's PTX to `DIR/<variant>.ptx`, and prints compile time and TMA
@@ -25,8 +25,12 @@ def quick_keys(arch: str) -> list[variants.KernelKey]:
     """One variant per head_dim and dtype, the smallest and a large page size, plus the combine kernels."""
     pages = variants.PAGE_SIZES[arch]
     keys = [variants.combine_key(arch, "bfloat16", d) for d in variants.HEAD_DIMS]
-    keys += [variants.decode_key(arch, "bfloat16", 128, pages[0], 4), variants.decode_key(arch, "float16", 128, 128, 8),
-             variants.decode_key(arch, "bfloat16", 64, 16, 1), variants.decode_key(arch, "float16", 256, 256, 2)]
+    keys += [
+        variants.decode_key(arch, "bfloat16", 128, pages[0], 4),
+        variants.decode_key(arch, "float16", 128, 128, 8),
+        variants.decode_key(arch, "bfloat16", 64, 16, 1),
+        variants.decode_key(arch, "float16", 256, 256, 2),
+    ]
     return keys
 
 
@@ -46,15 +50,16 @@ def ptxas_usage(ptx_path: Path, arch: str) -> str:
     """'<registers> regs, <spill bytes> spill' from `ptxas -v` when ptxas is on PATH, else ''."""
     if shutil.which("ptxas") is None:
         return ""
-    log = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"],
-                         capture_output=True, text=True).stderr
+    log = subprocess.run(
+        ["ptxas", f"-arch={arch}", "-v", str(ptx_path), "-o", "/dev/null"], capture_output=True, text=True
+    ).stderr
     regs = re.findall(r"Used (\d+) registers", log)
     spills = re.findall(r"(\d+) bytes spill stores", log)
     return f"{max(map(int, regs), default=0)} regs, {sum(map(int, spills))} B spill" if regs else "ptxas failed"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torch_paged_kv.cute", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m torch_paged_kv.ops.cute", description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", required=True, help="compile, do not run")
     parser.add_argument("--arch", choices=variants.ARCHES, required=True)
     parser.add_argument("--keep-ptx", metavar="DIR", default=None, help="write each variant's PTX here")

@@ -33,7 +33,7 @@ def device_index(device: torch.device) -> int:
 
 @functools.cache
 def device_arch(index: int) -> str | None:
-    """"sm_90a" (H100/H200) or "sm_100a" (B200) for CUDA device `index`, else None."""
+    """ "sm_90a" (H100/H200) or "sm_100a" (B200) for CUDA device `index`, else None."""
     return ARCHS.get(torch.cuda.get_device_capability(index))
 
 
@@ -50,8 +50,9 @@ def unavailable_reason(device: torch.device) -> str | None:
     if cutlass_missing():
         if not _warned:
             _warned.append(True)
-            warnings.warn("nvidia-cutlass-dsl is not installed: the CuTe backend is off; Triton runs instead",
-                          stacklevel=2)
+            warnings.warn(
+                "nvidia-cutlass-dsl is not installed: the CuTe backend is off; Triton runs instead", stacklevel=2
+            )
         return "nvidia-cutlass-dsl (cutlass.cute) is not installed"
     return None
 

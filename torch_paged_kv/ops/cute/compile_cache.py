@@ -17,8 +17,9 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 CACHE_DIR_ENV = "TORCH_PAGED_KV_CUTE_CACHE_DIR"
 _SOURCES = ("operand.py", "decode_sm90.py", "decode_sm100.py", "combine.py", "compile_cache.py", "variants.py")

@@ -19,10 +19,17 @@ class SplitCombine:
         self.head_dim = head_dim
 
     @cute.jit
-    def __call__(self, mOutPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, num_splits: Int32,
-                 stream: cute.typing.Any = None) -> None:
+    def __call__(
+        self,
+        mOutPartial: cute.Tensor,
+        mLse: cute.Tensor,
+        mOut: cute.Tensor,
+        num_splits: Int32,
+        stream: cute.typing.Any = None,
+    ) -> None:
         self.kernel(mOutPartial, mLse, mOut, num_splits).launch(
-            grid=[mOut.shape[1], mOut.shape[0], 1], block=[self.head_dim, 1, 1], stream=stream)
+            grid=[mOut.shape[1], mOut.shape[0], 1], block=[self.head_dim, 1, 1], stream=stream
+        )
 
     @cute.kernel
     def kernel(self, mOutPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, num_splits: Int32) -> None:

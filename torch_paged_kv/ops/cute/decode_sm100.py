@@ -22,8 +22,16 @@ from .operand import KVCacheMHAOperand
 class PagedDecodeSm100(PagedDecodeSm90):
     """Decode kernel whose producer loads K/V rows with TMA gather4 (any page size)."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, page_size: int, group: int,
-                 tile_n: int, stages: int, consumer_warps: int = 4) -> None:
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        page_size: int,
+        group: int,
+        tile_n: int,
+        stages: int,
+        consumer_warps: int = 4,
+    ) -> None:
         super().__init__(dtype, head_dim, page_size, group, tile_n, stages, consumer_warps)
         if tile_n % 32:
             raise ValueError(f"tile_n: gather4 producer needs a multiple of 32, got {tile_n}")
@@ -40,32 +48,63 @@ class PagedDecodeSm100(PagedDecodeSm90):
         return smem.allocate_tensor(Int32, cute.make_layout((2, self.tile_n), stride=(self.tile_n, 1)), 16)
 
     @cute.jit
-    def produce(self, atom: cute.CopyAtom, coords: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                sProducer: cute.Tensor, full, empty, mTable: cute.Tensor, seq: Int32, kv_head: Int32,
-                my_lo: Int32, my_hi: Int32, last_page: Int32, num_rows: Int32, page_stride: Int32,
-                k_offset: Int32, v_offset: Int32) -> None:
+    def produce(
+        self,
+        atom: cute.CopyAtom,
+        coords: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sProducer: cute.Tensor,
+        full,
+        empty,
+        mTable: cute.Tensor,
+        seq: Int32,
+        kv_head: Int32,
+        my_lo: Int32,
+        my_hi: Int32,
+        last_page: Int32,
+        num_rows: Int32,
+        page_stride: Int32,
+        k_offset: Int32,
+        v_offset: Int32,
+    ) -> None:
         """Producer warp: rows of the tile from the lookup table, then tile_n/4 gather4s each for K, V."""
         N, D, quads = self.tile_n, self.head_dim, self.tile_n // 4
         lane = cute.arch.lane_idx()
         ring = cute.make_layout((D, 4, quads * self.stages), stride=(1, D, 4 * D))
         index = cute.make_layout((D, 4, quads), stride=(0, 1, 4))
         head_coords = cute.domain_offset((kv_head * D, 0), coords)
-        gather = cute.group_modes(cute.make_tensor(head_coords.iterator,
-                                                   cute.append(head_coords.layout, cute.make_layout(quads, stride=0))), 0, 2)
+        gather = cute.group_modes(
+            cute.make_tensor(head_coords.iterator, cute.append(head_coords.layout, cute.make_layout(quads, stride=0))),
+            0,
+            2,
+        )
         tKsK, tKgK, tKgI = cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(cute.make_tensor(sK.iterator, ring), 0, 2),
-            [gather, cute.group_modes(cute.make_tensor(sProducer[0, None].iterator, index), 0, 2)])
+            atom,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(sK.iterator, ring), 0, 2),
+            [gather, cute.group_modes(cute.make_tensor(sProducer[0, None].iterator, index), 0, 2)],
+        )
         tVsV, tVgV, tVgI = cpasync.tma_partition(
-            atom, 0, cute.make_layout(1), cute.group_modes(cute.make_tensor(sV.iterator, ring), 0, 2),
-            [gather, cute.group_modes(cute.make_tensor(sProducer[1, None].iterator, index), 0, 2)])
+            atom,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(sV.iterator, ring), 0, 2),
+            [gather, cute.group_modes(cute.make_tensor(sProducer[1, None].iterator, index), 0, 2)],
+        )
         for tile in cutlass.range(my_lo, my_hi, unroll=1):
             i = tile - my_lo
             stage = i % self.stages
             cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) % 2) ^ 1)
             for r in cutlass.range_constexpr(N // 32):
                 key = tile * N + r * 32 + lane
-                sProducer[0, r * 32 + lane] = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, k_offset)
-                sProducer[1, r * 32 + lane] = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, v_offset)
+                sProducer[0, r * 32 + lane] = self.page_row(
+                    mTable, seq, key, last_page, num_rows, page_stride, k_offset
+                )
+                sProducer[1, r * 32 + lane] = self.page_row(
+                    mTable, seq, key, last_page, num_rows, page_stride, v_offset
+                )
             cute.arch.sync_warp()
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tile_bytes)

@@ -26,8 +26,16 @@ from .operand import KVCacheMHAOperand
 class PagedDecodeSm90:
     """Decode kernel specialised on dtype, head_dim, page_size, GQA group and tile config."""
 
-    def __init__(self, dtype: type[cutlass.Numeric], head_dim: int, page_size: int, group: int,
-                 tile_n: int, stages: int, consumer_warps: int = 4) -> None:
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        page_size: int,
+        group: int,
+        tile_n: int,
+        stages: int,
+        consumer_warps: int = 4,
+    ) -> None:
         if head_dim % 32 or head_dim > 256:
             raise ValueError(f"head_dim: expected a multiple of 32 up to 256, got {head_dim}")
         if tile_n % consumer_warps:
@@ -54,15 +62,44 @@ class PagedDecodeSm90:
 
     # -- host ---------------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mRows: cute.Tensor, mTable: cute.Tensor, mCacheLen: cute.Tensor,
-                 mOffsets: cute.Tensor, mOutPartial: cute.Tensor, mLse: cute.Tensor, page_stride: Int32,
-                 k_offset: Int32, v_offset: Int32, scale_log2: Float32, window: Int32, causal: Int32,
-                 num_splits: Int32, stream: cute.typing.Any = None) -> None:
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mRows: cute.Tensor,
+        mTable: cute.Tensor,
+        mCacheLen: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mOutPartial: cute.Tensor,
+        mLse: cute.Tensor,
+        page_stride: Int32,
+        k_offset: Int32,
+        v_offset: Int32,
+        scale_log2: Float32,
+        window: Int32,
+        causal: Int32,
+        num_splits: Int32,
+        stream: cute.typing.Any = None,
+    ) -> None:
         atom, coords = self.make_tma(mRows)
         num_kv_heads = mQ.shape[1] // self.group
-        self.kernel(atom, coords, mQ, mTable, mCacheLen, mOffsets, mOutPartial, mLse, mRows.shape[0],
-                    page_stride, k_offset, v_offset, scale_log2, window, causal, num_splits).launch(
-            grid=[num_splits, num_kv_heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(
+            atom,
+            coords,
+            mQ,
+            mTable,
+            mCacheLen,
+            mOffsets,
+            mOutPartial,
+            mLse,
+            mRows.shape[0],
+            page_stride,
+            k_offset,
+            v_offset,
+            scale_log2,
+            window,
+            causal,
+            num_splits,
+        ).launch(grid=[num_splits, num_kv_heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
 
     def make_tma(self, mRows: cute.Tensor) -> tuple[cute.CopyAtom, cute.Tensor]:
         return KVCacheMHAOperand.create_tma_tile(mRows, self.box_rows, self.head_dim)
@@ -73,10 +110,25 @@ class PagedDecodeSm90:
 
     # -- device -------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(self, atom: cute.CopyAtom, coords: cute.Tensor, mQ: cute.Tensor, mTable: cute.Tensor,
-               mCacheLen: cute.Tensor, mOffsets: cute.Tensor, mOutPartial: cute.Tensor, mLse: cute.Tensor,
-               num_rows: Int32, page_stride: Int32, k_offset: Int32, v_offset: Int32, scale_log2: Float32,
-               window: Int32, causal: Int32, num_splits: Int32) -> None:
+    def kernel(
+        self,
+        atom: cute.CopyAtom,
+        coords: cute.Tensor,
+        mQ: cute.Tensor,
+        mTable: cute.Tensor,
+        mCacheLen: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mOutPartial: cute.Tensor,
+        mLse: cute.Tensor,
+        num_rows: Int32,
+        page_stride: Int32,
+        k_offset: Int32,
+        v_offset: Int32,
+        scale_log2: Float32,
+        window: Int32,
+        causal: Int32,
+        num_splits: Int32,
+    ) -> None:
         N, D, G, C = self.tile_n, self.head_dim, self.group, self.consumer_warps
         tidx, _, _ = cute.arch.thread_idx()
         split, kv_head, row = cute.arch.block_idx()
@@ -128,15 +180,60 @@ class PagedDecodeSm90:
         last_page = cute.ceil_div(hi, self.page_size)
 
         if warp == C:
-            self.produce(atom, coords, sK, sV, sProducer, full, empty, mTable, seq, kv_head, my_lo, my_hi, last_page,
-                         num_rows, page_stride, k_offset, v_offset)
+            self.produce(
+                atom,
+                coords,
+                sK,
+                sV,
+                sProducer,
+                full,
+                empty,
+                mTable,
+                seq,
+                kv_head,
+                my_lo,
+                my_hi,
+                last_page,
+                num_rows,
+                page_stride,
+                k_offset,
+                v_offset,
+            )
         else:
-            self.consume(sK, sV, full, empty, sAcc, sStat, mQ, mOutPartial, mLse, row, split, kv_head,
-                         warp, lane, tidx, lo, hi, my_lo, my_hi, scale_log2)
+            self.consume(
+                sK,
+                sV,
+                full,
+                empty,
+                sAcc,
+                sStat,
+                mQ,
+                mOutPartial,
+                mLse,
+                row,
+                split,
+                kv_head,
+                warp,
+                lane,
+                tidx,
+                lo,
+                hi,
+                my_lo,
+                my_hi,
+                scale_log2,
+            )
 
     @cute.jit
-    def page_row(self, mTable: cute.Tensor, seq: Int32, key: Int32, last_page: Int32, num_rows: Int32,
-                 page_stride: Int32, plane_offset: Int32) -> Int32:
+    def page_row(
+        self,
+        mTable: cute.Tensor,
+        seq: Int32,
+        key: Int32,
+        last_page: Int32,
+        num_rows: Int32,
+        page_stride: Int32,
+        plane_offset: Int32,
+    ) -> Int32:
         """Row-view row of key `key` (KVCacheMHAOperand.get_tma_row); past the sequence: `num_rows`."""
         col = key // self.page_size
         result = num_rows
@@ -145,20 +242,45 @@ class PagedDecodeSm90:
         return result
 
     @cute.jit
-    def produce(self, atom: cute.CopyAtom, coords: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor,
-                sProducer: cute.Tensor | None, full, empty,
-                mTable: cute.Tensor, seq: Int32, kv_head: Int32, my_lo: Int32, my_hi: Int32, last_page: Int32,
-                num_rows: Int32, page_stride: Int32, k_offset: Int32, v_offset: Int32) -> None:
+    def produce(
+        self,
+        atom: cute.CopyAtom,
+        coords: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        sProducer: cute.Tensor | None,
+        full,
+        empty,
+        mTable: cute.Tensor,
+        seq: Int32,
+        kv_head: Int32,
+        my_lo: Int32,
+        my_hi: Int32,
+        last_page: Int32,
+        num_rows: Int32,
+        page_stride: Int32,
+        k_offset: Int32,
+        v_offset: Int32,
+    ) -> None:
         """Producer warp: one TMA box per page (or page slice) of every tile, K then V."""
         box, boxes = self.box_rows, self.boxes
-        box_layout = cute.make_layout((box, self.head_dim, boxes * self.stages),
-                                      stride=(self.head_dim, 1, box * self.head_dim))
-        tKsK, tKgK = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                           cute.group_modes(cute.make_tensor(sK.iterator, box_layout), 0, 2),
-                                           cute.group_modes(coords, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                           cute.group_modes(cute.make_tensor(sV.iterator, box_layout), 0, 2),
-                                           cute.group_modes(coords, 0, 2))
+        box_layout = cute.make_layout(
+            (box, self.head_dim, boxes * self.stages), stride=(self.head_dim, 1, box * self.head_dim)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            atom,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(sK.iterator, box_layout), 0, 2),
+            cute.group_modes(coords, 0, 2),
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            atom,
+            0,
+            cute.make_layout(1),
+            cute.group_modes(cute.make_tensor(sV.iterator, box_layout), 0, 2),
+            cute.group_modes(coords, 0, 2),
+        )
         with cute.arch.elect_one():
             for tile in cutlass.range(my_lo, my_hi, unroll=1):
                 i = tile - my_lo
@@ -174,10 +296,29 @@ class PagedDecodeSm90:
                     cute.copy(atom, tVgV[None, v_row // box, kv_head], tVsV[None, slot], tma_bar_ptr=full + stage)
 
     @cute.jit
-    def consume(self, sK: cute.Tensor, sV: cute.Tensor, full, empty, sAcc: cute.Tensor, sStat: cute.Tensor,
-                mQ: cute.Tensor, mOutPartial: cute.Tensor, mLse: cute.Tensor, row: Int32, split: Int32,
-                kv_head: Int32, warp: Int32, lane: Int32, tidx: Int32, lo: Int32, hi: Int32, my_lo: Int32,
-                my_hi: Int32, scale_log2: Float32) -> None:
+    def consume(
+        self,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        full,
+        empty,
+        sAcc: cute.Tensor,
+        sStat: cute.Tensor,
+        mQ: cute.Tensor,
+        mOutPartial: cute.Tensor,
+        mLse: cute.Tensor,
+        row: Int32,
+        split: Int32,
+        kv_head: Int32,
+        warp: Int32,
+        lane: Int32,
+        tidx: Int32,
+        lo: Int32,
+        hi: Int32,
+        my_lo: Int32,
+        my_hi: Int32,
+        scale_log2: Float32,
+    ) -> None:
         """Consumer warps: online softmax over their keys of each tile, then a CTA merge."""
         N, D, G, C, E = self.tile_n, self.head_dim, self.group, self.consumer_warps, self.elems
         per_warp = N // C
@@ -189,10 +330,10 @@ class PagedDecodeSm90:
             for e in cutlass.range_constexpr(E):
                 q[g, e] = Float32(mQ[row, kv_head * G + g, lane * E + e]) * scale_log2
         m = cute.make_rmem_tensor((G,), Float32)
-        l = cute.make_rmem_tensor((G,), Float32)
+        row_sum = cute.make_rmem_tensor((G,), Float32)
         acc = cute.make_rmem_tensor((G, E), Float32)
         m.fill(-Float32.inf)
-        l.fill(0.0)
+        row_sum.fill(0.0)
         acc.fill(0.0)
         k = cute.make_rmem_tensor((E,), Float32)
         v = cute.make_rmem_tensor((E,), Float32)
@@ -216,7 +357,7 @@ class PagedDecodeSm90:
                         m_new = cutlass.max(m[g], s)
                         corr = cute.math.exp2(m[g] - m_new, fastmath=True)
                         p = cute.math.exp2(s - m_new, fastmath=True)
-                        l[g] = l[g] * corr + p
+                        row_sum[g] = row_sum[g] * corr + p
                         m[g] = m_new
                         for e in cutlass.range_constexpr(E):
                             acc[g, e] = acc[g, e] * corr + p * v[e]
@@ -230,7 +371,7 @@ class PagedDecodeSm90:
                 sAcc[warp, g, lane * E + e] = acc[g, e]
             if lane == 0:
                 sStat[0, warp, g] = m[g]
-                sStat[1, warp, g] = l[g]
+                sStat[1, warp, g] = row_sum[g]
         cute.arch.barrier(barrier_id=1, number_of_threads=32 * C)
         for idx in cutlass.range(tidx, G * D, 32 * C, unroll=1):
             g = idx // D
