@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, blocks, step: pk.StepTensors, causal_mask=None):
+    def forward(self, x, cos, sin, plan: pk.StepPlan | None):
         cfg = self.cfg
         q, k, v = self.wqkv(x).split(
             [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim], dim=-1
@@ -61,18 +61,13 @@ class Attention(nn.Module):
         q = rotate(q.unflatten(-1, (cfg.n_heads, cfg.head_dim)), cos, sin)
         k = rotate(k.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim)), cos, sin)
         v = v.unflatten(-1, (cfg.n_kv_heads, cfg.head_dim))
-        if blocks is None:  # no cache: one sequence, plain causal SDPA (the check at the end)
+        if plan is None:  # no cache: one sequence, plain causal SDPA (the check at the end)
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
             ).transpose(0, 1)
-        else:  # layer 0 checks the step tensors, which stay as they are up to the last layer
-            store, attend = (
-                (pk.store_kv, pk.flash_attention)
-                if self.layer_idx == 0
-                else (pk.ops.store_kv_unchecked, pk.ops.flash_attention_unchecked)
-            )
-            store(k, v, blocks, *step, self.layer_idx)
-            o = attend(q, blocks, *step, self.layer_idx, cfg.head_dim**-0.5)
+        else:  # the plan checks the step tensors at layer 0 only: they stay as they are up to the last layer
+            plan.store_kv(k, v, self.layer_idx)
+            o = plan.flash_attention(q, self.layer_idx, cfg.head_dim**-0.5)
         return self.wo(o.flatten(1))
 
 
@@ -84,8 +79,8 @@ class Block(nn.Module):
         self.w13 = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, blocks, step):
-        x = x + self.attn(self.attn_norm(x), cos, sin, blocks, step)
+    def forward(self, x, cos, sin, plan):
+        x = x + self.attn(self.attn_norm(x), cos, sin, plan)
         gate, up = self.w13(self.ffn_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
@@ -112,15 +107,15 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, step: pk.StepTensors | None) -> torch.Tensor:
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         if step is None:
-            positions, last_rows, blocks = rows, rows[-1:], None
+            positions, last_rows, plan = rows, rows[-1:], None
         else:
             seq = torch.searchsorted(step.input_row_offsets[1:], rows.int(), right=True)
             positions = step.cache_lengths[seq] + rows - step.input_row_offsets[seq]
-            last_rows, blocks = step.input_row_offsets[1:] - 1, self.blocks
+            last_rows, plan = step.input_row_offsets[1:] - 1, pk.StepPlan(self.blocks, step)
         cos, sin = self.cos[positions], self.sin[positions]
         x = self.embed(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, blocks, step)
+            x = layer(x, cos, sin, plan)
         return self.output(self.norm(x[last_rows]))
 
 

@@ -179,6 +179,44 @@ def test_step_tensors_are_checked_once_per_step(model, monkeypatch, attn):
         forward(model, cache, torch.ones(2, 1, dtype=torch.long), 4)
 
 
+@pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
+def test_shared_kv_layers_match_dynamic_cache(attn):
+    """A model whose last layers reuse earlier layers' K/V (Gemma3n's `kv_sharing_modes`): only the
+    layers that keep K/V get pool layers, and under `paged_kv` the sharing layers, which come after
+    the last cached layer, read the pages before the step's lengths advance. Sliding and full layers."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3nTextConfig(
+        vocab_size=256,
+        vocab_size_per_layer_input=256,
+        hidden_size=64,
+        hidden_size_per_layer_input=8,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+        sliding_window=8,
+        max_position_embeddings=128,
+        laurel_rank=4,
+        activation_sparsity_pattern=[0.0] * 6,
+    )
+    model = Gemma3nForCausalLM(config).eval()
+    assert model.config.kv_sharing_modes[-2:] == ["reuse", "reuse"]
+    ids = torch.randint(1, 256, (2, 11), generator=torch.Generator().manual_seed(5))
+    expected = reference(model, (ids, torch.ones_like(ids)), max_new_tokens=10, do_sample=False)
+    model.set_attn_implementation(attn)
+    cache = PagedCache(model.config, max_batch_size=2, max_cache_len=32, page_size=4)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=10, do_sample=False
+    )
+    assert torch.equal(out, expected)
+    assert cache.collection.params.num_layers == 4 and cache.collection.cache_lengths.tolist() == [20, 20]
+
+
 def test_mask_of_new_tokens_is_contiguous():
     """A compiled decode step guards on the mask's strides: a slice of the growing 2D mask would recompile."""
     mask = paged_kv_mask(4, 1, 10, attention_mask=torch.ones(4, 10, dtype=torch.bool))

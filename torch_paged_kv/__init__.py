@@ -23,6 +23,7 @@ from .ops import (
     store_kv,
 )
 from .params import KVCacheParams
+from .step import StepPlan
 
 __all__ = [
     "NULL_PAGE",
@@ -35,6 +36,7 @@ __all__ = [
     "OutOfPagesError",
     "PagedKVCache",
     "PagedKVCacheCollection",
+    "StepPlan",
     "StepTensors",
     "__version__",
     "backend_info",

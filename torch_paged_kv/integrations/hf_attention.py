@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from ..ops import flash_attention, flash_attention_unchecked, store_kv, store_kv_unchecked
 from .hf_cache import PendingKV, token_rows
 
 
@@ -58,31 +57,29 @@ def paged_kv_attention(
         return _uncached_attention(query, key, value, attention_mask, scale), None
     batch, num_heads, new, head_dim = query.shape
     layer, cache = key.layer, key.layer.cache
-    q, k, v = token_rows(query), token_rows(key.key), token_rows(key.value)
+    q = token_rows(query)
     ragged = attention_mask is not None and new > 1  # prefill with padding: keep the real tokens only
     if ragged:
         real = attention_mask.reshape(-1).nonzero().squeeze(1)
-        q, k, v = q[real], k[real], v[real]
-    if layer.layer_idx == 0:
-        counts = (
-            attention_mask.sum(1, dtype=torch.int32)
-            if ragged
-            else torch.full((batch,), new, dtype=torch.int32, device=query.device)
-        )
-        cache.begin_step(counts)
-    lengths, table, offsets = cache.step_tensors(batch)
-    blocks = cache.collection.blocks
-    # The step tensors do not change between layer 0 and the last layer: layer 0's value checks
-    # cover every layer, so the later ones call the unchecked overloads (shape checks still run).
-    first = layer.layer_idx == 0
-    store, attend = (store_kv, flash_attention) if first else (store_kv_unchecked, flash_attention_unchecked)
-    store(k, v, blocks, lengths, table, offsets, layer.layer_idx)
-    out = attend(q, blocks, lengths, table, offsets, layer.layer_idx, scale, True, sliding_window or -1, softcap or 0.0)
-    if layer.layer_idx == cache.num_layers - 1:
-        cache.end_step(batch, new)
+        q = q[real]
+    layer_idx = getattr(module, "layer_idx", layer.layer_idx)  # a shared-KV layer gets another layer's PendingKV
+    counts = lambda: _new_tokens(attention_mask if ragged else None, batch, new, query.device)
+    plan = cache.layer_plan(layer_idx, batch, new, counts)
+    if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
+        k, v = token_rows(key.key), token_rows(key.value)
+        plan.store_kv(k[real] if ragged else k, v[real] if ragged else v, layer.pool_layer)
+    out = plan.flash_attention(q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0)
+    cache.layer_done(layer_idx, batch)
     if ragged:
         out = q.new_zeros(batch * new, num_heads, head_dim).index_copy_(0, real, out)
     return out.view(batch, new, num_heads, head_dim), None
+
+
+def _new_tokens(attention_mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
+    """Each row's real new tokens, `[batch]` int32: the mask's count, or all `new` columns."""
+    if attention_mask is not None:
+        return attention_mask.sum(1, dtype=torch.int32)
+    return torch.full((batch,), new, dtype=torch.int32, device=device)
 
 
 def _uncached_attention(

@@ -2,6 +2,8 @@
 
 Row b of the batch owns the fixed pages `1 + b*P .. (b+1)*P` (P pages per row), so the lookup table
 never changes and beam search reorders rows by copying pages (`copy_pages`, all layers at once).
+Only the model layers that keep K/V get pool layers: shared-KV layers (transformers'
+`kv_sharing_modes` "reuse") and layers without attention hold no cache, as in transformers' own caches.
 
 Two ways to attend, picked by `config._attn_implementation`:
 
@@ -13,25 +15,41 @@ Two ways to attend, picked by `config._attn_implementation`:
   `StaticCache`) and returns K/V gathered to `[batch, heads, max_cache_len, head_dim]`; the model's
   own mask hides padding and the unused tail.
 
-Step bookkeeping is in tensors updated in place: layer 0 writes `input_row_offsets`, the last layer
-advances `cache_lengths` and the column counter. Nothing per token lives in Python ints, so a
-compiled decode step does not recompile.
+Both paths go through `layer_plan` / `layer_done`, the one owner of the step protocol: the first
+cached layer begins the step (writes this step's offsets), the returned `StepPlan` checks the step
+tensors at that layer only, and the last layer that reads the pages advances the lengths (under
+`paged_kv` a shared-KV layer reads the pages of the layer it shares, so it may come after the last
+cached layer). Nothing per token lives in Python ints, so a compiled decode step does not recompile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .. import copy_pages
 from ..collection import PagedKVCacheCollection
-from ..ops import gather_kv, gather_kv_unchecked, store_kv, store_kv_unchecked
+from ..ops import copy_pages
 from ..params import KVCacheParams
+from ..step import StepPlan
 
 ATTN_IMPLEMENTATION = "paged_kv"
+NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
+"""transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
+
+
+def attention_layers(config: PreTrainedConfig) -> tuple[list[int], list[int]]:
+    """(layers that keep their own K/V, layers with attention), as model layer indices, by
+    transformers' rule: a layer that reuses another's K/V (`kv_sharing_modes[i] == "reuse"`) attends
+    but keeps nothing; a layer without attention (type "moe", "mlp") does neither."""
+    num_layers = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * num_layers
+    attending = [i for i, kind in enumerate(types) if kind not in NO_CACHE_LAYER_TYPES]
+    return [i for i in attending if modes[i] != "reuse"], attending
 
 
 class PendingKV(NamedTuple):
@@ -43,20 +61,21 @@ class PendingKV(NamedTuple):
 
 
 class PagedLayer(CacheLayerMixin):
-    """One model layer's view of the shared collection (HF's per-layer cache surface).
+    """One cached model layer's view of the shared collection (HF's per-layer cache surface).
 
-    Row operations (reset, crop, reorder, select) touch every layer at once, so `PagedCache` does
-    them, not the layers.
+    `layer_idx` is the model's layer index, `pool_layer` its layer in the pool. Row operations
+    (reset, crop, reorder, select) touch every layer at once, so `PagedCache` does them.
     """
 
     is_compileable = True
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+    def __init__(self, cache: PagedCache, layer_idx: int, pool_layer: int) -> None:
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
+        self.pool_layer = pool_layer
         self.is_initialized = cache.collection is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -68,22 +87,17 @@ class PagedLayer(CacheLayerMixin):
     ) -> tuple[Any, Any]:
         """Paged attention: defer to the attention function. Otherwise store and gather K/V."""
         cache = self.cache
-        if self.layer_idx == 0:
+        if self.pool_layer == 0:
             cache.ensure_pool(key_states)
         if cache.attends_from_pages:
             pending = PendingKV(self, key_states, value_states)
             return pending, pending
         batch, _, new, _ = key_states.shape
-        if self.layer_idx == 0:
-            cache.begin_step(torch.full((batch,), new, dtype=torch.int32, device=cache.device))
-        lengths, table, offsets = cache.step_tensors(batch)
-        # layer 0 checks the step tensors for every layer (see `paged_kv_attention`)
-        store, gather = (store_kv, gather_kv) if self.layer_idx == 0 else (store_kv_unchecked, gather_kv_unchecked)
-        blocks = cache.collection.blocks
-        store(token_rows(key_states), token_rows(value_states), blocks, lengths, table, offsets, self.layer_idx)
-        keys, values = gather(blocks, lengths, table, offsets, self.layer_idx, cache.max_cache_len)
-        if self.layer_idx == cache.num_layers - 1:
-            cache.end_step(batch, new)
+        counts = lambda: torch.full((batch,), new, dtype=torch.int32, device=cache.device)
+        plan = cache.layer_plan(self.layer_idx, batch, new, counts)
+        plan.store_kv(token_rows(key_states), token_rows(value_states), self.pool_layer)
+        keys, values = plan.gather_kv(self.pool_layer, cache.max_cache_len)
+        cache.layer_done(self.layer_idx, batch)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -104,6 +118,13 @@ class PagedLayer(CacheLayerMixin):
 def token_rows(states: torch.Tensor) -> torch.Tensor:
     """`[batch, heads, new, head_dim]` -> `[batch*new, heads, head_dim]` (batch-major rows)."""
     return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
+
+
+def _no_cache_layer() -> CacheLayerMixin:
+    """transformers' placeholder for a layer without a cache (shared-KV and attention-free layers)."""
+    from transformers.cache_utils import DummyLayer  # transformers >= 5.20; older models have no such layers
+
+    return DummyLayer()
 
 
 class PagedCache(Cache):
@@ -135,7 +156,7 @@ class PagedCache(Cache):
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
         num_heads = cfg.num_attention_heads
-        self.num_layers = cfg.num_hidden_layers
+        self.cached_layers, self.attention_layers = attention_layers(cfg)
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
         self.page_size = page_size
@@ -150,11 +171,16 @@ class PagedCache(Cache):
         self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
         if self.requested_device is not None and self.requested_dtype is not None:
             self._allocate(self.requested_device, self.requested_dtype)
-        super().__init__(layers=[PagedLayer(self, i) for i in range(self.num_layers)])
+        pool_layer = {layer: j for j, layer in enumerate(self.cached_layers)}
+        layers = [
+            PagedLayer(self, i, pool_layer[i]) if i in pool_layer else _no_cache_layer()
+            for i in range(cfg.num_hidden_layers)
+        ]
+        super().__init__(layers=layers)
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """The pool: row b owns pages `1 + b*P .. (b+1)*P`, written into the lookup table once."""
-        params = KVCacheParams(dtype, self.num_layers, self.num_kv_heads, self.head_dim, self.page_size)
+        params = KVCacheParams(dtype, len(self.cached_layers), self.num_kv_heads, self.head_dim, self.page_size)
         pages_per_row = -(-self.max_cache_len // self.page_size)
         self.collection = PagedKVCacheCollection(
             params, self.max_batch_size * pages_per_row, self.max_batch_size, self.max_cache_len, device
@@ -171,13 +197,8 @@ class PagedCache(Cache):
         step does it."""
         if self.static_addresses_marked or torch.compiler.is_compiling():
             return
-        for t in (
-            self.collection.blocks,
-            self.collection.cache_lengths,
-            self.collection.input_row_offsets,
-            self.collection.lookup_table,
-            self.columns,
-        ):
+        c = self.collection
+        for t in (c.blocks, c.cache_lengths, c.input_row_offsets, c.lookup_table, self.columns):
             torch._dynamo.mark_static_address(t)
         self.static_addresses_marked = True
 
@@ -211,13 +232,26 @@ class PagedCache(Cache):
         """True when the model runs the `paged_kv` attention function."""
         return self.config._attn_implementation == ATTN_IMPLEMENTATION
 
-    # -- step bookkeeping (tensors, in place) -----------------------------------------------
-    def step_tensors(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`cache_lengths`, `lookup_table`, `input_row_offsets` for the first `batch` rows."""
-        return self.collection.step_tensors(batch)
+    # -- the step protocol (tensors, in place) ------------------------------------------------
+    def layer_plan(self, layer_idx: int, batch: int, columns: int, new_tokens: Callable[[], torch.Tensor]) -> StepPlan:
+        """The step's `StepPlan` at model layer `layer_idx` over the first `batch` rows. The first
+        cached layer begins the step: it records each row's new token count (`new_tokens()`, `[batch]`
+        int32) in `input_row_offsets` and adds the step's `columns` (padding included) to the column
+        count. The plan checks the step tensors at that layer only."""
+        if layer_idx == self.cached_layers[0]:
+            self._begin_step(new_tokens(), columns)
+        return StepPlan(self.collection.blocks, self.collection.step_tensors(batch))
 
-    def begin_step(self, new_tokens: torch.Tensor) -> None:
-        """Before layer 0 stores: record each row's new token count (`[batch]` int32)."""
+    def layer_done(self, layer_idx: int, batch: int) -> None:
+        """After model layer `layer_idx` is done with the step: the last layer that reads the pages
+        (under `paged_kv` the last attention layer, shared-KV readers included; otherwise the last
+        cached layer, as readers use the K/V `update` returned) adds the new tokens to the lengths."""
+        last = self.attention_layers[-1] if self.attends_from_pages else self.cached_layers[-1]
+        if layer_idx == last:
+            _, _, offsets = self.collection.step_tensors(batch)
+            self.collection.cache_lengths[:batch] += offsets[1:] - offsets[:-1]
+
+    def _begin_step(self, new_tokens: torch.Tensor, columns: int) -> None:
         batch = new_tokens.shape[0]
         if not torch.compiler.is_compiling():
             self._check_room(batch, new_tokens)
@@ -225,11 +259,6 @@ class PagedCache(Cache):
         offsets = self.collection.input_row_offsets
         offsets[0] = 0
         offsets[1 : batch + 1] = torch.cumsum(new_tokens, 0)
-
-    def end_step(self, batch: int, columns: int) -> None:
-        """After the last layer: lengths += new tokens, columns += this step's columns."""
-        _, _, offsets = self.step_tensors(batch)
-        self.collection.cache_lengths[:batch] += offsets[1:] - offsets[:-1]
         self.columns.add_(columns)
 
     def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:

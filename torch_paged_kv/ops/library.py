@@ -1,40 +1,40 @@
 """The `paged_kv` op library: every schema, fake and implementation registration, in one place.
 
-Each implementation validates (shapes, then values) and hands the call to the backend that
+Schemas are derived from the typed public functions of `api.py` (the one signature source). Each
+implementation validates (shapes, then values) and hands the call to the backend that
 `dispatch.select` picks. Registered with `Library.define/impl` (cheaper per eager call than
 `custom_op`) under `CompositeExplicitAutograd`, so any device reaches the dispatcher.
 
 Every op has a second overload, `.unchecked`, the same but for the value checks (shape checks still
 run): for a caller whose step tensors an earlier checked call of the same step has covered, such as
-the layers after layer 0. Being its own op, it stays itself in a compiled graph.
+the layers after layer 0 (`step.StepPlan`). Being its own op, it stays itself in a compiled graph.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import Tensor
 
-from . import dispatch, validate
+from . import api, dispatch, validate
 
 lib = torch.library.Library("paged_kv", "DEF")
-
-SIGNATURES = {
-    "store_kv": "(Tensor key, Tensor value, Tensor(a!) blocks, Tensor cache_lengths, Tensor lookup_table, "
-    "Tensor input_row_offsets, int layer_idx) -> ()",
-    "flash_attention": "(Tensor q, Tensor blocks, Tensor cache_lengths, Tensor lookup_table, "
-    "Tensor input_row_offsets, int layer_idx, float softmax_scale, bool causal=True, "
-    "int sliding_window=-1, float softcap=0.0) -> Tensor",
-    "gather_kv": "(Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
-    "int layer_idx, int max_kv_len) -> (Tensor, Tensor)",
-    "copy_pages": "(Tensor(a!) blocks, Tensor src_pages, Tensor dst_pages) -> ()",
-}
 OVERLOADS = ("", ".unchecked")
 
-for _name, _signature in SIGNATURES.items():
+
+def schema(name: str) -> str:
+    """The schema of op `name`, from the signature of `api.<name>` (ints stay `int`, not `SymInt`:
+    layer indices and lengths are per-call constants, never traced sizes)."""
+    inferred = torch.library.infer_schema(api.OPS[name], mutates_args=api.MUTATED[name])
+    return inferred.replace("SymInt", "int")
+
+
+for _name in api.OPS:
     for _overload in OVERLOADS:
-        lib.define(_name + _overload + _signature)
+        lib.define(_name + _overload + schema(_name))
 
 
 def _register_fake(name: str) -> Callable[[Callable], Callable]:
@@ -52,107 +52,111 @@ def _register_fake(name: str) -> Callable[[Callable], Callable]:
 
 
 @_register_fake("store_kv")
-def _store_kv_fake(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx):
+def _store_kv_fake(
+    key: Tensor,
+    value: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+) -> None:
     validate.check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)
 
 
 @_register_fake("flash_attention")
 def _flash_attention_fake(
-    q,
-    blocks,
-    cache_lengths,
-    lookup_table,
-    input_row_offsets,
-    layer_idx,
-    softmax_scale,
-    causal=True,
-    sliding_window=-1,
-    softcap=0.0,
-):
+    q: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> Tensor:
     validate.check_flash_attention_meta(
-        q,
-        blocks,
-        cache_lengths,
-        lookup_table,
-        input_row_offsets,
-        layer_idx,
-        softmax_scale,
-        causal,
-        sliding_window,
+        q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
         softcap,
-    )
+    )  # fmt: skip
     return torch.empty_like(q)
 
 
 @_register_fake("gather_kv")
-def _gather_kv_fake(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len):
+def _gather_kv_fake(
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+) -> tuple[Tensor, Tensor]:
     validate.check_gather_kv_meta(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len)
     shape = (cache_lengths.shape[0], max_kv_len, blocks.shape[4], blocks.shape[5])
     return blocks.new_empty(shape), blocks.new_empty(shape)
 
 
 @_register_fake("copy_pages")
-def _copy_pages_fake(blocks, src_pages, dst_pages):
+def _copy_pages_fake(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
     validate.check_copy_pages_meta(blocks, src_pages, dst_pages)
 
 
-# -- implementations ------------------------------------------------------------------------
+# -- implementations: validate, then the selected backend's kernel ----------------------------
+# Each takes the op's arguments in schema order, completed with the schema's defaults (a Python
+# kernel receives only the arguments its caller passed), plus whether the value checks run.
 
 
-def _store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, *, value_checks=True):
-    args = (key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)
+def _with_defaults(name: str) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """A function completing op `name`'s positional arguments with its schema's trailing defaults."""
+    arguments = getattr(torch.ops.paged_kv, name).default._schema.arguments
+    defaults = [a.default_value for a in arguments if a.has_default_value()]
+    total = len(arguments)
+
+    def complete(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        missing = total - len(args)
+        return args + tuple(defaults[len(defaults) - missing :]) if missing else args
+
+    return complete
+
+
+_complete = {name: _with_defaults(name) for name in api.OPS}
+
+
+def _store_kv(*args: Any, value_checks: bool = True) -> None:
+    args = _complete["store_kv"](args)
+    key, _, blocks, cache_lengths, lookup_table, input_row_offsets, _ = args
     validate.check_store_kv_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets)
     dispatch.select("store_kv", blocks.device, args)(*args)
 
 
-def _flash_attention(
-    q,
-    blocks,
-    cache_lengths,
-    lookup_table,
-    input_row_offsets,
-    layer_idx,
-    softmax_scale,
-    causal=True,
-    sliding_window=-1,
-    softcap=0.0,
-    *,
-    value_checks=True,
-):
-    args = (
-        q,
-        blocks,
-        cache_lengths,
-        lookup_table,
-        input_row_offsets,
-        layer_idx,
-        softmax_scale,
-        causal,
-        sliding_window,
-        softcap,
-    )
+def _flash_attention(*args: Any, value_checks: bool = True) -> Tensor:
+    args = _complete["flash_attention"](args)
+    q, blocks, cache_lengths, lookup_table, input_row_offsets = args[:5]
     validate.check_flash_attention_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, q.shape[0])
     return dispatch.select("flash_attention", blocks.device, args)(*args)
 
 
-def _gather_kv(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, *, value_checks=True):
-    args = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len)
+def _gather_kv(*args: Any, value_checks: bool = True) -> tuple[Tensor, Tensor]:
+    args = _complete["gather_kv"](args)
+    blocks, cache_lengths, lookup_table, input_row_offsets, _, max_kv_len = args
     validate.check_gather_kv_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, None, max_kv_len)
     return dispatch.select("gather_kv", blocks.device, args)(*args)
 
 
-def _copy_pages(blocks, src_pages, dst_pages, *, value_checks=True):
-    args = (blocks, src_pages, dst_pages)
+def _copy_pages(*args: Any, value_checks: bool = True) -> None:
+    args = _complete["copy_pages"](args)
     validate.check_copy_pages_meta(*args)
-    if value_checks and validate.data_checks_enabled(blocks.device):
+    if value_checks and validate.data_checks_enabled(args[0].device):
         validate.check_copy_pages_data(*args)
-    dispatch.select("copy_pages", blocks.device, args)(*args)
+    dispatch.select("copy_pages", args[0].device, args)(*args)
 
 
 for _name, _impl in (

@@ -1,0 +1,103 @@
+"""The public ops: one typed function per `paged_kv` op, the single source of its signature.
+
+`library.py` derives each op's schema from these signatures (names, types, defaults), so the Python
+entry points and the registered ops cannot drift apart. Each function calls the checked overload
+(`torch.ops.paged_kv.<op>.default`); `step.StepPlan` is the one caller of the `.unchecked` overloads.
+
+Shapes, for a pool of `num_pages` physical pages (the null page 0 included), a step of `batch`
+sequences and `total_new` new tokens:
+
+- `blocks`: `[num_pages, 2, num_layers, page_size, num_kv_heads, head_dim]` (K then V).
+- `cache_lengths`: int32 `[batch]`, tokens cached before this step.
+- `lookup_table`: int32 `[batch, width]` (pages of each sequence, in order), or `[batch]` (one
+  continuous-batching slot per sequence).
+- `input_row_offsets`: int32 `[batch + 1]`, prefix sums of each sequence's new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def store_kv(
+    key: Tensor,
+    value: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+) -> None:
+    """Write this step's new K/V rows into their pages (mutates `blocks`).
+
+    `key`, `value`: `[total_new, num_kv_heads, head_dim]`, in `blocks`' dtype. New token t of sequence
+    b goes to position `cache_lengths[b] + t`: page `lookup_table[b, pos // page_size]`, row
+    `pos % page_size`. `cache_lengths` is not advanced (the caller does that after the step).
+    """
+    torch.ops.paged_kv.store_kv.default(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)
+
+
+def flash_attention(
+    q: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> Tensor:
+    """Attention of the new queries over each sequence's `cache_lengths[b] + new_b` keys -> `[total_new,
+    num_q_heads, head_dim]`.
+
+    `q`: `[total_new, num_q_heads, head_dim]`, `num_q_heads` a multiple of `num_kv_heads` (GQA/MQA).
+    Call after `store_kv` of the same step. The query at position p sees key j iff (`not causal` or
+    `j <= p`) and (`sliding_window <= 0` or `p - j < sliding_window`); `softcap > 0` applies
+    `softcap * tanh(score / softcap)` after scaling. Accumulates in fp32.
+    """
+    return torch.ops.paged_kv.flash_attention.default(
+        q,
+        blocks,
+        cache_lengths,
+        lookup_table,
+        input_row_offsets,
+        layer_idx,
+        softmax_scale,
+        causal,
+        sliding_window,
+        softcap,
+    )
+
+
+def gather_kv(
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+) -> tuple[Tensor, Tensor]:
+    """Each sequence's `cache_lengths[b] + new_b` keys and values as contiguous `[batch, max_kv_len,
+    num_kv_heads, head_dim]` tensors, zeros past each sequence's length."""
+    return torch.ops.paged_kv.gather_kv.default(
+        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len
+    )
+
+
+def copy_pages(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
+    """`blocks[dst_pages[i]] = blocks[src_pages[i]]` for every i, whole pages (all layers, K and V),
+    every source read before any destination is written (mutates `blocks`).
+
+    `src_pages`, `dst_pages`: int32 `[n]`; destinations distinct and never the null page 0.
+    """
+    torch.ops.paged_kv.copy_pages.default(blocks, src_pages, dst_pages)
+
+
+OPS = {"store_kv": store_kv, "flash_attention": flash_attention, "gather_kv": gather_kv, "copy_pages": copy_pages}
+"""op name -> its typed public function (what `library.py` registers)."""
+
+MUTATED = {"store_kv": ("blocks",), "flash_attention": (), "gather_kv": (), "copy_pages": ("blocks",)}
+"""op name -> the arguments it writes (declared `Tensor(a!)` in its schema)."""

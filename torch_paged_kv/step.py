@@ -1,0 +1,54 @@
+"""`StepPlan`: one model step's paged-cache calls, planned once and run per layer.
+
+A step's tensors (`cache_lengths`, `lookup_table`, `input_row_offsets`) do not change between the
+first and the last layer of a model, so their value checks need to run only once: at the first
+cached layer the plan calls the checked ops, at every later layer the `.unchecked` overloads (shape
+checks still run). This is the one place that rule lives; model code, the transformers integration
+and the examples all go through a plan (as FlashInfer's wrappers plan once and run per layer).
+The choice is made from `layer_idx`, a Python constant per layer, so it holds in a compiled graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from .collection import StepTensors
+from .ops import library  # noqa: F401  (registers torch.ops.paged_kv)
+
+_OPS = torch.ops.paged_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """The paged-cache ops of one step over `blocks`, per layer; `first_layer` checks the step."""
+
+    blocks: Tensor
+    step: StepTensors
+    first_layer: int = 0
+
+    def _checked(self, layer_idx: int) -> str:
+        return "default" if layer_idx == self.first_layer else "unchecked"
+
+    def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
+        """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
+        getattr(_OPS.store_kv, self._checked(layer_idx))(key, value, self.blocks, *self.step, layer_idx)
+
+    def flash_attention(
+        self,
+        q: Tensor,
+        layer_idx: int,
+        softmax_scale: float,
+        causal: bool = True,
+        sliding_window: int = -1,
+        softcap: float = 0.0,
+    ) -> Tensor:
+        """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
+        op = getattr(_OPS.flash_attention, self._checked(layer_idx))
+        return op(q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap)
+
+    def gather_kv(self, layer_idx: int, max_kv_len: int) -> tuple[Tensor, Tensor]:
+        """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
+        return getattr(_OPS.gather_kv, self._checked(layer_idx))(self.blocks, *self.step, layer_idx, max_kv_len)
