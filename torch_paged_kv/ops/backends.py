@@ -5,7 +5,7 @@ Declaring a backend imports neither its kernels nor triton / cutlass: that happe
 
 from __future__ import annotations
 
-from . import cute, dispatch, reference
+from . import cpu, cute, dispatch, reference
 from . import triton as triton_kernels
 
 
@@ -16,5 +16,6 @@ def _register(name: str, unavailable_reason, kernels: dict) -> None:
 
 
 _register("reference", lambda device: None, {op: (getattr(reference, op), None) for op in dispatch.OPS})
+_register("cpu", cpu.unavailable_reason, cpu.KERNELS)
 _register("triton", triton_kernels.unavailable_reason, triton_kernels.KERNELS)
 _register("cute", cute.unavailable_reason, cute.KERNELS)

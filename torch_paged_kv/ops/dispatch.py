@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
-BACKENDS = ("cute", "triton", "reference")
+BACKENDS = ("cute", "triton", "cpu", "reference")
 # What runs when nothing is forced, best first. CUDA joins "cute" here once tests/gpu has verified
-# its kernels on a real GPU; until then it runs only when forced. Other devices: the reference.
-DEFAULT_ORDER = {"cuda": ("triton", "reference")}
+# its kernels on a real GPU; until then it runs only when forced. CPU: the compiled kernels, or the
+# reference where they cannot be built. Other devices: the reference.
+DEFAULT_ORDER = {"cuda": ("triton", "reference"), "cpu": ("cpu", "reference")}
 FALLBACK_ORDER = ("reference",)
 ENV_VAR = "TORCH_PAGED_KV_BACKEND"
 

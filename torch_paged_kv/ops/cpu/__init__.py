@@ -1,0 +1,32 @@
+"""CPU backend: every op as a compiled C++ kernel that reads K/V in place from the pages.
+
+`kernels.cpp` is compiled on first use with the system C++ compiler and cached on disk (`build.py`);
+each op is one ctypes call (`kernels.py`). Without a working compiler the backend is unavailable and
+CPU calls fall back to `reference` (a forced `cpu` raises instead). See docs/cpu.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import build, kernels
+
+_OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the CPU kernels cannot run on `device` in this process; None if they can. The first call
+    on a CPU device loads the library (compiling it if the on-disk cache is cold), then the answer
+    is kept (it is asked at every op call)."""
+    if device.type != "cpu":
+        return f"the cpu backend runs on CPU tensors only, not {device.type!r}"
+    if kernels.loaded():
+        return None
+    try:
+        kernels.load()
+    except build.BuildError as exc:
+        return str(exc)
+    return None
+
+
+KERNELS = {op: (getattr(kernels, op), None) for op in _OPS}

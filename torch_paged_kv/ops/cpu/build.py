@@ -1,0 +1,158 @@
+"""Compile `kernels.cpp` once per machine, cache the shared library on disk, load it with ctypes.
+
+The library has no torch headers (it compiles in seconds and does not depend on torch's C++ ABI):
+the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++` on `PATH`) builds it with `-O3
+-march=native` and OpenMP when the compiler supports it; `-fopenmp` links `libgomp.so.1`, which is
+the OpenMP runtime torch itself loaded, so the kernels share torch's threads. The file is keyed by
+the source, the compiler (path, size, mtime), the flags and the CPU (`-march=native` code must not
+run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
+`$XDG_CACHE_HOME/torch_paged_kv` or `~/.cache/torch_paged_kv`), written to a temporary name and
+renamed, so concurrent first calls in several processes at worst compile twice. A warm cache loads
+in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
+LIBRARY_NAME = "paged_kv_cpu"
+BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
+# Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
+VARIANT_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+
+
+class BuildError(RuntimeError):
+    """The kernels could not be compiled or loaded here (the reason is in the message)."""
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("TORCH_PAGED_KV_CACHE_DIR")
+    if root:
+        return pathlib.Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache") / "torch_paged_kv"
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler to use: `$CXX`, else the first of c++, g++, clang++ on PATH."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` depends on: the CPU's model and feature flags where the OS says them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _key(compiler: str, flags: list[str], source: bytes) -> str:
+    real = os.path.realpath(compiler)
+    st = os.stat(real)
+    parts = [source, real.encode(), f"{st.st_size}:{st.st_mtime_ns}".encode(), " ".join(flags).encode()]
+    parts += [_cpu_identity().encode(), platform.machine().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
+
+
+def _compile(compiler: str, flags: list[str], source: pathlib.Path, target: pathlib.Path) -> str | None:
+    """Compile into `target` (atomically); None on success, else the compiler's complaint."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *BASE_FLAGS, *flags, str(source), "-o", tmp], capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            return (result.stderr or result.stdout).strip()[-2000:]
+        os.replace(tmp, target)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | BuildError] = {}
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernel library (built on the first call in a machine's life); raises `BuildError`.
+    Thread-safe; the outcome, success or failure, is kept for the life of the process."""
+    outcome = _loaded.get("lib")
+    if outcome is None:
+        with _lock:
+            outcome = _loaded.get("lib")
+            if outcome is None:
+                try:
+                    outcome = _build_and_load()
+                except BuildError as exc:
+                    outcome = exc
+                _loaded["lib"] = outcome
+    if isinstance(outcome, BuildError):
+        raise outcome
+    return outcome
+
+
+def _build_and_load() -> ctypes.CDLL:
+    compiler = find_compiler()
+    if compiler is None:
+        raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
+    source = SOURCE.read_bytes()
+    errors = []
+    for flags in VARIANT_FLAGS:
+        path = cache_dir() / "cpu" / _key(compiler, flags, source) / f"lib{LIBRARY_NAME}.so"
+        if not path.exists():
+            error = _compile(compiler, flags, SOURCE, path)
+            if error is not None:
+                errors.append(f"{' '.join(flags) or '(no extra flags)'}: {error.splitlines()[-1] if error else ''}")
+                continue
+        try:
+            return _declare(ctypes.CDLL(str(path)))
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+    raise BuildError(f"could not build the CPU kernels with {compiler}: " + "; ".join(errors))
+
+
+_I64, _I32, _P, _F64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
+
+SIGNATURES = {
+    "pkv_vector_width": [],
+    "pkv_openmp": [],
+    "pkv_flash_attention": [
+        _I32, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64,
+        _F64, _I32, _I64, _F64, _P, _I64, _I64, _I64, _I64, _I64, _I32,
+    ],
+    "pkv_store_kv": [
+        _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64,
+        _I64, _I32,
+    ],
+    "pkv_gather_kv": [
+        _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I32,
+    ],
+    "pkv_copy_pages": [_P, _I64, _I64, _P, _P, _I64, _I32],
+}  # fmt: skip
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int if name in ("pkv_vector_width", "pkv_openmp") else None
+    return lib

@@ -1,0 +1,853 @@
+// The `cpu` backend's kernels: paged attention that reads K/V in place from the pages, store_kv,
+// gather_kv and copy_pages.
+//
+// Built on first use by build.py with the system C++ compiler (-O3 -march=native, OpenMP when the
+// compiler has it) into a shared library cached on disk, and called through ctypes: no torch
+// headers, so it compiles in about a second and does not depend on torch's C++ ABI. The Python
+// side (kernels.py) passes data pointers, sizes and strides (in elements); inputs are validated
+// there (torch_paged_kv.ops.validate) before these run. Every kernel still keeps its reads and
+// writes inside `blocks`: page ids out of range are clamped on reads and skipped on writes, and
+// the null page 0 is never written (the `.unchecked` overloads skip the value checks).
+//
+// Attention, per work item (one sequence, one kv head, a block of its new tokens, a range of key
+// positions): the item's query rows (token x GQA head) are converted to fp32 and pre-scaled; key
+// positions are walked in blocks of KEY_BLOCK through the lookup table (row pointers into the
+// pages, no copy); per block, scores = Q K^T with fp32 accumulation, softcap, the contract's mask
+// (causal / window / lengths), an online softmax, and O += P V. Long key ranges are split across
+// items when there are too few items for the threads, and the splits merged after. Storage
+// dtypes: fp32, bf16, fp16, converted to fp32 on load (an FP8 cache would add a dequantizing
+// load here: `load_row` is the one place that reads K/V elements).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per vector
+#else
+constexpr int W = 8;
+#endif
+constexpr int KEY_BLOCK = 128;  // most key positions per softmax block (a multiple of W)
+constexpr int ROW_TILE = 4;     // query rows per micro-kernel tile
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef float v8 __attribute__((vector_size(32)));
+
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+template <int DT>
+struct Storage {
+  using T = uint16_t;
+};
+template <>
+struct Storage<F32> {
+  using T = float;
+};
+
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+#endif
+}
+
+inline vf load_f32(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_f32(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline vf f16_bits_to_f32(vu h) {
+  // fp16 -> fp32 for any value: shift exponent and mantissa into place, rebias by multiplying with
+  // 2^112 (which also normalises subnormals), then restore inf/nan and the sign.
+  vu em = h & 0x7fffu;
+  vu shifted = em << 13;
+  vf scaled = (vf)shifted * 0x1p112f;
+  vu bits = (vu)scaled;
+  bits = (em >= 0x7c00u) ? (shifted | 0x7f800000u) : bits;
+  return (vf)(bits | ((h & 0x8000u) << 16));
+}
+
+template <int DT>
+inline vf load(const typename Storage<DT>::T* p) {
+  if constexpr (DT == F32) {
+    return load_f32(p);
+  } else if constexpr (DT == BF16) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+  } else {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    vh h;
+    std::memcpy(&h, p, sizeof h);
+    return f16_bits_to_f32(__builtin_convertvector(h, vu));
+#endif
+  }
+}
+
+// The first n < W elements at p, zeros after (never reads past p + n).
+template <int DT>
+inline vf load_part(const typename Storage<DT>::T* p, int n) {
+  typename Storage<DT>::T tmp[W] = {};
+  std::memcpy(tmp, p, n * sizeof(*p));
+  return load<DT>(tmp);
+}
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet nan
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u);  // inf, nan
+  if (ax >= 0x477ff000u) return sign | 0x7c00u;                                      // rounds to inf
+  if (ax < 0x38800000u) {  // fp16 subnormal or zero: adding 0.5 rounds to a multiple of 2^-24
+    float v;
+    std::memcpy(&v, &ax, 4);
+    v += 0.5f;
+    uint32_t r;
+    std::memcpy(&r, &v, 4);
+    return static_cast<uint16_t>(sign | (r - 0x3f000000u));
+  }
+  ax += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((ax >> 13) & 1u);  // rebias, round to nearest even
+  return static_cast<uint16_t>(sign | (ax >> 13));
+#endif
+}
+
+template <int DT>
+inline void store_out(typename Storage<DT>::T* p, const float* x, int n, float mul) {
+  for (int i = 0; i < n; ++i) {
+    float v = x[i] * mul;
+    if constexpr (DT == F32) {
+      p[i] = v;
+    } else if constexpr (DT == BF16) {
+      p[i] = f32_to_bf16(v);
+    } else {
+      p[i] = f32_to_f16(v);
+    }
+  }
+}
+
+template <int DT>
+inline float load_scalar(const typename Storage<DT>::T* p) {
+  if constexpr (DT == F32) {
+    return *p;
+  } else if constexpr (DT == BF16) {
+    uint32_t u = static_cast<uint32_t>(*p) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    vu h = vu{} + static_cast<uint32_t>(*p);
+    return f16_bits_to_f32(h)[0];
+  }
+}
+
+// exp(x), about 2 ulp (Cephes' polynomial); 0 below -87.3 (so exp(-inf) = 0), capped above 88.
+inline vf vexp(vf x) {
+  vi under = x < -87.3f;
+  x = (x > 88.0f) ? splat(88.0f) : x;
+  x = under ? splat(-87.3f) : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  vf t = x * 1.44269504088896341f + magic;
+  vf n = t - magic;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  vf y = p * r * r + r + 1.0f;
+  vi e = (vi)t - (vi)splat(magic);
+  y = y * (vf)((e + 127) << 23);
+  return under ? splat(0.0f) : y;
+}
+
+// softcap * tanh(x / softcap), through exp(-2|y|) (no overflow, absolute error ~1e-7 * softcap).
+inline vf vsoftcap(vf x, float softcap) {
+  vf y = x * (1.0f / softcap);
+  vi negative = y < 0.0f;
+  vf a = negative ? -y : y;
+  vf e = vexp(a * -2.0f);
+  vf t = (1.0f - e) / (1.0f + e);
+  return (negative ? -t : t) * softcap;
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline v8 to8(vf a) {
+  if constexpr (W == 8) {
+    return a;
+  } else {
+    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+}
+
+// out[i] = sum of a[i]'s lanes, for 8 vectors at once (a transposing add tree).
+inline void hsum8(const vf* a, float* out) {
+  v8 b[8];
+  for (int i = 0; i < 8; ++i) b[i] = to8(a[i]);
+  v8 x[4];
+  for (int i = 0; i < 4; ++i) {
+    x[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 8, 1, 9, 2, 10, 3, 11) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 12, 5, 13, 6, 14, 7, 15);
+  }
+  v8 y[2];
+  for (int i = 0; i < 2; ++i) {
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 2, 3, 10, 11) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 12, 13, 6, 7, 14, 15);
+  }
+  v8 z = __builtin_shufflevector(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  std::memcpy(out, &z, sizeof z);
+}
+
+// S[r * ldS + t] = q_r . k_t for RT rows of `q` (fp32, row stride Dp, zero padded) and NT keys.
+template <int DT, int RT, int NT>
+inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* const* kp, int64_t ofs, int nfull,
+                    int tail, float* S, int64_t ldS) {
+  using T = typename Storage<DT>::T;
+  const T* rows[NT];
+  for (int t = 0; t < NT; ++t) rows[t] = kp[t] + ofs;
+  vf acc[RT * NT];
+  for (int i = 0; i < RT * NT; ++i) acc[i] = vf{};
+  for (int j = 0; j < nfull; ++j) {
+    vf k[NT];
+    for (int t = 0; t < NT; ++t) k[t] = load<DT>(rows[t] + j * W);
+    for (int r = 0; r < RT; ++r) {
+      vf qv = load_f32(q + r * Dp + j * W);
+      for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
+    }
+  }
+  if (tail) {
+    vf k[NT];
+    for (int t = 0; t < NT; ++t) k[t] = load_part<DT>(rows[t] + nfull * W, tail);
+    for (int r = 0; r < RT; ++r) {
+      vf qv = load_f32(q + r * Dp + nfull * W);
+      for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
+    }
+  }
+  if constexpr (RT * NT == 8) {
+    float s[8];
+    hsum8(acc, s);
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < NT; ++t) S[r * ldS + t] = s[r * NT + t];
+  } else {
+    for (int r = 0; r < RT; ++r)
+      for (int t = 0; t < NT; ++t) S[r * ldS + t] = hsum(acc[r * NT + t]);
+  }
+}
+
+template <int DT, int RT>
+inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t ofs, int n, int nfull, int tail,
+                    float* S, int64_t ldS) {
+  using T = typename Storage<DT>::T;
+  const T* const* rows = reinterpret_cast<const T* const*>(kp);
+  constexpr int NT = 8 / RT > 0 ? 8 / RT : 1;
+  int t = 0;
+  if constexpr (NT > 1) {
+    for (; t + NT <= n; t += NT) qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+  }
+  for (; t < n; ++t) qk_tile<DT, RT, 1>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+}
+
+// O[r] += sum_t P[r * ldS + t] * v_t for RT rows of O (fp32, row stride Dp) over n keys, a few
+// keys at a time: the rows of a block sit kv_heads * head_dim elements apart (a power of two,
+// often), so walking one column slice through all of them would evict each from L1 before the
+// next slice; a group of PV_GROUP rows stays in L1 while its slices are consumed.
+constexpr int PV_GROUP = 16;
+
+template <int DT, int RT>
+inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64_t ofs, int n, int nfull, int tail,
+                    float* O, int64_t Dp) {
+  using T = typename Storage<DT>::T;
+  const T* vp[PV_GROUP];
+  for (int t0 = 0; t0 < n; t0 += PV_GROUP) {
+    for (int t = t0; t < std::min(n, t0 + PV_GROUP); ++t) vp[t - t0] = static_cast<const T*>(vrows[t]) + ofs;
+    const int t1 = std::min(n, t0 + PV_GROUP);
+    int j = 0;
+    for (; j + 2 <= nfull; j += 2) {
+      vf acc[RT][2];
+      for (int r = 0; r < RT; ++r) {
+        acc[r][0] = load_f32(O + r * Dp + j * W);
+        acc[r][1] = load_f32(O + r * Dp + (j + 1) * W);
+      }
+      for (int t = t0; t < t1; ++t) {
+        vf v0 = load<DT>(vp[t - t0] + j * W), v1 = load<DT>(vp[t - t0] + (j + 1) * W);
+        for (int r = 0; r < RT; ++r) {
+          vf p = splat(P[r * ldS + t]);
+          acc[r][0] += p * v0;
+          acc[r][1] += p * v1;
+        }
+      }
+      for (int r = 0; r < RT; ++r) {
+        store_f32(O + r * Dp + j * W, acc[r][0]);
+        store_f32(O + r * Dp + (j + 1) * W, acc[r][1]);
+      }
+    }
+    const int last = (j < nfull ? 1 : 0) + (tail ? 1 : 0);  // one full vector left, a partial one, or both
+    for (int step = 0; step < last; ++step, ++j) {
+      const bool partial = j == nfull;
+      vf acc[RT];
+      for (int r = 0; r < RT; ++r) acc[r] = load_f32(O + r * Dp + j * W);
+      for (int t = t0; t < t1; ++t) {
+        vf v = partial ? load_part<DT>(vp[t - t0] + j * W, tail) : load<DT>(vp[t - t0] + j * W);
+        for (int r = 0; r < RT; ++r) acc[r] += splat(P[r * ldS + t]) * v;
+      }
+      for (int r = 0; r < RT; ++r) store_f32(O + r * Dp + j * W, acc[r]);
+    }
+  }
+}
+
+struct Geometry {  // the pool and one layer of it
+  int64_t num_pages, num_layers, page_size, kv_heads, head_dim;
+  int64_t layer;
+  const int32_t* table;
+  int64_t table_stride, table_width;  // row stride and usable columns (1 for a 1-D table)
+
+  int64_t plane_stride() const { return num_layers * page_size * kv_heads * head_dim; }
+  // element offset of (position pos of sequence b, kv head h) in plane 0 of the layer
+  int64_t offset(int64_t b, int64_t pos, int64_t h) const {
+    int64_t col = std::min(pos / page_size, table_width - 1);
+    int64_t page = table[b * table_stride + col];
+    page = std::min(std::max<int64_t>(page, 0), num_pages - 1);  // in bounds even unchecked
+    return (((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads + h) * head_dim;
+  }
+};
+
+struct AttnArgs {
+  int dtype;
+  const void* q;
+  int64_t q_stride_row, q_stride_head;
+  const void* blocks;
+  Geometry geo;
+  const int32_t* cache_lengths;
+  const int32_t* offsets;
+  int64_t batch, q_heads;
+  float scale;
+  int causal;
+  int64_t window;
+  float softcap;
+  void* out;
+  int64_t out_stride_row, out_stride_head;
+};
+
+struct Item {
+  int32_t b, h0, h1, q0, nq;  // sequence, kv heads [h0, h1), first new token and count
+  int64_t k0, k1;             // key positions [k0, k1) this item covers
+  int64_t part;               // slot of its partial result when the key range is split, else -1
+};
+
+struct Task {  // the rows of an Item whose key range is split over `parts` items, from slot `first_part`
+  int32_t b, h0, h1, q0, nq;
+  int64_t first_part, parts;
+};
+
+struct Scratch {
+  std::vector<float> q, o, s, m, l;
+  std::vector<int64_t> lo, hi;
+  std::vector<const void*> kp, vp;
+  void reserve(int64_t rows, int64_t Dp) {
+    if (static_cast<int64_t>(m.size()) < rows) {
+      m.resize(rows);
+      l.resize(rows);
+      lo.resize(rows);
+      hi.resize(rows);
+      s.resize(rows * KEY_BLOCK);
+    }
+    if (static_cast<int64_t>(q.size()) < rows * Dp) {
+      q.resize(rows * Dp);
+      o.resize(rows * Dp);
+    }
+    if (kp.size() < static_cast<size_t>(2 * KEY_BLOCK)) {  // two blocks: the current one and the next
+      kp.resize(2 * KEY_BLOCK);
+      vp.resize(2 * KEY_BLOCK);
+    }
+  }
+};
+
+thread_local Scratch tls_scratch;
+thread_local std::vector<float> tls_partials;
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The key positions [lo, hi) that new token i of sequence b may see.
+inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
+  int64_t cached = a.cache_lengths[b];
+  int64_t kv_len = cached + (a.offsets[b + 1] - a.offsets[b]);
+  int64_t pos = cached + i;
+  *hi = a.causal ? pos + 1 : kv_len;
+  *lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+}
+
+constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for
+constexpr int64_t BLOCK_BYTES = 128 << 10;  // K + V bytes of one key block of an item (L2-sized)
+constexpr int64_t PREFETCH_BLOCKS = 2;      // blocks ahead that prefetches ask for
+
+// Row r of an item: kv head h0 + r / per_head; within the head, new token q0 + (r % per_head) / group
+// and q head (kv head) * group + r % group. A head's rows are contiguous, so a row tile never
+// straddles two heads (two different K/V row sets).
+struct RowMap {
+  int64_t group, per_head;
+  int64_t head(const Item& it, int64_t r) const { return it.h0 + r / per_head; }
+  int64_t token(int64_t r) const { return (r % per_head) / group; }
+  int64_t q_head(const Item& it, int64_t r) const { return head(it, r) * group + r % group; }
+};
+
+template <int DT>
+void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t part_stride) {
+  using T = typename Storage<DT>::T;
+  const Geometry& g = a.geo;
+  const int64_t D = g.head_dim, Dp = round_up(D, W), group = a.q_heads / g.kv_heads;
+  const int nfull = static_cast<int>(D / W), tail = static_cast<int>(D % W);
+  const int64_t heads = it.h1 - it.h0, per_head = static_cast<int64_t>(it.nq) * group, rows = heads * per_head;
+  const RowMap map{group, per_head};
+  Scratch& sc = tls_scratch;
+  sc.reserve(rows, Dp);
+  float *Q = sc.q.data(), *O = sc.o.data(), *S = sc.s.data(), *M = sc.m.data(), *L = sc.l.data();
+  const T* qbase = static_cast<const T*>(a.q);
+  const int64_t row0 = a.offsets[it.b] + it.q0;
+  int64_t klo = it.k1, khi = it.k0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = map.token(r);
+    const T* src = qbase + (row0 + i) * a.q_stride_row + map.q_head(it, r) * a.q_stride_head;
+    float* dst = Q + r * Dp;
+    for (int64_t d = 0; d < D; ++d) dst[d] = load_scalar<DT>(src + d) * a.scale;
+    std::fill(dst + D, dst + Dp, 0.0f);
+    std::fill(O + r * Dp, O + (r + 1) * Dp, 0.0f);
+    M[r] = -std::numeric_limits<float>::infinity();
+    L[r] = 0.0f;
+    int64_t lo, hi;
+    key_range(a, it.b, it.q0 + i, &lo, &hi);
+    sc.lo[r] = std::max(lo, it.k0);
+    sc.hi[r] = std::min(hi, it.k1);
+    if (sc.lo[r] < sc.hi[r]) {
+      klo = std::min(klo, sc.lo[r]);
+      khi = std::max(khi, sc.hi[r]);
+    }
+  }
+  const T* blocks = static_cast<const T*>(a.blocks);
+  const int64_t vshift = g.plane_stride(), token_stride = g.kv_heads * D;
+  const int64_t span_bytes = heads * D * static_cast<int64_t>(sizeof(T));  // of one token, heads h0..h1
+  const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
+  // Row pointers (at kv head h0) of key positions [k0, k0 + n), a page at a time.
+  auto fill = [&](int64_t k0, int n, const void** kp, const void** vp) {
+    for (int t = 0; t < n;) {
+      const int64_t pos = k0 + t;
+      const T* row = blocks + g.offset(it.b, pos, it.h0);
+      const int run = static_cast<int>(std::min<int64_t>(n - t, g.page_size - pos % g.page_size));
+      for (int u = 0; u < run; ++u, ++t) {
+        kp[t] = row + u * token_stride;
+        vp[t] = row + u * token_stride + vshift;
+      }
+    }
+  };
+  // Ask for the cache lines of key positions [k0, k1) (PREFETCH_BLOCKS blocks ahead of the one
+  // being computed): pages scattered in memory defeat the hardware prefetcher.
+  auto prefetch = [&](int64_t k0, int64_t k1) {
+    for (int64_t pos = k0; pos < k1;) {
+      const char* row = reinterpret_cast<const char*>(blocks + g.offset(it.b, pos, it.h0));
+      const int64_t run = std::min<int64_t>(k1 - pos, g.page_size - pos % g.page_size);
+      const int64_t step = token_stride * static_cast<int64_t>(sizeof(T)), shift = vshift * static_cast<int64_t>(sizeof(T));
+      for (int64_t u = 0; u < run; ++u, ++pos) {
+        for (int64_t c = 0; c < span_bytes; c += 64) {
+          __builtin_prefetch(row + u * step + c);
+          __builtin_prefetch(row + u * step + shift + c);
+        }
+      }
+    }
+  };
+  const float ninf = -std::numeric_limits<float>::infinity();
+  auto live = [&](int64_t r0, int rt, int64_t k0, int n) {
+    for (int r = 0; r < rt; ++r)
+      if (sc.lo[r0 + r] < k0 + n && sc.hi[r0 + r] > k0) return true;
+    return false;
+  };
+  if (klo < khi) prefetch(klo, std::min(khi, klo + (PREFETCH_BLOCKS - 1) * kb));
+  for (int64_t k0 = klo; k0 < khi; k0 += kb) {
+    const int n = static_cast<int>(std::min<int64_t>(kb, khi - k0));
+    const void** kp = sc.kp.data();
+    const void** vp = sc.vp.data();
+    fill(k0, n, kp, vp);
+    const int64_t ahead = k0 + (PREFETCH_BLOCKS - 1) * kb;
+    if (ahead < khi) prefetch(ahead, std::min(khi, ahead + kb));
+    for (int64_t hh = 0; hh < heads; ++hh) {  // scores, a head's row tiles at a time
+      for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
+        const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
+        if (!live(r0, rt, k0, n)) continue;
+        const float* q = Q + r0 * Dp;
+        float* s = S + r0 * KEY_BLOCK;
+        const int64_t ofs = hh * D;
+        switch (rt) {
+          case 4: qk_rows<DT, 4>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
+          case 3: qk_rows<DT, 3>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
+          case 2: qk_rows<DT, 2>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
+          default: qk_rows<DT, 1>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
+        }
+      }
+    }
+    const int nv = static_cast<int>(round_up(n, W));
+    for (int64_t r = 0; r < rows; ++r) {  // softcap, mask, online softmax
+      float* s = S + r * KEY_BLOCK;
+      const int64_t a0 = std::max<int64_t>(sc.lo[r] - k0, 0), a1 = std::min<int64_t>(sc.hi[r] - k0, n);
+      if (a0 >= a1) {
+        std::fill(s, s + nv, 0.0f);
+        continue;
+      }
+      if (a.softcap > 0.0f) {
+        for (int t = 0; t < nv; t += W) store_f32(s + t, vsoftcap(load_f32(s + t), a.softcap));
+      }
+      std::fill(s, s + a0, ninf);
+      std::fill(s + a1, s + nv, ninf);
+      vf vmax = splat(ninf);
+      for (int t = 0; t < nv; t += W) {
+        vf x = load_f32(s + t);
+        vmax = x > vmax ? x : vmax;
+      }
+      const float m_new = std::max(M[r], hmax(vmax));
+      const float alpha = std::exp(M[r] - m_new);
+      vf sum = vf{};
+      for (int t = 0; t < nv; t += W) {
+        vf p = vexp(load_f32(s + t) - m_new);
+        store_f32(s + t, p);
+        sum += p;
+      }
+      L[r] = L[r] * alpha + hsum(sum);
+      M[r] = m_new;
+      if (alpha != 1.0f) {
+        float* o = O + r * Dp;
+        for (int64_t d = 0; d < Dp; d += W) store_f32(o + d, load_f32(o + d) * alpha);
+      }
+    }
+    for (int64_t hh = 0; hh < heads; ++hh) {  // O += P V
+      for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
+        const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
+        if (!live(r0, rt, k0, n)) continue;
+        const float* p = S + r0 * KEY_BLOCK;
+        float* o = O + r0 * Dp;
+        const int64_t ofs = hh * D;
+        switch (rt) {
+          case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
+          case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
+          case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
+          default: pv_rows<DT, 1>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
+        }
+      }
+    }
+  }
+  if (it.part >= 0) {  // a split: keep the unnormalised rows with their max and sum
+    float* dst = partials + it.part * part_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(dst + r * D, O + r * Dp, D * sizeof(float));
+      dst[rows * D + r] = M[r];
+      dst[rows * D + rows + r] = L[r];
+    }
+    return;
+  }
+  T* obase = static_cast<T*>(a.out);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
+    store_out<DT>(dst, O + r * Dp, static_cast<int>(D), L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
+  }
+}
+
+template <int DT>
+void merge_task(const AttnArgs& a, const Task& task, const float* partials, int64_t part_stride) {
+  using T = typename Storage<DT>::T;
+  const int64_t D = a.geo.head_dim, group = a.q_heads / a.geo.kv_heads;
+  const int64_t per_head = static_cast<int64_t>(task.nq) * group, rows = (task.h1 - task.h0) * per_head;
+  const RowMap map{group, per_head};
+  const Item it{task.b, task.h0, task.h1, task.q0, task.nq, 0, 0, -1};
+  std::vector<float> acc(D);
+  T* obase = static_cast<T*>(a.out);
+  const int64_t row0 = a.offsets[task.b] + task.q0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t s = 0; s < task.parts; ++s) {
+      m = std::max(m, partials[(task.first_part + s) * part_stride + rows * D + r]);
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    float l = 0.0f;
+    for (int64_t s = 0; s < task.parts; ++s) {
+      const float* src = partials + (task.first_part + s) * part_stride;
+      const float ls = src[rows * D + rows + r];
+      if (ls == 0.0f) continue;
+      const float w = std::exp(src[rows * D + r] - m);
+      l += ls * w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += src[r * D + d] * w;
+    }
+    T* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
+    store_out<DT>(dst, acc.data(), static_cast<int>(D), l > 0.0f ? 1.0f / l : 0.0f);
+  }
+}
+
+int thread_count(int requested, double work, double min_work_per_thread) {
+  if (requested <= 1) return 1;
+  int n = static_cast<int>(std::min<double>(requested, work / min_work_per_thread));
+  return std::max(n, 1);
+}
+
+struct Tuning {        // set by kernels.py (module constants, so tests can force each path)
+  int64_t min_split;   // fewest key positions in one split of a key range
+  int64_t want_items;  // split key ranges until there are this many items (0: 4 per thread)
+  int64_t min_work;    // fewest multiply-adds per thread before a call uses more threads
+};
+
+template <int DT>
+void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
+  const int64_t H = a.geo.kv_heads, group = a.q_heads / H;
+  // An item: about ROWS_PER_ITEM query rows. A decode row block (one token) spans every kv head,
+  // so one item reads whole token rows of the pages (contiguous); prefill blocks take one head.
+  const int64_t tokens_per_item = std::max<int64_t>(1, ROWS_PER_ITEM / group);
+  std::vector<Item> spans;
+  double work = 0;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t new_b = a.offsets[b + 1] - a.offsets[b];
+    for (int64_t q0 = 0; q0 < new_b; q0 += tokens_per_item) {
+      const int64_t nq = std::min(tokens_per_item, new_b - q0);
+      const int64_t heads_per_item = std::clamp<int64_t>(ROWS_PER_ITEM / (nq * group), 1, H);
+      int64_t lo_first, hi_first, lo_last, hi_last;
+      key_range(a, b, q0, &lo_first, &hi_first);
+      key_range(a, b, q0 + nq - 1, &lo_last, &hi_last);
+      work += static_cast<double>(std::max<int64_t>(hi_last - lo_first, 0)) * nq * a.q_heads;
+      for (int64_t h = 0; h < H; h += heads_per_item) {
+        spans.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
+                         static_cast<int32_t>(std::min(H, h + heads_per_item)), static_cast<int32_t>(q0),
+                         static_cast<int32_t>(nq), lo_first, hi_last, -1});
+      }
+    }
+  }
+  const int threads = thread_count(nthreads, work * a.geo.head_dim, static_cast<double>(tune.min_work));
+  // Split long key ranges when there are too few items to keep every thread busy.
+  const int64_t min_split = std::max<int64_t>(tune.min_split, 1);
+  const int64_t want = tune.want_items > 0 ? tune.want_items : threads > 1 ? 4 * threads : 1;
+  const int64_t n_spans = static_cast<int64_t>(spans.size());
+  std::vector<Item> items;
+  std::vector<Task> tasks;
+  items.reserve(spans.size());
+  int64_t parts = 0, max_rows = 0;
+  for (const Item& sp : spans) {
+    const int64_t keys = std::max<int64_t>(sp.k1 - sp.k0, 0);
+    int64_t splits = 1;
+    if (n_spans < want && keys >= 2 * min_split) {
+      splits = std::min<int64_t>((want + n_spans - 1) / n_spans, keys / min_split);
+    }
+    max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(sp.h1 - sp.h0) * sp.nq * group);
+    if (splits <= 1) {
+      items.push_back(sp);
+      continue;
+    }
+    const int64_t chunk = round_up((keys + splits - 1) / splits, KEY_BLOCK);
+    Task task{sp.b, sp.h0, sp.h1, sp.q0, sp.nq, parts, 0};
+    for (int64_t k = sp.k0; k < sp.k1; k += chunk) {
+      items.push_back({sp.b, sp.h0, sp.h1, sp.q0, sp.nq, k, std::min(sp.k1, k + chunk), parts++});
+      task.parts++;
+    }
+    tasks.push_back(task);
+  }
+  const int64_t part_stride = max_rows * (a.geo.head_dim + 2);
+  std::vector<float>& partials = tls_partials;
+  if (parts > 0 && static_cast<int64_t>(partials.size()) < parts * part_stride) partials.resize(parts * part_stride);
+  float* pp = partials.data();
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_items; ++i) attend_item<DT>(a, items[i], pp, part_stride);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n_tasks; ++i) merge_task<DT>(a, tasks[i], pp, part_stride);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int pkv_vector_width() { return W; }
+
+int pkv_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+void pkv_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
+                         int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
+                         int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
+                         int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
+                         double scale, int causal, int64_t window, double softcap, void* out, int64_t out_stride_row,
+                         int64_t out_stride_head, int64_t min_split, int64_t want_items, int64_t min_work,
+                         int nthreads) {
+  AttnArgs a;
+  a.dtype = dtype;
+  a.q = q;
+  a.q_stride_row = q_stride_row;
+  a.q_stride_head = q_stride_head;
+  a.blocks = blocks;
+  a.geo = Geometry{num_pages, num_layers, page_size, kv_heads, head_dim, layer, table, table_stride, table_width};
+  a.cache_lengths = cache_lengths;
+  a.offsets = offsets;
+  a.batch = batch;
+  a.q_heads = q_heads;
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.window = window;
+  a.softcap = static_cast<float>(softcap);
+  a.out = out;
+  a.out_stride_row = out_stride_row;
+  a.out_stride_head = out_stride_head;
+  const Tuning tune{min_split, want_items, min_work};
+  switch (dtype) {
+    case F32: flash_attention<F32>(a, tune, nthreads); break;
+    case BF16: flash_attention<BF16>(a, tune, nthreads); break;
+    default: flash_attention<F16>(a, tune, nthreads); break;
+  }
+}
+
+// New rows of K and V ([total_new, kv_heads, head_dim], any row / head stride, unit element
+// stride) into their slots; rows whose page is out of range or the null page are skipped.
+void pkv_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64_t k_stride_head, const void* value,
+                  int64_t v_stride_row, int64_t v_stride_head, void* blocks, int64_t num_pages, int64_t num_layers,
+                  int64_t page_size, int64_t kv_heads, int64_t head_dim, const int32_t* cache_lengths,
+                  const int32_t* table, int64_t table_stride, int64_t table_width, const int32_t* offsets,
+                  int64_t batch, int64_t layer, int nthreads) {
+  const int64_t row_bytes = head_dim * itemsize;
+  const int64_t plane = num_layers * page_size * kv_heads * head_dim * itemsize;
+  const int64_t total = offsets[batch] - offsets[0];
+  const int threads = thread_count(nthreads, static_cast<double>(total) * kv_heads * row_bytes, 1 << 18);
+  char* base = static_cast<char*>(blocks);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t row = offsets[b]; row < offsets[b + 1]; ++row) {
+      const int64_t pos = cache_lengths[b] + (row - offsets[b]);
+      const int64_t col = pos / page_size;
+      if (pos < 0 || col >= table_width) continue;
+      const int64_t page = table[b * table_stride + col];
+      if (page <= 0 || page >= num_pages) continue;
+      char* dst = base + (((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads) * row_bytes;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::memcpy(dst + h * row_bytes, static_cast<const char*>(key) + (row * k_stride_row + h * k_stride_head) * itemsize,
+                    row_bytes);
+        std::memcpy(dst + plane + h * row_bytes,
+                    static_cast<const char*>(value) + (row * v_stride_row + h * v_stride_head) * itemsize, row_bytes);
+      }
+    }
+  }
+}
+
+// K and V of every sequence's first kv_len tokens into key_out / value_out ([batch, max_kv_len,
+// kv_heads, head_dim], contiguous), zeros after.
+void pkv_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int64_t num_layers, int64_t page_size,
+                   int64_t kv_heads, int64_t head_dim, const int32_t* cache_lengths, const int32_t* table,
+                   int64_t table_stride, int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer,
+                   int64_t max_kv_len, void* key_out, void* value_out, int nthreads) {
+  const int64_t token_bytes = kv_heads * head_dim * itemsize;
+  const int64_t plane = num_layers * page_size * kv_heads * head_dim * itemsize;
+  const int threads =
+      thread_count(nthreads, static_cast<double>(batch) * max_kv_len * token_bytes * 2, 1 << 18);
+  const char* base = static_cast<const char*>(blocks);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t bt = 0; bt < batch * max_kv_len; ++bt) {
+    const int64_t b = bt / max_kv_len, pos = bt % max_kv_len;
+    char* kd = static_cast<char*>(key_out) + bt * token_bytes;
+    char* vd = static_cast<char*>(value_out) + bt * token_bytes;
+    const int64_t kv_len = cache_lengths[b] + offsets[b + 1] - offsets[b];
+    const int64_t col = pos / page_size;
+    int64_t page = pos < kv_len && col < table_width ? table[b * table_stride + col] : -1;
+    if (page < 0 || page >= num_pages) {
+      std::memset(kd, 0, token_bytes);
+      std::memset(vd, 0, token_bytes);
+      continue;
+    }
+    const char* src = base + (((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads) * (head_dim * itemsize);
+    std::memcpy(kd, src, token_bytes);
+    std::memcpy(vd, src + plane, token_bytes);
+  }
+}
+
+// blocks[dst[i]] = blocks[src[i]] (whole pages), every source read before any write; destinations
+// that are the null page or out of range, and sources out of range, are skipped.
+void pkv_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const int32_t* src, const int32_t* dst,
+                    int64_t n, int nthreads) {
+  char* base = static_cast<char*>(blocks);
+  std::vector<char> is_source(num_pages, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (src[i] >= 0 && src[i] < num_pages) is_source[src[i]] = 1;
+  bool overlap = false;
+  for (int64_t i = 0; i < n && !overlap; ++i) overlap = dst[i] > 0 && dst[i] < num_pages && is_source[dst[i]];
+  std::vector<char> staged;
+  const char* from = base;
+  int64_t from_stride = 0;  // 0: read each source page in place
+  if (overlap) {
+    staged.resize(n * page_bytes);
+    for (int64_t i = 0; i < n; ++i)
+      if (src[i] >= 0 && src[i] < num_pages) std::memcpy(staged.data() + i * page_bytes, base + src[i] * page_bytes, page_bytes);
+    from = staged.data();
+    from_stride = page_bytes;
+  }
+  const int threads = thread_count(nthreads, static_cast<double>(n) * page_bytes, 1 << 20);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    if (dst[i] <= 0 || dst[i] >= num_pages || src[i] < 0 || src[i] >= num_pages) continue;
+    const char* s = from_stride ? from + i * from_stride : base + src[i] * page_bytes;
+    std::memcpy(base + dst[i] * page_bytes, s, page_bytes);
+  }
+}
+
+}  // extern "C"
