@@ -1,8 +1,8 @@
 """Property tests: random ragged batches through store_kv + flash_attention / gather_kv.
 
-Hypothesis draws the batch shape, page size, layout, heads, dtype and mask; the reference backend
-must match the fp64 oracle (and gather_kv the stored tokens exactly), and the Triton kernels under
-the interpreter must match the reference.
+Hypothesis draws the batch shape, page size, layout, heads, dtype and mask; the CPU backends
+(`reference` and `cpu`) must match the fp64 oracle (and gather_kv the stored tokens exactly), and
+the Triton kernels under the interpreter must match the reference.
 """
 
 import os
@@ -51,9 +51,11 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool((err <= 1e-5 + RTOL[dtype] * ref.abs()).all())
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(shape=batches(), mask=masks, dtype=st.sampled_from(list(RTOL)))
-def test_reference_attention_matches_fp64(shape, mask, dtype):
+def test_attention_matches_fp64(force_backend, backend, shape, mask, dtype):
+    force_backend(backend)
     b = make_paged_batch(dtype=dtype, **shape)
     pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
     out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, **mask)

@@ -1,5 +1,6 @@
-"""The reference backend against references written independently: fp64 math and torch SDPA on
-contiguous K/V, for ragged batches (prefill, chunked prefill, decode) over shuffled pages."""
+"""The CPU backends (`reference`, the oracle, and `cpu`, the compiled kernels) against references
+written independently: fp64 math and torch SDPA on contiguous K/V, for ragged batches (prefill,
+chunked prefill, decode) over shuffled pages. Every test runs once per backend."""
 
 import itertools
 
@@ -11,9 +12,16 @@ import torch_paged_kv as pk
 from torch_paged_kv.testing import attention_fp64, make_paged_batch
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+BACKENDS = ["reference", "cpu"]
 # cached tokens / new tokens: a prefill, a chunked prefill, two decodes, an idle row, a long one
 CACHED = [0, 37, 100, 5, 0, 129]
 NEW = [9, 6, 1, 1, 0, 3]
+
+
+@pytest.fixture(params=BACKENDS, autouse=True)
+def backend(request, force_backend):
+    force_backend(request.param)
+    return request.param
 
 
 def _store_then_attend(batch, scale, **kwargs):
@@ -143,7 +151,8 @@ def test_copy_pages_overlapping_lists_read_before_write():
 
 @pytest.mark.parametrize("softcap", [0.0, 3.0])
 def test_attention_in_query_chunks_matches_fp64(monkeypatch, softcap):
-    """Chunks of query positions (a tiny budget forces one position per chunk) give the same answer."""
+    """Chunks of query positions (a tiny budget forces one position per chunk of the reference) give
+    the same answer."""
     from torch_paged_kv.ops import reference
 
     monkeypatch.setattr(reference, "CHUNK_BUDGET_BYTES", 1)

@@ -1,13 +1,23 @@
-"""Every rejected call raises ValueError naming the argument, and leaves `blocks` bit-identical."""
+"""Every rejected call raises ValueError naming the argument, and leaves `blocks` bit-identical.
+
+Each test runs with either CPU backend forced (`reference`, `cpu`): the checks run before the
+backend, and what a backend does with a bad call that skipped them differs (below)."""
 
 import pytest
 import torch
 
 import torch_paged_kv as pk
 import torch_paged_kv.ops as ops
+from torch_paged_kv.ops import reference
 from torch_paged_kv.testing import make_paged_batch
 
 CACHED, NEW = [5, 9, 0], [2, 1, 3]
+
+
+@pytest.fixture(params=["reference", "cpu"], autouse=True)
+def backend(request, force_backend):
+    force_backend(request.param)
+    return request.param
 
 
 def _batch():
@@ -160,18 +170,33 @@ def test_copy_pages_rejects_int64_ids():
         pk.copy_pages(b.blocks, torch.tensor([1]), _i32([2]))
 
 
-def test_shapes_only_mode_skips_value_checks(monkeypatch):
+def test_shapes_only_mode_skips_value_checks(monkeypatch, backend):
     b = _batch()
     monkeypatch.setenv("TORCH_PAGED_KV_VALIDATE", "shapes")
     with pytest.raises(ValueError, match="^key:"):
         _store(b, key=b.new_keys.double())  # shape/dtype checks always run
     before = b.blocks.clone()
-    with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
-        _store(b, lookup_table=_bad_page(b, 0, 1, 10_000))
-    assert torch.equal(b.blocks, before)
+    bad_table = _bad_page(b, 0, 1, 10_000)  # sequence 0's new tokens (positions 5, 6)
+    if backend == "reference":
+        with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
+            _store(b, lookup_table=bad_table)
+        assert torch.equal(b.blocks, before)
+        return
+    _store(b, lookup_table=bad_table)  # the cpu kernels skip rows whose page is out of range
+    expected = before.clone()
+    reference.store_kv(
+        b.new_keys[2:],
+        b.new_values[2:],
+        expected,
+        b.cache_lengths[1:],
+        b.lookup_table[1:],
+        b.input_row_offsets[1:] - 2,
+        1,
+    )
+    assert torch.equal(b.blocks, expected)
 
 
-def test_unchecked_overloads_skip_the_value_checks_only():
+def test_unchecked_overloads_skip_the_value_checks_only(backend):
     b = _batch()
     duplicate = _i32([3, 3])
     with pytest.raises(ValueError, match="^dst_pages:"):
@@ -180,8 +205,11 @@ def test_unchecked_overloads_skip_the_value_checks_only():
     outside = (b.cache_lengths, _bad_page(b, 0, 1, 10_000), b.input_row_offsets, b.layer_idx)
     with pytest.raises(ValueError, match="^lookup_table:"):
         pk.flash_attention(b.q, b.blocks, *outside, 0.5)
-    with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
-        ops.flash_attention_unchecked(b.q, b.blocks, *outside, 0.5)
+    if backend == "reference":
+        with pytest.raises(IndexError):  # value checks skipped: torch's own bounds check fires instead
+            ops.flash_attention_unchecked(b.q, b.blocks, *outside, 0.5)
+    else:  # the cpu kernels clamp page ids: a wrong answer, but no read outside blocks
+        assert ops.flash_attention_unchecked(b.q, b.blocks, *outside, 0.5).shape == b.q.shape
     step = (b.cache_lengths, b.lookup_table, b.input_row_offsets, b.layer_idx)
     with pytest.raises(ValueError, match="^key:"):  # shape checks still run
         ops.store_kv_unchecked(b.new_keys.double(), b.new_values, b.blocks, *step)

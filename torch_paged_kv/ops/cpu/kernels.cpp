@@ -690,7 +690,7 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
       items.push_back(sp);
       continue;
     }
-    const int64_t chunk = round_up((keys + splits - 1) / splits, KEY_BLOCK);
+    const int64_t chunk = round_up((keys + splits - 1) / splits, 16);
     Task task{sp.b, sp.h0, sp.h1, sp.q0, sp.nq, parts, 0};
     for (int64_t k = sp.k0; k < sp.k1; k += chunk) {
       items.push_back({sp.b, sp.h0, sp.h1, sp.q0, sp.nq, k, std::min(sp.k1, k + chunk), parts++});

@@ -1,0 +1,220 @@
+"""The `cpu` backend's own paths (split key ranges, threads, odd head dims, unchecked calls, the
+build and its on-disk cache), against the fp64 oracle and the reference backend. The contract
+tests shared with the reference (test_reference_ops, test_properties, test_validation) run on it
+too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import torch_paged_kv as pk
+import torch_paged_kv.ops as ops
+from torch_paged_kv import NULL_PAGE
+from torch_paged_kv.ops import BackendUnavailableError, reference
+from torch_paged_kv.ops.cpu import build, kernels
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
+
+
+@pytest.fixture(autouse=True)
+def force_cpu(force_backend):
+    force_backend("cpu")
+
+
+def check_attention(batch: PagedBatch, scale: float, causal=True, window=-1, softcap=0.0) -> torch.Tensor:
+    """Store the step's K/V with the cpu backend, attend, compare with fp64 and with the reference."""
+    ops.store_kv(batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx)
+    args = (batch.q, batch.blocks, *batch.step, batch.layer_idx, scale, causal, window, softcap)
+    got = ops.flash_attention(*args)
+    assert got.dtype == batch.q.dtype and got.shape == batch.q.shape
+    expected = attention_fp64(
+        batch.q, batch.keys, batch.values, batch.cache_lengths.tolist(), scale, causal, window, softcap
+    )
+    torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
+    torch.testing.assert_close(got, reference.flash_attention(*args), **ATTENTION_TOLERANCE[got.dtype])
+    return got
+
+
+@pytest.mark.parametrize(
+    "dtype, window, softcap, causal",
+    [
+        (torch.float32, -1, 0.0, True),
+        (torch.bfloat16, 70, 4.0, True),
+        (torch.float16, -1, 0.0, False),
+    ],
+)
+def test_split_key_ranges_match_fp64(monkeypatch, dtype, window, softcap, causal):
+    """Long key ranges split over several items (merged after), for decodes and a prefill."""
+    monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(kernels, "WANT_ITEMS", 64)
+    batch = make_paged_batch(
+        [300, 5, 150, 0], [1, 1, 4, 40], page_size=16, num_kv_heads=2, head_dim=64, group=4, dtype=dtype, seed=1
+    )
+    check_attention(batch, 0.125, causal, window, softcap)
+
+
+def test_threads_match_fp64(monkeypatch):
+    """Every call spread over two threads (work items run in any order)."""
+    monkeypatch.setattr(kernels, "MIN_WORK_PER_THREAD", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch = make_paged_batch(
+            [0, 37, 100, 5, 0, 129], [9, 6, 1, 1, 0, 3], page_size=7, group=4, dtype=torch.bfloat16, seed=2
+        )
+        check_attention(batch, 0.3)
+        monkeypatch.setattr(kernels, "WANT_ITEMS", 32)
+        monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 8)
+        check_attention(make_paged_batch([200, 90], [1, 1], page_size=5, group=2, seed=3), 0.3, window=50)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("head_dim, group, num_kv_heads", [(24, 3, 2), (40, 16, 1), (72, 1, 3), (8, 5, 2), (256, 2, 1)])
+def test_head_dims_and_groups_match_fp64(head_dim, group, num_kv_heads):
+    """Head dims that are no multiple of the vector width, odd and large GQA groups, prefill and decode."""
+    batch = make_paged_batch(
+        [20, 0, 33],
+        [1, 12, 2],
+        page_size=4,
+        head_dim=head_dim,
+        group=group,
+        num_kv_heads=num_kv_heads,
+        dtype=torch.float32,
+        seed=head_dim,
+    )
+    check_attention(batch, head_dim**-0.5, softcap=3.0 if group == 3 else 0.0)
+
+
+def test_long_prefill_over_many_key_blocks_matches_fp64():
+    """A chunked prefill whose queries span several row blocks and key blocks, under a window."""
+    batch = make_paged_batch([150], [200], page_size=32, num_kv_heads=2, head_dim=32, group=2, seed=4)
+    check_attention(batch, 0.2, window=120)
+
+
+def test_continuous_batching_slots_match_fp64():
+    batch = make_paged_batch([10, 0, 31], [1, 6, 1], page_size=40, continuous=True, group=4, dtype=torch.float16)
+    check_attention(batch, 0.25, softcap=8.0)
+
+
+def test_concurrent_calls_from_python_threads():
+    """ctypes releases the GIL: calls from several threads run at once, each with its own scratch."""
+    batches = [make_paged_batch([40, 3], [1, 5], page_size=8, group=2, seed=s) for s in range(4)]
+    outputs: list = [None] * len(batches)
+
+    def run(i: int) -> None:
+        b = batches[i]
+        for _ in range(20):
+            outputs[i] = kernels.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, True, -1, 0.0)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for b, out in zip(batches, outputs, strict=True):
+        expected = reference.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3)
+        torch.testing.assert_close(out, expected, **ATTENTION_TOLERANCE[out.dtype])
+
+
+# -- store_kv, gather_kv, copy_pages ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "page_size, slots, dtype", [(1, False, torch.float32), (3, False, torch.bfloat16), (40, True, torch.float16)]
+)
+def test_store_and_gather_match_reference(page_size, slots, dtype):
+    batch = make_paged_batch([5, 0, 17, 2], [3, 4, 1, 0], page_size=page_size, continuous=slots, dtype=dtype)
+    args = (*batch.step, batch.layer_idx)
+    expected = batch.blocks.clone()
+    reference.store_kv(batch.new_keys, batch.new_values, expected, *args)
+    # strided rows (a slice of a wider tensor) are read as they are
+    wide_keys = torch.cat([batch.new_keys, batch.new_keys], dim=1)[:, : batch.new_keys.shape[1]]
+    ops.store_kv(wide_keys, batch.new_values, batch.blocks, *args)
+    assert torch.equal(batch.blocks, expected)
+    for got, want in zip(
+        ops.gather_kv(batch.blocks, *args, 23), reference.gather_kv(batch.blocks, *args, 23), strict=True
+    ):
+        assert torch.equal(got, want)
+
+
+def test_store_kv_skips_out_of_range_and_null_pages_when_checks_are_off(monkeypatch):
+    monkeypatch.setenv("TORCH_PAGED_KV_VALIDATE", "shapes")
+    batch = make_paged_batch([2, 6], [5, 2], page_size=3, head_dim=16, layer_idx=0)
+    key, value = batch.new_keys, batch.new_values
+    before = batch.blocks.clone()
+    bad_table = batch.lookup_table.clone()
+    bad_table[0, :3] = torch.tensor([-1, batch.blocks.shape[0], NULL_PAGE])  # tokens 2..6 of sequence 0
+    ops.store_kv(key, value, batch.blocks, batch.cache_lengths, bad_table, batch.input_row_offsets, 0)
+    reference.store_kv(
+        key[5:], value[5:], before, batch.cache_lengths[1:], batch.lookup_table[1:], batch.input_row_offsets[1:] - 5, 0
+    )
+    assert torch.equal(batch.blocks, before)  # only sequence 1 was written
+
+
+@pytest.mark.parametrize("src, dst", [([1, 2, 3], [2, 3, 4]), ([1, 2, 3], [3, 1, 2]), ([4, 4], [1, 5])])
+def test_copy_pages_reads_every_source_first(src, dst):
+    blocks = make_paged_batch([5, 9], [0, 0], page_size=3, head_dim=16).blocks
+    original, expected = blocks.clone(), blocks.clone()
+    reference.copy_pages(expected, torch.tensor(src, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32))
+    ops.copy_pages(blocks, torch.tensor(src, dtype=torch.int32), torch.tensor(dst, dtype=torch.int32))
+    assert torch.equal(blocks, expected)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(blocks[d], original[s])
+
+
+def test_copy_pages_never_writes_the_null_page_or_outside_when_checks_are_off():
+    batch = make_paged_batch([4], [1], page_size=4, head_dim=16, layer_idx=0)
+    before = batch.blocks.clone()
+    src = torch.tensor([1, 2], dtype=torch.int32)
+    ops.copy_pages_unchecked(batch.blocks, src, torch.tensor([NULL_PAGE, batch.blocks.shape[0]], dtype=torch.int32))
+    assert torch.equal(batch.blocks, before)
+
+
+# -- dispatch and the build --------------------------------------------------------------------------
+
+
+def test_cpu_is_the_default_and_reference_can_be_forced(force_backend):
+    force_backend(None)
+    assert set(pk.backend_info("cpu").values()) == {"cpu"}
+    force_backend("reference")
+    assert set(pk.backend_info("cpu").values()) == {"reference"}
+    with pytest.raises(BackendUnavailableError, match="CPU tensors only"):
+        force_backend("cpu")
+        ops.dispatch.select("store_kv", torch.device("meta"), ())
+
+
+def test_without_a_compiler_cpu_calls_fall_back_to_reference(monkeypatch, tmp_path, force_backend):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCH_PAGED_KV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(kernels, "_lib", None)
+    force_backend(None)
+    assert set(pk.backend_info("cpu").values()) == {"reference"}
+    batch = make_paged_batch([3], [2], page_size=4, seed=5)
+    check_attention(batch, 0.5)  # ran on the reference
+    force_backend("cpu")
+    with pytest.raises(BackendUnavailableError, match="no C\\+\\+ compiler"):
+        ops.flash_attention(batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
+
+
+def test_a_second_process_loads_the_cached_library_without_compiling():
+    kernels.load()  # built (or found) by this process
+    code = (
+        "import time\n"
+        "from torch_paged_kv.ops.cpu import build\n"
+        "def refuse(*args): raise AssertionError('compiled again')\n"
+        "build._compile = refuse\n"
+        "t = time.perf_counter()\n"
+        "build.library()\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout.split()[-1]) < 1.0  # milliseconds, in fact
