@@ -34,7 +34,10 @@ def _fail(name: str, message: str) -> None:
 
 def _require(cond, name: str, message) -> None:
     """`ValueError(name: message())` unless `cond`; a symbolic `cond` on an unbacked size (a batch
-    dimension marked with `torch._dynamo.mark_unbacked`) becomes a runtime assert instead of a guard."""
+    dimension marked with `torch._dynamo.mark_unbacked`) becomes a runtime assert instead of a guard.
+    A plain `True` (every eager call) returns at once: `torch._check_with` costs about 2.5 us."""
+    if cond is True:
+        return
     torch._check_with(ValueError, cond, lambda: f"{name}: {message()}")
 
 
