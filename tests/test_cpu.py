@@ -85,7 +85,7 @@ def test_head_dims_and_groups_match_fp64(head_dim, group, num_kv_heads):
         head_dim=head_dim,
         group=group,
         num_kv_heads=num_kv_heads,
-        dtype=torch.float32,
+        dtype=dtype,
         seed=head_dim,
     )
     check_attention(batch, head_dim**-0.5, softcap=3.0 if group == 3 else 0.0)

@@ -47,7 +47,16 @@ typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef float v8 __attribute__((vector_size(32)));
 
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3 };
+// BF16_PAIRS: bf16 storage read 2W elements at a time as two vectors, the even elements then the
+// odd ones (a shift and a mask of one load, where the plain widening costs two per vector). The
+// query rows and output accumulators are kept in that order too (row_order / natural_order) and
+// put back in place at the end. Used when head_dim is a multiple of 2W.
+
+template <int DT>
+constexpr int scalar_dtype() {
+  return DT == BF16_PAIRS ? BF16 : DT;
+}
 
 template <int DT>
 struct Storage {
@@ -91,6 +100,7 @@ inline vf f16_bits_to_f32(vu h) {
 
 template <int DT>
 inline vf load(const typename Storage<DT>::T* p) {
+  static_assert(DT != BF16_PAIRS, "BF16_PAIRS is read with load2");
   if constexpr (DT == F32) {
     return load_f32(p);
   } else if constexpr (DT == BF16) {
@@ -113,6 +123,20 @@ inline vf load(const typename Storage<DT>::T* p) {
     std::memcpy(&h, p, sizeof h);
     return f16_bits_to_f32(__builtin_convertvector(h, vu));
 #endif
+  }
+}
+
+// 2W consecutive elements at p as two vectors: in order, or for BF16_PAIRS the even then the odd ones.
+template <int DT>
+inline void load2(const typename Storage<DT>::T* p, vf& a, vf& b) {
+  if constexpr (DT == BF16_PAIRS) {
+    vu x;
+    std::memcpy(&x, p, sizeof x);  // W little-endian pairs: element 2i in the low half of lane i
+    a = (vf)(x << 16);
+    b = (vf)(x & 0xffff0000u);
+  } else {
+    a = load<DT>(p);
+    b = load<DT>(p + W);
   }
 }
 
@@ -255,6 +279,18 @@ inline void hsum8(const vf* a, float* out) {
   std::memcpy(out, &z, sizeof z);
 }
 
+// Where column d of a query row or accumulator lives: d itself, or for BF16_PAIRS the slot that
+// load2 gives element d of its 2W-element group.
+template <int DT>
+inline int64_t row_slot(int64_t d) {
+  if constexpr (DT == BF16_PAIRS) {
+    const int64_t base = d / (2 * W) * (2 * W), i = d % (2 * W);
+    return base + (i % 2) * W + i / 2;
+  } else {
+    return d;
+  }
+}
+
 // S[r * ldS + t] = q_r . k_t for RT rows of `q` (fp32, row stride Dp, zero padded) and NT keys.
 template <int DT, int RT, int NT>
 inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* const* kp, int64_t ofs, int nfull,
@@ -264,17 +300,31 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
   for (int t = 0; t < NT; ++t) rows[t] = kp[t] + ofs;
   vf acc[RT * NT];
   for (int i = 0; i < RT * NT; ++i) acc[i] = vf{};
-  for (int j = 0; j < nfull; ++j) {
-    vf k[NT];
-    for (int t = 0; t < NT; ++t) k[t] = load<DT>(rows[t] + j * W);
+  int j = 0;
+  for (; j + 2 <= nfull; j += 2) {
+    vf k0[NT], k1[NT];
+    for (int t = 0; t < NT; ++t) load2<DT>(rows[t] + j * W, k0[t], k1[t]);
     for (int r = 0; r < RT; ++r) {
-      vf qv = load_f32(q + r * Dp + j * W);
-      for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
+      vf q0 = load_f32(q + r * Dp + j * W), q1 = load_f32(q + r * Dp + (j + 1) * W);
+      for (int t = 0; t < NT; ++t) {
+        acc[r * NT + t] += q0 * k0[t];
+        acc[r * NT + t] += q1 * k1[t];
+      }
     }
   }
-  if (tail) {
+  if constexpr (DT != BF16_PAIRS) {  // BF16_PAIRS: head_dim is a multiple of 2W
+    if (j < nfull) {
+      vf k[NT];
+      for (int t = 0; t < NT; ++t) k[t] = load<DT>(rows[t] + j * W);
+      for (int r = 0; r < RT; ++r) {
+        vf qv = load_f32(q + r * Dp + j * W);
+        for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
+      }
+    }
+  }
+  if (DT != BF16_PAIRS && tail) {
     vf k[NT];
-    for (int t = 0; t < NT; ++t) k[t] = load_part<DT>(rows[t] + nfull * W, tail);
+    for (int t = 0; t < NT; ++t) k[t] = load_part<scalar_dtype<DT>()>(rows[t] + nfull * W, tail);
     for (int r = 0; r < RT; ++r) {
       vf qv = load_f32(q + r * Dp + nfull * W);
       for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
@@ -326,7 +376,8 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
         acc[r][1] = load_f32(O + r * Dp + (j + 1) * W);
       }
       for (int t = t0; t < t1; ++t) {
-        vf v0 = load<DT>(vp[t - t0] + j * W), v1 = load<DT>(vp[t - t0] + (j + 1) * W);
+        vf v0, v1;
+        load2<DT>(vp[t - t0] + j * W, v0, v1);
         for (int r = 0; r < RT; ++r) {
           vf p = splat(P[r * ldS + t]);
           acc[r][0] += p * v0;
@@ -338,13 +389,15 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
         store_f32(O + r * Dp + (j + 1) * W, acc[r][1]);
       }
     }
+    if constexpr (DT == BF16_PAIRS) continue;  // head_dim is a multiple of 2W
+    constexpr int SDT = scalar_dtype<DT>();
     const int last = (j < nfull ? 1 : 0) + (tail ? 1 : 0);  // one full vector left, a partial one, or both
     for (int step = 0; step < last; ++step, ++j) {
       const bool partial = j == nfull;
       vf acc[RT];
       for (int r = 0; r < RT; ++r) acc[r] = load_f32(O + r * Dp + j * W);
       for (int t = t0; t < t1; ++t) {
-        vf v = partial ? load_part<DT>(vp[t - t0] + j * W, tail) : load<DT>(vp[t - t0] + j * W);
+        vf v = partial ? load_part<SDT>(vp[t - t0] + j * W, tail) : load<SDT>(vp[t - t0] + j * W);
         for (int r = 0; r < RT; ++r) acc[r] += splat(P[r * ldS + t]) * v;
       }
       for (int r = 0; r < RT; ++r) store_f32(O + r * Dp + j * W, acc[r]);
@@ -465,7 +518,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int64_t i = map.token(r);
     const T* src = qbase + (row0 + i) * a.q_stride_row + map.q_head(it, r) * a.q_stride_head;
     float* dst = Q + r * Dp;
-    for (int64_t d = 0; d < D; ++d) dst[d] = load_scalar<DT>(src + d) * a.scale;
+    for (int64_t d = 0; d < D; ++d) dst[row_slot<DT>(d)] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
     std::fill(dst + D, dst + Dp, 0.0f);
     std::fill(O + r * Dp, O + (r + 1) * Dp, 0.0f);
     M[r] = -std::numeric_limits<float>::infinity();
@@ -588,6 +641,14 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
     }
   }
+  if constexpr (DT == BF16_PAIRS) {  // accumulator columns back in order
+    float* tmp = Q;  // the queries are not needed any more
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = O + r * Dp;
+      for (int64_t d = 0; d < D; ++d) tmp[d] = o[row_slot<DT>(d)];
+      std::memcpy(o, tmp, D * sizeof(float));
+    }
+  }
   if (it.part >= 0) {  // a split: keep the unnormalised rows with their max and sum
     float* dst = partials + it.part * part_stride;
     for (int64_t r = 0; r < rows; ++r) {
@@ -600,7 +661,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   T* obase = static_cast<T*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
-    store_out<DT>(dst, O + r * Dp, static_cast<int>(D), L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
+    store_out<scalar_dtype<DT>()>(dst, O + r * Dp, static_cast<int>(D), L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
   }
 }
 
@@ -630,7 +691,7 @@ void merge_task(const AttnArgs& a, const Task& task, const float* partials, int6
       for (int64_t d = 0; d < D; ++d) acc[d] += src[r * D + d] * w;
     }
     T* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
-    store_out<DT>(dst, acc.data(), static_cast<int>(D), l > 0.0f ? 1.0f / l : 0.0f);
+    store_out<scalar_dtype<DT>()>(dst, acc.data(), static_cast<int>(D), l > 0.0f ? 1.0f / l : 0.0f);
   }
 }
 
@@ -755,7 +816,13 @@ void pkv_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   const Tuning tune{min_split, want_items, min_work};
   switch (dtype) {
     case F32: flash_attention<F32>(a, tune, nthreads); break;
-    case BF16: flash_attention<BF16>(a, tune, nthreads); break;
+    case BF16:
+      if (head_dim % (2 * W) == 0) {
+        flash_attention<BF16_PAIRS>(a, tune, nthreads);
+      } else {
+        flash_attention<BF16>(a, tune, nthreads);
+      }
+      break;
     default: flash_attention<F16>(a, tune, nthreads); break;
   }
 }
