@@ -75,9 +75,19 @@ def test_threads_match_fp64(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("head_dim, group, num_kv_heads", [(24, 3, 2), (40, 16, 1), (72, 1, 3), (8, 5, 2), (256, 2, 1)])
-def test_head_dims_and_groups_match_fp64(head_dim, group, num_kv_heads):
-    """Head dims that are no multiple of the vector width, odd and large GQA groups, prefill and decode."""
+@pytest.mark.parametrize(
+    "head_dim, group, num_kv_heads, dtype",
+    [
+        (24, 3, 2, torch.bfloat16),
+        (40, 16, 1, torch.float16),
+        (72, 1, 3, torch.float32),
+        (8, 5, 2, torch.float32),
+        (256, 2, 1, torch.bfloat16),
+    ],
+)
+def test_head_dims_and_groups_match_fp64(head_dim, group, num_kv_heads, dtype):
+    """Head dims that are no multiple of the vector width, odd and large GQA groups, prefill and decode
+    (bf16 head dims that are a multiple of twice the vector width take the paired loads)."""
     batch = make_paged_batch(
         [20, 0, 33],
         [1, 12, 2],
