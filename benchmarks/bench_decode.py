@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/bench_decode.py [--device cuda] [--batch 8] [--context 2048]
 
-Rows: SDPA, then each backend that can run on the device (reference; Triton on CUDA), each checked
-against SDPA before it is timed; `vs_sdpa` is time / SDPA time. Bytes: `harness.decode_bytes`.
+Rows: SDPA, then each backend that can run on the device (cpu and reference; reference and Triton on
+CUDA), each checked against SDPA before it is timed; `vs_sdpa` is time / SDPA time. Bytes:
+`harness.decode_bytes`. The fuller CPU comparison (FlexAttention, vLLM, prefill) is bench_cpu.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.init()
-    backends = ["reference"] + (["triton"] if device.type == "cuda" else [])
+    backends = ["reference", "triton"] if device.type == "cuda" else ["cpu", "reference"]
     rows = []
     for dtype_name in args.dtypes.split(","):
         for page_size in map(int, args.page_sizes.split(",")):

@@ -34,6 +34,8 @@ CPU_RUNS = {
         "1,16",
     ],
     "bench_manager.py": ["--batch", "8", "--steps", "20", "--repeats", "1"],
+    "bench_cpu.py": ["--shapes", "2x48", "--prefill", "40", "--dtypes", "float32", "--repeats", "1", "--no-flex"],
+    "bench_op_overhead.py": ["--calls", "20", "--repeats", "1"],
     "bench_checkpoint.py": ["--device", "cpu", "--size-mb", "4", "--repeats", "1"],
     "bench_hf.py": [
         "--layers",

