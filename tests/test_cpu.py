@@ -228,3 +228,58 @@ def test_a_second_process_loads_the_cached_library_without_compiling():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.split()[-1]) < 1.0  # milliseconds, in fact
+
+
+# -- the value checks' fast path ---------------------------------------------------------------------
+
+
+def _numpy_verdict(fn, *args) -> bool:
+    try:
+        fn(*args)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("continuous", [False, True])
+def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
+    """`kernels.step_ok` says yes exactly where validate.py's numpy checks pass (else those run and
+    raise): random steps, each with one field broken or none."""
+    from torch_paged_kv.ops import validate
+
+    kernels.load()
+    gen = torch.Generator().manual_seed(7)
+    agree = 0
+    for trial in range(300):
+        cached = torch.randint(0, 30, (4,), generator=gen).tolist()
+        new = torch.randint(0, 4, (4,), generator=gen).tolist()
+        b = make_paged_batch(cached, new, page_size=40 if continuous else 4, continuous=continuous, seed=trial)
+        lengths, table, offsets = b.cache_lengths.clone(), b.lookup_table.clone(), b.input_row_offsets.clone()
+        rows, max_kv_len = b.q.shape[0], max(c + n for c, n in zip(cached, new, strict=True))
+        pick = lambda n: int(torch.randint(0, n, (1,), generator=gen))
+        broken = trial % 9
+        if broken == 1:
+            table.view(-1)[pick(table.numel())] = [-1, 0, b.blocks.shape[0], 10_000][pick(4)]
+        elif broken == 2:
+            lengths[pick(4)] = [-1, 1000, lengths.max() + 3][pick(3)]
+        elif broken == 3:
+            offsets[pick(5)] += [-1, 1][pick(2)]
+        elif broken == 4:
+            rows += [-1, 1][pick(2)]
+        elif broken == 5:
+            max_kv_len -= pick(3)
+        step = (lengths, table, offsets)
+        fast_store = kernels.step_ok(b.blocks, *step, rows, False)
+        fast_read = kernels.step_ok(b.blocks, *step, rows, True, max_kv_len)
+        monkeypatch.setattr(validate, "_cpu_says_ok", lambda *args: False)
+        slow_store = _numpy_verdict(
+            validate.check_store_kv_data,
+            b.q[:rows] if rows <= b.q.shape[0] else torch.empty(rows, 1, 1),
+            b.blocks,
+            *step,
+        )
+        slow_read = _numpy_verdict(validate.check_read_data, b.blocks, *step, rows, max_kv_len)
+        monkeypatch.undo()
+        assert (fast_store, fast_read) == (slow_store, slow_read), (trial, broken, cached, new)
+        agree += not slow_read
+    assert agree > 50  # a good share of the steps were bad ones

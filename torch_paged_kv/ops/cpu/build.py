@@ -147,6 +147,7 @@ SIGNATURES = {
         _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I32,
     ],
     "pkv_copy_pages": [_P, _I64, _I64, _P, _P, _I64, _I32],
+    "pkv_step_ok": [_P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I64],
 }  # fmt: skip
 
 
@@ -154,5 +155,5 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in ("pkv_vector_width", "pkv_openmp") else None
+        fn.restype = ctypes.c_int if name in ("pkv_vector_width", "pkv_openmp", "pkv_step_ok") else None
     return lib

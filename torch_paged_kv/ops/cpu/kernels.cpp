@@ -917,4 +917,32 @@ void pkv_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const i
   }
 }
 
+// Whether a step's index tensors pass every value check of validate.py (`check_store_kv_data` with
+// `reads_all` = 0, `check_read_data` with 1): offsets start at 0 and never decrease, lengths are
+// >= 0, every sequence fits its table row, the offsets end at `total_rows` (if >= 0), no sequence
+// is longer than `max_kv_len` (if >= 0), and every page holding a token the call touches is a real
+// page (1 .. num_pages - 1). A fast yes for the common case; on a no, validate.py runs its own
+// checks, which say what is wrong (so this must never say yes where they would raise).
+int pkv_step_ok(const int32_t* cache_lengths, const int32_t* table, int64_t table_stride, int64_t table_2d,
+                int64_t table_width, const int32_t* offsets, int64_t batch, int64_t total_rows, int64_t page_size,
+                int64_t num_pages, int reads_all, int64_t max_kv_len) {
+  if (offsets[0] != 0) return 0;
+  if (total_rows >= 0 && offsets[batch] != total_rows) return 0;
+  const int64_t capacity = page_size * (table_2d ? table_width : 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t cached = cache_lengths[b], added = static_cast<int64_t>(offsets[b + 1]) - offsets[b];
+    const int64_t kv_len = cached + added;
+    if (added < 0 || cached < 0 || kv_len > capacity) return 0;
+    if (max_kv_len >= 0 && kv_len > max_kv_len) return 0;
+    const int64_t first = reads_all ? 0 : cached;
+    if (kv_len <= first) continue;
+    const int32_t* row = table + b * table_stride;
+    const int64_t c0 = table_2d ? first / page_size : 0, c1 = table_2d ? (kv_len + page_size - 1) / page_size : 1;
+    for (int64_t c = c0; c < c1; ++c) {
+      if (row[c] <= 0 || row[c] >= num_pages) return 0;
+    }
+  }
+  return 1;
+}
+
 }  // extern "C"

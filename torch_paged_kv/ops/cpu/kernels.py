@@ -36,15 +36,28 @@ def load():
     return _lib
 
 
-def _kernels():
-    return _lib if _lib is not None else load()
-
-
-def _table(lookup_table: torch.Tensor) -> tuple[int, int, int]:
-    """(pointer, row stride, usable columns) of a 2-D table, or of a 1-D one (one slot per row)."""
-    if lookup_table.dim() == 2:
-        return lookup_table.data_ptr(), lookup_table.stride(0), lookup_table.shape[1]
-    return lookup_table.data_ptr(), lookup_table.stride(0), 1
+def step_ok(
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    total_rows: int | None,
+    reads_all: bool,
+    max_kv_len: int | None = None,
+) -> bool:
+    """Whether the step passes every value check that `validate.check_store_kv_data` (`reads_all`
+    False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors, library
+    loaded). False means: let those checks find what is wrong."""
+    table_shape = lookup_table.shape
+    two_d = len(table_shape) == 2
+    return bool(
+        _lib.pkv_step_ok(
+            cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0) if table_shape[0] else 0,
+            two_d, table_shape[1] if two_d else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
+            -1 if total_rows is None else total_rows, blocks.shape[3], blocks.shape[0], reads_all,
+            -1 if max_kv_len is None else max_kv_len,
+        )
+    )  # fmt: skip
 
 
 def store_kv(
@@ -56,17 +69,21 @@ def store_kv(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
 ) -> None:
-    if key.stride(-1) != 1:
+    # (a decode step calls this once per layer: each tensor attribute is read once)
+    ks, vs = key.stride(), value.stride()
+    if ks[2] != 1:
         key = key.contiguous()
-    if value.stride(-1) != 1:
+        ks = key.stride()
+    if vs[2] != 1:
         value = value.contiguous()
+        vs = value.stride()
     pages, _, layers, page_size, heads, head_dim = blocks.shape
-    table, table_stride, width = _table(lookup_table)
-    _kernels().pkv_store_kv(
-        blocks.element_size(), key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(), value.stride(0),
-        value.stride(1), blocks.data_ptr(), pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(),
-        table, table_stride, width, input_row_offsets.data_ptr(), cache_lengths.shape[0], layer_idx,
-        torch.get_num_threads(),
+    table_shape = lookup_table.shape
+    (_lib or load()).pkv_store_kv(
+        blocks.element_size(), key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], blocks.data_ptr(),
+        pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
+        lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
+        cache_lengths.shape[0], layer_idx, torch.get_num_threads(),
     )  # fmt: skip
 
 
@@ -82,17 +99,20 @@ def flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
 ) -> torch.Tensor:
-    if q.stride(-1) != 1:
+    qs = q.stride()
+    if qs[2] != 1:
         q = q.contiguous()
-    out = torch.empty_like(q)  # contiguous, as q is
+        qs = q.stride()
+    out = torch.empty_like(q)  # q's strides (q is dense: validated 3-D, unit stride inside a row)
+    os_ = out.stride()
     pages, _, layers, page_size, heads, head_dim = blocks.shape
-    table, table_stride, width = _table(lookup_table)
-    _kernels().pkv_flash_attention(
-        DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), blocks.data_ptr(), pages, layers, page_size,
-        heads, head_dim, cache_lengths.data_ptr(), table, table_stride, width, input_row_offsets.data_ptr(),
-        cache_lengths.shape[0], layer_idx, q.shape[1], softmax_scale, causal, sliding_window, softcap,
-        out.data_ptr(), out.stride(0), out.stride(1), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
-        torch.get_num_threads(),
+    table_shape = lookup_table.shape
+    (_lib or load()).pkv_flash_attention(
+        DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], blocks.data_ptr(), pages, layers, page_size, heads,
+        head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
+        table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
+        layer_idx, q.shape[1], softmax_scale, causal, sliding_window, softcap, out.data_ptr(), os_[0], os_[1],
+        MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -109,11 +129,12 @@ def gather_kv(
     batch = cache_lengths.shape[0]
     key = blocks.new_empty(batch, max_kv_len, heads, head_dim)
     value = blocks.new_empty(batch, max_kv_len, heads, head_dim)
-    table, table_stride, width = _table(lookup_table)
-    _kernels().pkv_gather_kv(
+    table_shape = lookup_table.shape
+    (_lib or load()).pkv_gather_kv(
         blocks.element_size(), blocks.data_ptr(), pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(),
-        table, table_stride, width, input_row_offsets.data_ptr(), batch, layer_idx, max_kv_len, key.data_ptr(),
-        value.data_ptr(), torch.get_num_threads(),
+        lookup_table.data_ptr(), lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1,
+        input_row_offsets.data_ptr(), batch, layer_idx, max_kv_len, key.data_ptr(), value.data_ptr(),
+        torch.get_num_threads(),
     )  # fmt: skip
     return key, value
 
@@ -121,8 +142,7 @@ def gather_kv(
 def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
     if src_pages.shape[0] == 0:
         return
-    page_bytes = blocks.stride(0) * blocks.element_size()
-    _kernels().pkv_copy_pages(
-        blocks.data_ptr(), page_bytes, blocks.shape[0], src_pages.data_ptr(), dst_pages.data_ptr(),
-        src_pages.shape[0], torch.get_num_threads(),
+    (_lib or load()).pkv_copy_pages(
+        blocks.data_ptr(), blocks.stride(0) * blocks.element_size(), blocks.shape[0], src_pages.data_ptr(),
+        dst_pages.data_ptr(), src_pages.shape[0], torch.get_num_threads(),
     )  # fmt: skip
