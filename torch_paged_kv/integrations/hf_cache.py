@@ -87,8 +87,9 @@ class PagedLayer(CacheLayerMixin):
     ) -> tuple[Any, Any]:
         """Paged attention: defer to the attention function. Otherwise store and gather K/V."""
         cache = self.cache
-        if self.pool_layer == 0:
+        if self.pool_layer == 0:  # the step's first cached layer
             cache.ensure_pool(key_states)
+            cache.read_attention_mode()
         if cache.attends_from_pages:
             pending = PendingKV(self, key_states, value_states)
             return pending, pending
@@ -168,6 +169,9 @@ class PagedCache(Cache):
         self.columns: torch.Tensor | None = None
         self.device: torch.device | None = None
         self.static_addresses_marked = False
+        self._plan: StepPlan | None = None  # this step's, made at its first cached layer
+        self._attends_from_pages = False
+        self.read_attention_mode()
         self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
         if self.requested_device is not None and self.requested_dtype is not None:
             self._allocate(self.requested_device, self.requested_dtype)
@@ -227,10 +231,16 @@ class PagedCache(Cache):
         else:
             self._mark_static_addresses()
 
+    def read_attention_mode(self) -> None:
+        """Read `attends_from_pages` from the config: once per step, at the first cached layer, as a
+        transformers config attribute costs microseconds (several `__getattribute__` layers) and every
+        layer asks twice."""
+        self._attends_from_pages = self.config._attn_implementation == ATTN_IMPLEMENTATION
+
     @property
     def attends_from_pages(self) -> bool:
-        """True when the model runs the `paged_kv` attention function."""
-        return self.config._attn_implementation == ATTN_IMPLEMENTATION
+        """True when the model runs the `paged_kv` attention function (as of this step's first layer)."""
+        return self._attends_from_pages
 
     # -- the step protocol (tensors, in place) ------------------------------------------------
     def layer_plan(self, layer_idx: int, batch: int, columns: int, new_tokens: Callable[[], torch.Tensor]) -> StepPlan:
@@ -240,7 +250,8 @@ class PagedCache(Cache):
         count. The plan checks the step tensors at that layer only."""
         if layer_idx == self.cached_layers[0]:
             self._begin_step(new_tokens(), columns)
-        return StepPlan(self.collection.blocks, self.collection.step_tensors(batch))
+            self._plan = StepPlan(self.collection.blocks, self.collection.step_tensors(batch))
+        return self._plan  # the same for every layer of the step (views of the step's rows)
 
     def layer_done(self, layer_idx: int, batch: int) -> None:
         """After model layer `layer_idx` is done with the step: the last layer that reads the pages
