@@ -130,30 +130,20 @@ def _build_and_load() -> ctypes.CDLL:
     raise BuildError(f"could not build the CPU kernels with {compiler}: " + "; ".join(errors))
 
 
-_I64, _I32, _P, _F64 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
-
-SIGNATURES = {
-    "pkv_vector_width": [],
-    "pkv_openmp": [],
-    "pkv_flash_attention": [
-        _I32, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64,
-        _F64, _I32, _I64, _F64, _P, _I64, _I64, _I64, _I64, _I64, _I32,
-    ],
-    "pkv_store_kv": [
-        _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64,
-        _I64, _I32,
-    ],
-    "pkv_gather_kv": [
-        _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _I64, _I64, _I64, _P, _P, _I32,
-    ],
-    "pkv_copy_pages": [_P, _I64, _I64, _P, _P, _I64, _I32],
-    "pkv_step_ok": [_P, _P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64, _I32, _I64],
-}  # fmt: skip
+SIGNATURES = {  # name -> (argument types, result type); the kernels take one packed argument block
+    "pkv_vector_width": ([], ctypes.c_int),
+    "pkv_openmp": ([], ctypes.c_int),
+    "pkv_flash_attention": ([ctypes.c_char_p], None),
+    "pkv_store_kv": ([ctypes.c_char_p], None),
+    "pkv_gather_kv": ([ctypes.c_char_p], None),
+    "pkv_copy_pages": ([ctypes.c_char_p], None),
+    "pkv_step_ok": ([ctypes.c_char_p], ctypes.c_int),
+}
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name, argtypes in SIGNATURES.items():
+    for name, (argtypes, restype) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = ctypes.c_int if name in ("pkv_vector_width", "pkv_openmp", "pkv_step_ok") else None
+        fn.restype = restype
     return lib

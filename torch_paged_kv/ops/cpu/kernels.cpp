@@ -474,6 +474,8 @@ struct Scratch {
 
 thread_local Scratch tls_scratch;
 thread_local std::vector<float> tls_partials;
+thread_local std::vector<Item> tls_spans, tls_items;
+thread_local std::vector<Task> tls_tasks;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -569,7 +571,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       if (sc.lo[r0 + r] < k0 + n && sc.hi[r0 + r] > k0) return true;
     return false;
   };
-  if (klo < khi) prefetch(klo, std::min(khi, klo + (PREFETCH_BLOCKS - 1) * kb));
+  if (PREFETCH_BLOCKS > 2 && klo + kb < khi) prefetch(klo + kb, std::min(khi, klo + (PREFETCH_BLOCKS - 1) * kb));
   for (int64_t k0 = klo; k0 < khi; k0 += kb) {
     const int n = static_cast<int>(std::min<int64_t>(kb, khi - k0));
     const void** kp = sc.kp.data();
@@ -701,6 +703,22 @@ int thread_count(int requested, double work, double min_work_per_thread) {
   return std::max(n, 1);
 }
 
+// f(0) .. f(n - 1) on `threads` threads (OpenMP's), or a plain loop: one thread never enters OpenMP.
+template <bool DYNAMIC, class F>
+void parallel_for(int64_t n, int threads, const F& f) {
+  if (threads <= 1 || n <= 1) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  if constexpr (DYNAMIC) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
+
 struct Tuning {        // set by kernels.py (module constants, so tests can force each path)
   int64_t min_split;   // fewest key positions in one split of a key range
   int64_t want_items;  // split key ranges until there are this many items (0: 4 per thread)
@@ -713,7 +731,8 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   // An item: about ROWS_PER_ITEM query rows. A decode row block (one token) spans every kv head,
   // so one item reads whole token rows of the pages (contiguous); prefill blocks take one head.
   const int64_t tokens_per_item = std::max<int64_t>(1, ROWS_PER_ITEM / group);
-  std::vector<Item> spans;
+  std::vector<Item>& spans = tls_spans;  // reused: no allocation per call
+  spans.clear();
   double work = 0;
   for (int64_t b = 0; b < a.batch; ++b) {
     const int64_t new_b = a.offsets[b + 1] - a.offsets[b];
@@ -736,9 +755,10 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   const int64_t min_split = std::max<int64_t>(tune.min_split, 1);
   const int64_t want = tune.want_items > 0 ? tune.want_items : threads > 1 ? 4 * threads : 1;
   const int64_t n_spans = static_cast<int64_t>(spans.size());
-  std::vector<Item> items;
-  std::vector<Task> tasks;
-  items.reserve(spans.size());
+  std::vector<Item>& items = tls_items;
+  std::vector<Task>& tasks = tls_tasks;
+  items.clear();
+  tasks.clear();
   int64_t parts = 0, max_rows = 0;
   for (const Item& sp : spans) {
     const int64_t keys = std::max<int64_t>(sp.k1 - sp.k0, 0);
@@ -765,30 +785,15 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   float* pp = partials.data();
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_items; ++i) attend_item<DT>(a, items[i], pp, part_stride);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n_tasks; ++i) merge_task<DT>(a, tasks[i], pp, part_stride);
-  }
+  parallel_for<true>(n_items, threads, [&](int64_t i) { attend_item<DT>(a, items[i], pp, part_stride); });
+  parallel_for<true>(n_tasks, threads, [&](int64_t i) { merge_task<DT>(a, tasks[i], pp, part_stride); });
 }
 
 }  // namespace
 
-extern "C" {
+namespace {
 
-int pkv_vector_width() { return W; }
-
-int pkv_openmp() {
-#ifdef _OPENMP
-  return 1;
-#else
-  return 0;
-#endif
-}
-
-void pkv_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
+void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
                          int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
                          int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
                          int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
@@ -829,7 +834,7 @@ void pkv_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
 
 // New rows of K and V ([total_new, kv_heads, head_dim], any row / head stride, unit element
 // stride) into their slots; rows whose page is out of range or the null page are skipped.
-void pkv_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64_t k_stride_head, const void* value,
+void run_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64_t k_stride_head, const void* value,
                   int64_t v_stride_row, int64_t v_stride_head, void* blocks, int64_t num_pages, int64_t num_layers,
                   int64_t page_size, int64_t kv_heads, int64_t head_dim, const int32_t* cache_lengths,
                   const int32_t* table, int64_t table_stride, int64_t table_width, const int32_t* offsets,
@@ -839,8 +844,7 @@ void pkv_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64
   const int64_t total = offsets[batch] - offsets[0];
   const int threads = thread_count(nthreads, static_cast<double>(total) * kv_heads * row_bytes, 1 << 18);
   char* base = static_cast<char*>(blocks);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t b = 0; b < batch; ++b) {
+  parallel_for<false>(batch, threads, [&](int64_t b) {
     for (int64_t row = offsets[b]; row < offsets[b + 1]; ++row) {
       const int64_t pos = cache_lengths[b] + (row - offsets[b]);
       const int64_t col = pos / page_size;
@@ -855,12 +859,12 @@ void pkv_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64
                     static_cast<const char*>(value) + (row * v_stride_row + h * v_stride_head) * itemsize, row_bytes);
       }
     }
-  }
+  });
 }
 
 // K and V of every sequence's first kv_len tokens into key_out / value_out ([batch, max_kv_len,
 // kv_heads, head_dim], contiguous), zeros after.
-void pkv_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int64_t num_layers, int64_t page_size,
+void run_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int64_t num_layers, int64_t page_size,
                    int64_t kv_heads, int64_t head_dim, const int32_t* cache_lengths, const int32_t* table,
                    int64_t table_stride, int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer,
                    int64_t max_kv_len, void* key_out, void* value_out, int nthreads) {
@@ -869,8 +873,7 @@ void pkv_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int6
   const int threads =
       thread_count(nthreads, static_cast<double>(batch) * max_kv_len * token_bytes * 2, 1 << 18);
   const char* base = static_cast<const char*>(blocks);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t bt = 0; bt < batch * max_kv_len; ++bt) {
+  parallel_for<false>(batch * max_kv_len, threads, [&](int64_t bt) {
     const int64_t b = bt / max_kv_len, pos = bt % max_kv_len;
     char* kd = static_cast<char*>(key_out) + bt * token_bytes;
     char* vd = static_cast<char*>(value_out) + bt * token_bytes;
@@ -880,17 +883,17 @@ void pkv_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int6
     if (page < 0 || page >= num_pages) {
       std::memset(kd, 0, token_bytes);
       std::memset(vd, 0, token_bytes);
-      continue;
+      return;
     }
     const char* src = base + (((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads) * (head_dim * itemsize);
     std::memcpy(kd, src, token_bytes);
     std::memcpy(vd, src + plane, token_bytes);
-  }
+  });
 }
 
 // blocks[dst[i]] = blocks[src[i]] (whole pages), every source read before any write; destinations
 // that are the null page or out of range, and sources out of range, are skipped.
-void pkv_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const int32_t* src, const int32_t* dst,
+void run_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const int32_t* src, const int32_t* dst,
                     int64_t n, int nthreads) {
   char* base = static_cast<char*>(blocks);
   std::vector<char> is_source(num_pages, 0);
@@ -909,12 +912,11 @@ void pkv_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const i
     from_stride = page_bytes;
   }
   const int threads = thread_count(nthreads, static_cast<double>(n) * page_bytes, 1 << 20);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t i = 0; i < n; ++i) {
-    if (dst[i] <= 0 || dst[i] >= num_pages || src[i] < 0 || src[i] >= num_pages) continue;
+  parallel_for<false>(n, threads, [&](int64_t i) {
+    if (dst[i] <= 0 || dst[i] >= num_pages || src[i] < 0 || src[i] >= num_pages) return;
     const char* s = from_stride ? from + i * from_stride : base + src[i] * page_bytes;
     std::memcpy(base + dst[i] * page_bytes, s, page_bytes);
-  }
+  });
 }
 
 // Whether a step's index tensors pass every value check of validate.py (`check_store_kv_data` with
@@ -923,7 +925,7 @@ void pkv_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const i
 // is longer than `max_kv_len` (if >= 0), and every page holding a token the call touches is a real
 // page (1 .. num_pages - 1). A fast yes for the common case; on a no, validate.py runs its own
 // checks, which say what is wrong (so this must never say yes where they would raise).
-int pkv_step_ok(const int32_t* cache_lengths, const int32_t* table, int64_t table_stride, int64_t table_2d,
+int run_step_ok(const int32_t* cache_lengths, const int32_t* table, int64_t table_stride, int64_t table_2d,
                 int64_t table_width, const int32_t* offsets, int64_t batch, int64_t total_rows, int64_t page_size,
                 int64_t num_pages, int reads_all, int64_t max_kv_len) {
   if (offsets[0] != 0) return 0;
@@ -943,6 +945,76 @@ int pkv_step_ok(const int32_t* cache_lengths, const int32_t* table, int64_t tabl
     }
   }
   return 1;
+}
+
+// One call's arguments as kernels.py packs them (struct "@...q...d"): int64 values (pointers as
+// integers) then doubles, 8 bytes each, in the order of the run_* parameters. ctypes then converts
+// one argument per call instead of twenty-odd (a few microseconds a call).
+struct Packed {
+  const unsigned char* p;
+  int64_t i(int k) const {
+    int64_t v;
+    std::memcpy(&v, p + 8 * k, 8);
+    return v;
+  }
+  double d(int k) const {
+    double v;
+    std::memcpy(&v, p + 8 * k, 8);
+    return v;
+  }
+  template <class T>
+  T* ptr(int k) const {
+    return reinterpret_cast<T*>(static_cast<intptr_t>(i(k)));
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+int pkv_vector_width() { return W; }
+
+int pkv_openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+void pkv_flash_attention(const unsigned char* packed) {
+  const Packed a{packed};
+  run_flash_attention(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
+                      a.i(6), a.i(7), a.i(8), a.i(9), a.ptr<const int32_t>(10), a.ptr<const int32_t>(11), a.i(12),
+                      a.i(13), a.ptr<const int32_t>(14), a.i(15), a.i(16), a.i(17), a.d(27), static_cast<int>(a.i(18)),
+                      a.i(19), a.d(28), a.ptr<void>(20), a.i(21), a.i(22), a.i(23), a.i(24), a.i(25),
+                      static_cast<int>(a.i(26)));
+}
+
+void pkv_store_kv(const unsigned char* packed) {
+  const Packed a{packed};
+  run_store_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5), a.i(6), a.ptr<void>(7),
+               a.i(8), a.i(9), a.i(10), a.i(11), a.i(12), a.ptr<const int32_t>(13), a.ptr<const int32_t>(14), a.i(15),
+               a.i(16), a.ptr<const int32_t>(17), a.i(18), a.i(19), static_cast<int>(a.i(20)));
+}
+
+void pkv_gather_kv(const unsigned char* packed) {
+  const Packed a{packed};
+  run_gather_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.i(4), a.i(5), a.i(6), a.ptr<const int32_t>(7),
+                a.ptr<const int32_t>(8), a.i(9), a.i(10), a.ptr<const int32_t>(11), a.i(12), a.i(13), a.i(14),
+                a.ptr<void>(15), a.ptr<void>(16), static_cast<int>(a.i(17)));
+}
+
+void pkv_copy_pages(const unsigned char* packed) {
+  const Packed a{packed};
+  run_copy_pages(a.ptr<void>(0), a.i(1), a.i(2), a.ptr<const int32_t>(3), a.ptr<const int32_t>(4), a.i(5),
+                 static_cast<int>(a.i(6)));
+}
+
+int pkv_step_ok(const unsigned char* packed) {
+  const Packed a{packed};
+  return run_step_ok(a.ptr<const int32_t>(0), a.ptr<const int32_t>(1), a.i(2), a.i(3), a.i(4), a.ptr<const int32_t>(5),
+                     a.i(6), a.i(7), a.i(8), a.i(9), static_cast<int>(a.i(10)), a.i(11));
 }
 
 }  // extern "C"
