@@ -6,19 +6,43 @@ cached layer the plan calls the checked ops, at every later layer the `.unchecke
 checks still run). This is the one place that rule lives; model code, the transformers integration
 and the examples all go through a plan (as FlashInfer's wrappers plan once and run per layer).
 The choice is made from `layer_idx`, a Python constant per layer, so it holds in a compiled graph.
+
+Eager calls at the later layers skip what the first layer settled for the whole step: the plan
+keeps the kernel the dispatcher chose there (`dispatch.select`) and calls it directly, after the
+shape checks of what changes per layer (the new rows, the layer index); the pool and the step
+tensors are the same objects, checked in full at the first layer. That saves the dispatcher round
+trip into Python, the kernel choice and the step's shape checks per layer (tens of microseconds
+per layer on a CPU, where a small model's decode step is a few milliseconds). It applies only
+where the op call would run that same kernel with nothing watching: eager, plain tensors, no torch
+function or dispatch mode, no profiler; anything else (a compiled graph, FakeTensor, a
+`TorchDispatchMode`) gets the ops.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .collection import StepTensors
-from .ops import library  # noqa: F401  (registers torch.ops.paged_kv)
+from .ops import dispatch, library, validate  # noqa: F401  (library registers torch.ops.paged_kv)
 
 _OPS = torch.ops.paged_kv
+
+
+def _eager_plain(*tensors: Tensor) -> bool:
+    """Whether an op call on `tensors` would reach the selected kernel as it is: not compiling, no
+    torch function or dispatch mode or profiler that should see the op, plain tensors."""
+    if torch.compiler.is_compiling():
+        return False
+    if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
+        return False
+    if torch.autograd.profiler._is_profiler_enabled:
+        return False
+    return all(type(t) is Tensor for t in tensors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +52,36 @@ class StepPlan:
     blocks: Tensor
     step: StepTensors
     first_layer: int = 0
+    # op name -> the kernel the first layer's (eager, checked) call ran: later eager layers call it
+    kernels: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def _checked(self, layer_idx: int) -> str:
         return "default" if layer_idx == self.first_layer else "unchecked"
 
+    def _direct(self, op: str, layer_idx: int, *tensors: Tensor) -> Callable[..., Any] | None:
+        """The kernel to call directly at this later layer, or None (call the op)."""
+        kernel = self.kernels.get(op)
+        if kernel is None or layer_idx == self.first_layer or not _eager_plain(*tensors):
+            return None
+        if not 0 <= layer_idx < self.blocks.shape[2]:
+            return None  # the op raises the error
+        return kernel
+
+    def _remember(self, op: str, layer_idx: int, args: tuple, *tensors: Tensor) -> None:
+        """After the first layer's checked call: keep the kernel it ran, for the later layers."""
+        if layer_idx == self.first_layer and _eager_plain(*tensors):
+            self.kernels[op] = dispatch.select(op, self.blocks.device, args)
+
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
-        getattr(_OPS.store_kv, self._checked(layer_idx))(key, value, self.blocks, *self.step, layer_idx)
+        kernel = self._direct("store_kv", layer_idx, key, value)
+        args = (key, value, self.blocks, *self.step, layer_idx)
+        if kernel is not None:
+            validate.check_store_kv_rows(key, value, self.blocks)
+            kernel(*args)
+            return
+        getattr(_OPS.store_kv, self._checked(layer_idx))(*args)
+        self._remember("store_kv", layer_idx, args, key, value)
 
     def flash_attention(
         self,
@@ -46,9 +93,21 @@ class StepPlan:
         softcap: float = 0.0,
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
-        op = getattr(_OPS.flash_attention, self._checked(layer_idx))
-        return op(q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap)
+        kernel = self._direct("flash_attention", layer_idx, q)
+        args = (q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap)
+        if kernel is not None:
+            validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap)
+            return kernel(*args)
+        out = getattr(_OPS.flash_attention, self._checked(layer_idx))(*args)
+        self._remember("flash_attention", layer_idx, args, q)
+        return out
 
     def gather_kv(self, layer_idx: int, max_kv_len: int) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
-        return getattr(_OPS.gather_kv, self._checked(layer_idx))(self.blocks, *self.step, layer_idx, max_kv_len)
+        kernel = self._direct("gather_kv", layer_idx)
+        args = (self.blocks, *self.step, layer_idx, max_kv_len)
+        if kernel is not None and max_kv_len >= 0:
+            return kernel(*args)
+        out = getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
+        self._remember("gather_kv", layer_idx, args)
+        return out

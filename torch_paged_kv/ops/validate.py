@@ -115,6 +115,12 @@ def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | N
 def check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx) -> None:
     _check_blocks(blocks, layer_idx)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    check_store_kv_rows(key, value, blocks)
+
+
+def check_store_kv_rows(key, value, blocks) -> None:
+    """The shape checks of `store_kv` that concern the new rows (`step.StepPlan` runs only these at a
+    later layer of a step, whose pool and step tensors the first layer checked)."""
     _check_rows("key", key, blocks, blocks.shape[4])
     _check_rows("value", value, blocks, blocks.shape[4])
     _require(
@@ -127,6 +133,12 @@ def check_flash_attention_meta(
 ) -> None:
     _check_blocks(blocks, layer_idx)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    check_flash_attention_rows(q, blocks, softmax_scale, softcap)
+
+
+def check_flash_attention_rows(q, blocks, softmax_scale, softcap) -> None:
+    """The shape checks of `flash_attention` that concern the queries and the scalars (see
+    `check_store_kv_rows`)."""
     _check_rows("q", q, blocks)
     if q.shape[1] % blocks.shape[4] != 0:
         _fail("q", f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {blocks.shape[4]}")
