@@ -341,17 +341,46 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
   }
 }
 
+// The K and V rows of the next key block to ask the memory for while this block computes: a few
+// at a time, spread through the score loop (a burst of thousands of prefetches at the start of a
+// block stalls the core until they have all been issued, and nothing overlaps).
+struct Ahead {
+  const void* const* kp = nullptr;
+  const void* const* vp = nullptr;
+  int n = 0;              // rows in the next block (0: nothing to fetch)
+  int base = 0;           // the row of the next block that row 0 of the scored chunk fetches
+  int64_t ofs_bytes = 0;  // this kv head's column in a row
+  int64_t bytes = 0;      // of one row of one kv head
+
+  void fetch(int t0, int t1) const {
+    for (int t = base + t0; t < std::min(base + t1, n); ++t) {
+      const char* k = static_cast<const char*>(kp[t]) + ofs_bytes;
+      const char* v = static_cast<const char*>(vp[t]) + ofs_bytes;
+      for (int64_t c = 0; c < bytes; c += 64) {
+        __builtin_prefetch(k + c);
+        __builtin_prefetch(v + c);
+      }
+    }
+  }
+};
+
 template <int DT, int RT>
 inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t ofs, int n, int nfull, int tail,
-                    float* S, int64_t ldS) {
+                    float* S, int64_t ldS, const Ahead& ahead) {
   using T = typename Storage<DT>::T;
   const T* const* rows = reinterpret_cast<const T* const*>(kp);
   constexpr int NT = 8 / RT > 0 ? 8 / RT : 1;
   int t = 0;
   if constexpr (NT > 1) {
-    for (; t + NT <= n; t += NT) qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+    for (; t + NT <= n; t += NT) {
+      ahead.fetch(t, t + NT);
+      qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+    }
   }
-  for (; t < n; ++t) qk_tile<DT, RT, 1>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+  for (; t < n; ++t) {
+    ahead.fetch(t, t + 1);
+    qk_tile<DT, RT, 1>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+  }
 }
 
 // O[r] += sum_t P[r * ldS + t] * v_t for RT rows of O (fp32, row stride Dp) over n keys, a few
@@ -359,6 +388,7 @@ inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t o
 // often), so walking one column slice through all of them would evict each from L1 before the
 // next slice; a group of PV_GROUP rows stays in L1 while its slices are consumed.
 constexpr int PV_GROUP = 16;
+constexpr int CHUNK = 16;  // keys per pass through every kv head of an item (see attend_item)
 
 template <int DT, int RT>
 inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64_t ofs, int n, int nfull, int tail,
@@ -490,7 +520,6 @@ inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int6
 
 constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for
 constexpr int64_t BLOCK_BYTES = 128 << 10;  // K + V bytes of one key block of an item (L2-sized)
-constexpr int64_t PREFETCH_BLOCKS = 2;      // blocks ahead that prefetches ask for
 
 // Row r of an item: kv head h0 + r / per_head; within the head, new token q0 + (r % per_head) / group
 // and q head (kv head) * group + r % group. A head's rows are contiguous, so a row tile never
@@ -550,47 +579,53 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
     }
   };
-  // Ask for the cache lines of key positions [k0, k1) (PREFETCH_BLOCKS blocks ahead of the one
-  // being computed): pages scattered in memory defeat the hardware prefetcher.
-  auto prefetch = [&](int64_t k0, int64_t k1) {
-    for (int64_t pos = k0; pos < k1;) {
-      const char* row = reinterpret_cast<const char*>(blocks + g.offset(it.b, pos, it.h0));
-      const int64_t run = std::min<int64_t>(k1 - pos, g.page_size - pos % g.page_size);
-      const int64_t step = token_stride * static_cast<int64_t>(sizeof(T)), shift = vshift * static_cast<int64_t>(sizeof(T));
-      for (int64_t u = 0; u < run; ++u, ++pos) {
-        for (int64_t c = 0; c < span_bytes; c += 64) {
-          __builtin_prefetch(row + u * step + c);
-          __builtin_prefetch(row + u * step + shift + c);
-        }
-      }
-    }
-  };
   const float ninf = -std::numeric_limits<float>::infinity();
   auto live = [&](int64_t r0, int rt, int64_t k0, int n) {
     for (int r = 0; r < rt; ++r)
       if (sc.lo[r0 + r] < k0 + n && sc.hi[r0 + r] > k0) return true;
     return false;
   };
-  if (PREFETCH_BLOCKS > 2 && klo + kb < khi) prefetch(klo + kb, std::min(khi, klo + (PREFETCH_BLOCKS - 1) * kb));
-  for (int64_t k0 = klo; k0 < khi; k0 += kb) {
+  if (klo < khi) fill(klo, static_cast<int>(std::min<int64_t>(kb, khi - klo)), sc.kp.data(), sc.vp.data());
+  for (int64_t k0 = klo, block = 0; k0 < khi; k0 += kb, ++block) {
     const int n = static_cast<int>(std::min<int64_t>(kb, khi - k0));
-    const void** kp = sc.kp.data();
-    const void** vp = sc.vp.data();
-    fill(k0, n, kp, vp);
-    const int64_t ahead = k0 + (PREFETCH_BLOCKS - 1) * kb;
-    if (ahead < khi) prefetch(ahead, std::min(khi, ahead + kb));
-    for (int64_t hh = 0; hh < heads; ++hh) {  // scores, a head's row tiles at a time
-      for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
-        const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
-        if (!live(r0, rt, k0, n)) continue;
-        const float* q = Q + r0 * Dp;
-        float* s = S + r0 * KEY_BLOCK;
-        const int64_t ofs = hh * D;
-        switch (rt) {
-          case 4: qk_rows<DT, 4>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
-          case 3: qk_rows<DT, 3>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
-          case 2: qk_rows<DT, 2>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
-          default: qk_rows<DT, 1>(q, Dp, kp, ofs, n, nfull, tail, s, KEY_BLOCK); break;
+    const void** kp = sc.kp.data() + (block & 1) * KEY_BLOCK;  // filled by the previous block
+    const void** vp = sc.vp.data() + (block & 1) * KEY_BLOCK;
+    Ahead ahead;
+    if (k0 + kb < khi) {  // the next block's rows, fetched while this one computes
+      const void** next_kp = sc.kp.data() + ((block + 1) & 1) * KEY_BLOCK;
+      const void** next_vp = sc.vp.data() + ((block + 1) & 1) * KEY_BLOCK;
+      ahead.n = static_cast<int>(std::min<int64_t>(kb, khi - k0 - kb));
+      fill(k0 + kb, ahead.n, next_kp, next_vp);
+      ahead.kp = next_kp;
+      ahead.vp = next_vp;
+      ahead.bytes = D * static_cast<int64_t>(sizeof(T));
+    }
+    // Scores, CHUNK keys at a time through every kv head: a chunk's rows of all heads are one
+    // contiguous span per key (a head's row alone is a 2^k-strided sliver), read together.
+    const Ahead none;
+    for (int c0 = 0; c0 < n; c0 += CHUNK) {
+      const int c1 = std::min(n, c0 + CHUNK);
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        Ahead fetch = ahead;
+        fetch.ofs_bytes = hh * ahead.bytes;
+        fetch.base = c0;
+        for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
+          const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
+          const Ahead& f = r0 == hh * per_head ? fetch : none;  // the head's first row tile fetches
+          if (!live(r0, rt, k0, n)) {
+            f.fetch(0, c1 - c0);
+            continue;
+          }
+          const float* q = Q + r0 * Dp;
+          float* sp = S + r0 * KEY_BLOCK + c0;
+          const void* const* kc = kp + c0;
+          const int64_t ofs = hh * D;
+          switch (rt) {
+            case 4: qk_rows<DT, 4>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
+            case 3: qk_rows<DT, 3>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
+            case 2: qk_rows<DT, 2>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
+            default: qk_rows<DT, 1>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
+          }
         }
       }
     }
@@ -627,18 +662,22 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         for (int64_t d = 0; d < Dp; d += W) store_f32(o + d, load_f32(o + d) * alpha);
       }
     }
-    for (int64_t hh = 0; hh < heads; ++hh) {  // O += P V
-      for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
-        const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
-        if (!live(r0, rt, k0, n)) continue;
-        const float* p = S + r0 * KEY_BLOCK;
-        float* o = O + r0 * Dp;
-        const int64_t ofs = hh * D;
-        switch (rt) {
-          case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
-          case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
-          case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
-          default: pv_rows<DT, 1>(p, KEY_BLOCK, vp, ofs, n, nfull, tail, o, Dp); break;
+    for (int c0 = 0; c0 < n; c0 += CHUNK) {  // O += P V, CHUNK keys at a time through every kv head
+      const int c1 = std::min(n, c0 + CHUNK);
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
+          const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
+          if (!live(r0, rt, k0, n)) continue;
+          const float* p = S + r0 * KEY_BLOCK + c0;
+          float* o = O + r0 * Dp;
+          const void* const* vc = vp + c0;
+          const int64_t ofs = hh * D;
+          switch (rt) {
+            case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
+            case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
+            case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
+            default: pv_rows<DT, 1>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
+          }
         }
       }
     }
