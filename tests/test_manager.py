@@ -17,7 +17,7 @@ import torch
 
 import torch_paged_kv as tpk
 from torch_paged_kv.manager import KVCacheManager, OutOfPagesError
-from torch_paged_kv.prefix_cache import page_key, root_key
+from torch_paged_kv.page_pool import page_key, root_key
 
 PARAMS = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
 PS = PARAMS.page_size
@@ -58,7 +58,7 @@ def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
     """gather_kv over each sequence's pages equals K/V recomputed from its tokens."""
     c = m.collection
     for i in ids:
-        pages = m._pages(m._seqs[i])
+        pages = m.pages(i)
         table = torch.full((1, c.lookup_table.shape[1]), tpk.NULL_PAGE, dtype=torch.int32)
         table[0, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         length = len(model[i])
@@ -73,21 +73,22 @@ def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
 
 
 def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
-    """Refcounts equal holders; free/evictable/held partition the pages; shared pages are full."""
-    pool, n = m._pool, m.collection.num_pages
+    """Refcounts equal holders; free/evictable/held partition the pages; shared pages are full;
+    the host table holds exactly the sequences' pages."""
+    pool, n = m.page_pool, m.collection.num_pages
     holders: dict[int, list[tuple]] = {}
     for i in model:
-        seq = m._seqs[i]
-        pages = m._pages(seq)
-        assert (seq.host_pages is None) == (i in on_device)
+        pages = m.pages(i)
+        assert m.is_offloaded(i) == (i not in on_device)
         if i not in on_device:
             assert pages == []
             continue
         assert len(pages) == -(-len(model[i]) // PS)
         assert len(set(pages)) == len(pages) and tpk.NULL_PAGE not in pages
-        assert (m._table[seq.slot, len(pages) :] == tpk.NULL_PAGE).all()
         for idx, page in enumerate(pages):
             holders.setdefault(page, []).append((i, idx))
+    rows = m.page_table.rows
+    assert (rows != tpk.NULL_PAGE).sum() == sum(len(h) for h in holders.values())  # no stale table entries
     for page in range(1, n + 1):
         assert pool.refcounts[page] == len(holders.get(page, [])), page
         shared_or_cached = len(holders.get(page, [])) > 1 or page in pool.key_of
@@ -102,17 +103,15 @@ def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
 
 
 def snapshot(m: KVCacheManager) -> dict:
-    """Everything an all-or-nothing operation must leave unchanged."""
-    c = m.collection
-    state = {
-        k: copy.deepcopy(v)
-        for k, v in vars(m).items()
-        if k not in ("collection", "_host_views", "_step_views", "_rows_seqs", "_pending", "_seqs", "_pool")
+    """Everything an all-or-nothing operation must leave unchanged, as the public surface shows it."""
+    c, table = m.collection, m.page_table
+    state = {name: getattr(table, name).copy() for name in ("lengths", "num_pages", "known", "tokens", "rows")}
+    state["pool"] = copy.deepcopy(vars(m.page_pool))
+    state["counters"] = (m.prefix_cache_hits, m.prefix_cache_misses, m.num_free_pages(), m.num_cached_pages())
+    state["seqs"] = {
+        i: (m.cache_length(i), m.pages(i), m.token_ids(i), m.prefix_keys(i), m.is_offloaded(i)) for i in m.sequences
     }
-    state["pool"] = copy.deepcopy(vars(m._pool))
-    state["seqs"] = {i: (s.slot, m._token_ids(s), list(s.keys), s.host_pages is None) for i, s in m._seqs.items()}
-    state["pending"] = None if m._pending is None else [s.seq_id for s in m._pending.seqs]
-    state["rows_seqs"] = [s.seq_id for s in m._rows_seqs]
+    state["prepared"] = m.prepared_sequences
     state["device"] = [t.clone() for t in (c.cache_lengths, c.lookup_table, c.input_row_offsets, c.blocks)]
     return state
 
@@ -180,7 +179,7 @@ def test_random_workload_against_model():
             else:
                 step = run_step(m, ids, news, model, pass_tokens)
                 for b, i in enumerate(ids):  # the step tensors the model saw
-                    pages = m._pages(m._seqs[i])
+                    pages = m.pages(i)
                     assert step.cache_lengths[b] == len(model[i]) - len(news[b])
                     assert step.lookup_table[b, : len(pages)].tolist() == pages
                     assert (step.lookup_table[b, len(pages) :] == tpk.NULL_PAGE).all()
@@ -262,8 +261,8 @@ def test_prefix_reuse_matches_recompute_and_counts_tokens():
     assert (m.prefix_cache_hits, m.prefix_cache_misses) == (0, 11)
     reused_out = attention_of_last(m, "b", prompt)
     assert m.cache_length("b") == 11 and (m.prefix_cache_hits, m.prefix_cache_misses) == (8, 14)
-    assert m._pages(m._seqs["b"])[:2] == m._pages(m._seqs["a"])[:2]
-    assert m._pages(m._seqs["b"])[2] != m._pages(m._seqs["a"])[2]
+    assert m.pages("b")[:2] == m.pages("a")[:2]
+    assert m.pages("b")[2] != m.pages("a")[2]
     assert torch.equal(reused_out, fresh)
     torch.testing.assert_close(reused_out, one_step[8:])  # a different query count: rounding may differ
     # a prompt of exactly two cached pages reuses one: at least one token is left to compute
@@ -288,19 +287,19 @@ def test_lru_evicts_least_recently_released_tail_first():
         m.claim(i, p)
         model[i] = []
         run_step(m, [i], [p], model)
-    a_pages, b_pages = m._pages(m._seqs["a"]), m._pages(m._seqs["b"])
+    a_pages, b_pages = m.pages("a"), m.pages("b")
     m.release("a")
     m.release("b")
     assert m.num_free_pages() == 6 and m.num_cached_pages() == 4
-    assert list(m._pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
+    assert list(m.page_pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
     # touching b's head makes it most recent: reuse then release
     assert m.claim("b2", pb[:5]) == 4
     m.release("b2")
-    assert list(m._pool.evictable) == [*[a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3], b_pages[0]]
+    assert list(m.page_pool.evictable) == [*[a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3], b_pages[0]]
     m.claim("c", [3] * 12)
     model["c"] = []
     run_step(m, ["c"], [[3] * 12], model)  # 3 pages: 2 free (the partial ones), then a's tail
-    assert a_pages[1] in m._pages(m._seqs["c"])
+    assert a_pages[1] in m.pages("c")
     assert m.claim("a2", pa) == 4 and m.claim("b3", pb) == 8
 
 
@@ -310,7 +309,7 @@ def test_salt_separates_caches():
     for salt in (None, b"tenant-1", b"tenant-2"):
         m = make(hash_salt=salt)
         attention_of_last(m, "a", prompt)
-        keys[salt] = m._seqs["a"].keys
+        keys[salt] = m.prefix_keys("a")
         assert keys[salt][0] == page_key(root_key(salt), prompt[:4])
         assert keys[salt][1] == page_key(keys[salt][0], prompt[4:8])
     assert len({k[0] for k in keys.values()}) == 3
@@ -326,14 +325,14 @@ def test_decode_pages_cached_only_with_token_ids():
     run_step(m, ["a", "b"], [[1, 2, 3], [1, 2, 3]], model, pass_tokens=False)  # a: from its prompt; b: unknown
     for tok in (4, 5):
         run_step(m, ["a", "b"], [[tok], [tok]], model, pass_tokens=False)
-    assert len(m._seqs["a"].keys) == 0 and m.num_cached_pages() == 0  # position 3 of a was not in the prompt
+    assert len(m.prefix_keys("a")) == 0 and m.num_cached_pages() == 0  # position 3 of a was not in the prompt
     m.claim("c", [7, 7])
     model["c"] = []
     run_step(m, ["c"], [[7, 7]], model, pass_tokens=False)
     run_step(m, ["c"], [[8, 9]], model)
     assert m.num_cached_pages() == 1 and m.claim("d", [7, 7, 8, 9, 1]) == 4
     run_step(m, ["b"], [[6]], model)  # ids of b's first tokens were never given: b caches nothing
-    assert m._token_ids(m._seqs["b"]) is None and m.num_cached_pages() == 1
+    assert m.token_ids("b") is None and m.num_cached_pages() == 1
 
 
 def chained_keys(tokens: list[int], salt: bytes | None = None) -> list[bytes]:
@@ -357,13 +356,13 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
     m.claim("a", [1, 2, 3, 4, 5, 6, 9, 9])  # the remembered prompt runs past the first step
     m.claim("c")
     run_step(m, ["a", "c"], [[1, 2, 3, 4, 5, 6], [7] * 5], model, pass_tokens=False)  # c: ids unknown
-    assert m._token_ids(m._seqs["a"]) == [1, 2, 3, 4, 5, 6, 9, 9] and m._tokens.shape[1] == 8
-    assert m._seqs["a"].keys == chained_keys(model["a"]) and m._seqs["c"].keys == []
+    assert m.token_ids("a") == [1, 2, 3, 4, 5, 6, 9, 9] and m.page_table.tokens.shape[1] == 8
+    assert m.prefix_keys("a") == chained_keys(model["a"]) and m.prefix_keys("c") == []
     for t in range(20):  # decode with ids, a past its capacity (8 -> 16 -> 32 -> 48); c stops caching for good
         run_step(m, ["a", "c"], [[t % 3, 7] if t % 4 else [t], [t]], model)
-        assert m._seqs["a"].keys == chained_keys(model["a"]), t
-        assert m._token_ids(m._seqs["a"]) == model["a"] and m._token_ids(m._seqs["c"]) is None
-    assert m._tokens.shape[1] == 48 and m.cache_length("a") == 41  # doubling stops at max_seq_len
+        assert m.prefix_keys("a") == chained_keys(model["a"]), t
+        assert m.token_ids("a") == model["a"] and m.token_ids("c") is None
+    assert m.page_table.tokens.shape[1] == 48 and m.cache_length("a") == 41  # doubling stops at max_seq_len
     m.fork("a", "b")  # a long, partial-page parent: the child has all its ids and keys
     model["b"] = list(model["a"])
     m.prepare_step(["b", "c"], [2, 1], [[5, 5], [5]])  # (no K/V stored: b's contents are not checked)
@@ -374,7 +373,7 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
     for t in range(3):
         run_step(m, ["a", "b"], [[t], [t + 1]], model)
     for i in ("a", "b"):
-        assert m._token_ids(m._seqs[i]) == model[i] and m._seqs[i].keys == chained_keys(model[i])
+        assert m.token_ids(i) == model[i] and m.prefix_keys(i) == chained_keys(model[i])
     check_contents(m, model, ["a"])
     assert m.claim("d", model["b"] + [0]) == len(model["b"]) // PS * PS
     m.release("d")
@@ -383,8 +382,8 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
         dst = make(enable_prefix_caching=caching)
         ids = dst.load(tmp_path / "kv.safetensors")
         for new, old in zip(ids, ["a", "b"], strict=True):
-            assert dst._token_ids(dst._seqs[new]) == (model[old] if caching else None)
-            assert dst._seqs[new].keys == (chained_keys(model[old]) if caching else [])
+            assert dst.token_ids(new) == (model[old] if caching else None)
+            assert dst.prefix_keys(new) == (chained_keys(model[old]) if caching else [])
 
 
 # -- fork / copy-on-write -----------------------------------------------------------------------
@@ -397,18 +396,18 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
     run_step(m, ["p"], [[1, 2, 3, 4, 5, 6]], model)
     m.fork("p", "c")
     model["c"] = list(model["p"])
-    pp, cp = m._pages(m._seqs["p"]), m._pages(m._seqs["c"])
-    assert pp[0] == cp[0] and pp[1] != cp[1] and m._pool.refcounts[pp[0]] == 2
+    pp, cp = m.pages("p"), m.pages("c")
+    assert pp[0] == cp[0] and pp[1] != cp[1] and m.page_pool.refcounts[pp[0]] == 2
     check_contents(m, model, ["p", "c"])
     for step in range(5):  # diverge: both write into the copied page and beyond
         run_step(m, ["p", "c"], [[10 + step], [20 + step, 30]], model)
     check_contents(m, model, ["p", "c"])
-    assert m._pages(m._seqs["p"])[0] == m._pages(m._seqs["c"])[0]
+    assert m.pages("p")[0] == m.pages("c")[0]
     m.release("p")
     check_contents(m, model, ["c"])
-    assert m._pool.refcounts[pp[0]] == 1
+    assert m.page_pool.refcounts[pp[0]] == 1
     m.fork("c", "g")  # length 16: page aligned, nothing copied
-    assert m._pages(m._seqs["g"]) == m._pages(m._seqs["c"])
+    assert m.pages("g") == m.pages("c")
 
 
 # -- all or nothing -----------------------------------------------------------------------------
@@ -450,12 +449,12 @@ def test_restore_shares_full_pages_still_cached():
         n = m.claim(s, prompt)
         m.prepare_step([s], [9 - n], token_ids=[prompt[n:]])
         m.commit_step()
-    shared = m._pages(m._seqs["a"])[:2]
-    assert m._pages(m._seqs["b"])[:2] == shared
+    shared = m.pages("a")[:2]
+    assert m.pages("b")[:2] == shared
     free = m.num_free_pages()
     m.offload(["b"])
     m.restore(["b"])
-    assert m._pages(m._seqs["b"])[:2] == shared and m.num_free_pages() == free  # no private copies
+    assert m.pages("b")[:2] == shared and m.num_free_pages() == free  # no private copies
 
 
 def test_errors_name_the_argument_and_change_nothing():
@@ -581,7 +580,7 @@ def test_load_failing_its_checksums_frees_its_pages(tmp_path):
     m = make()
     m.claim("x")
     run_step(m, ["x"], [[2] * 5], {"x": []})
-    live = m._pages(m._seqs["x"])
+    live = m.pages("x")
     before = snapshot(m)
     with pytest.raises(tpk.CheckpointError, match="checksum mismatch"):
         m.load(tmp_path / "kv.safetensors")

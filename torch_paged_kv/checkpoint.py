@@ -72,17 +72,36 @@ def _first_use_order(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return uniq[order], rank[inverse]
 
 
-def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
-    rows = list(range(collection.max_batch_size)) if batch_indices is None else [int(b) for b in batch_indices]
-    if not rows:
+def _selected_rows(
+    collection: Collection, batch_indices: list[int] | None, rows: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """(source row numbers, cache_lengths, lookup_table) of what a save stores, on the CPU."""
+    if rows is not None:
+        if batch_indices is not None:
+            raise CheckpointError("rows: pass either batch_indices or rows, not both")
+        lengths, table = (torch.as_tensor(t).cpu() for t in rows)
+        width = collection.lookup_table.shape[1:]
+        shape_ok = lengths.dim() == 1 and tuple(table.shape) == (lengths.shape[0], *width)
+        if lengths.dtype != torch.int32 or table.dtype != torch.int32 or not shape_ok:
+            raise CheckpointError(
+                f"rows: expected int32 cache_lengths [B] and lookup_table [B{', ' + str(width[0]) if width else ''}], "
+                f"got {lengths.dtype}{list(lengths.shape)} and {table.dtype}{list(table.shape)}"
+            )
+        if not lengths.numel():
+            raise CheckpointError("rows: nothing to save (empty)")
+        return list(range(lengths.shape[0])), lengths, table
+    selected = list(range(collection.max_batch_size)) if batch_indices is None else [int(b) for b in batch_indices]
+    if not selected:
         raise CheckpointError("batch_indices: nothing to save (empty)")
-    if len(set(rows)) != len(rows) or not all(0 <= b < collection.max_batch_size for b in rows):
+    if len(set(selected)) != len(selected) or not all(0 <= b < collection.max_batch_size for b in selected):
         raise CheckpointError(
-            f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {rows}"
+            f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {selected}"
         )
-    index = torch.tensor(rows)
-    lengths = collection.cache_lengths.cpu()[index]
-    table = collection.lookup_table.cpu()[index]
+    index = torch.tensor(selected)
+    return selected, collection.cache_lengths.cpu()[index], collection.lookup_table.cpu()[index]
+
+
+def _plan(collection: Collection, rows: list[int], lengths: torch.Tensor, table: torch.Tensor) -> _Plan:
     if bool((lengths < 0).any()) or bool((lengths > collection.max_seq_len).any()):
         raise CheckpointError(f"cache_lengths: expected 0..{collection.max_seq_len}, got {lengths.tolist()}")
     page_size = collection.params.page_size
@@ -139,13 +158,17 @@ def save_cache(
     path: str | os.PathLike[str],
     *,
     batch_indices: list[int] | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     metadata: dict[str, str] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool | None = None,
 ) -> None:
     """Save rows `batch_indices` (default: every row, in order) of `collection` to `path`.
 
-    The loaded collection's row i is saved row `batch_indices[i]`. `metadata` (str -> str) is
+    The loaded collection's row i is saved row `batch_indices[i]`. Instead of the collection's own
+    rows, `rows=(cache_lengths, lookup_table)` saves rows given explicitly (int32, the shapes of the
+    collection's step tensors), whose tables name pages of `collection.blocks` (what
+    `KVCacheManager.save` passes: its sequences are not rows of the collection). `metadata` (str -> str) is
     stored as user metadata. Page data beyond `shard_bytes` per file goes to shard files next to
     `path`, listed in `path`'s header. A failed save leaves any checkpoint at `path` intact.
     """
@@ -155,7 +178,7 @@ def save_cache(
         raise CheckpointError("metadata: expected a dict of str to str")
     if shard_bytes <= 0:
         raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
-    plan = _plan(collection, batch_indices)
+    plan = _plan(collection, *_selected_rows(collection, batch_indices, rows))
     params = collection.params
     io = PageStream(params, plan.page_tokens, collection.blocks)
     piece_shape = (params.num_planes, params.num_layers, plan.page_tokens, params.num_kv_heads, params.head_dim)
