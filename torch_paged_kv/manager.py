@@ -132,6 +132,11 @@ class KVCacheManager:
         """Ids of the rows of the prepared step not yet committed (empty when there is none)."""
         return [] if self._pending is None else [s.seq_id for s in self._pending.seqs]
 
+    @property
+    def prefix_root(self) -> bytes:
+        """Parent key of every sequence's first page (from `hash_salt`): keys chain from it."""
+        return self._root
+
     def num_free_pages(self) -> int:
         """Pages an allocation can use now: unused pages plus evictable cached pages."""
         return self.page_pool.available()
