@@ -411,8 +411,11 @@ class KVCacheManager:
         info = checkpoint.read_info(path)
         params, c = self.collection.params, self.collection
         if info.kind != checkpoint.PAGED or info.params != params:
+            heads = ("num_kv_heads", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+            other_heads = dataclasses.replace(info.params, **{f: getattr(params, f) for f in heads}) == params
+            hint = " (a shard of other KV heads: see torch_paged_kv.distributed.reshard.load_sharded)" * other_heads
             raise checkpoint.CheckpointError(
-                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}"
+                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}{hint}"
             )
         if max(info.cache_lengths) > c.max_seq_len:
             raise checkpoint.CheckpointError(
