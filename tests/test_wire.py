@@ -83,3 +83,10 @@ def test_trailer_round_trips_a_uint64():
     buf = torch.zeros(20, dtype=torch.uint8)
     wire.put_trailer(buf, 2**64 - 3)
     assert wire.get_trailer(buf) == 2**64 - 3 and buf[:12].eq(0).all()
+
+
+def test_sum64_is_the_same_in_numpy_and_in_torch():
+    gen = torch.Generator().manual_seed(1)
+    for n in (0, 1, 4095, 4096, 4097, 3 * 4096 + 17):
+        payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+        assert wire._sum64_numpy(payload) == wire._sum64_torch(payload), n
