@@ -15,7 +15,8 @@ sender's (regenerated from the seed) before anything is timed.
 
 TP bookkeeping: two ranks decode `--tp-batch` sequences one token per step with
 `TensorParallelKVCacheManager` (a digest all-reduce per step over gloo) and with a plain
-`KVCacheManager`; the difference is the per-step cost of keeping the ranks in lockstep.
+`KVCacheManager`, `--tp-model-ms` of sleep standing in for the model between prepare_step and
+commit_step; the difference is the per-step cost of keeping the ranks in lockstep.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def transfer_worker(rank: int, args: argparse.Namespace, init_file: str, results
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=300)
     )
     page_bytes = PARAMS.page_size * PARAMS.bytes_per_token
-    num_pages = max(1, (args.size_mb << 20) // page_bytes)
+    num_pages = max(8, (args.size_mb << 20) // page_bytes)  # at least a page per sequence
     manager = scattered_manager(num_pages + 8, seed=rank)
     lengths = [num_pages * PARAMS.page_size // 8] * 7
     lengths.append(num_pages * PARAMS.page_size - sum(lengths))  # 8 sequences, every page full
@@ -139,15 +140,17 @@ def transfer_worker(rank: int, args: argparse.Namespace, init_file: str, results
 
 
 def tp_bookkeeping(rank: int, args: argparse.Namespace) -> list[dict]:
-    """Median microseconds per decode step (prepare_step + commit_step, no model) of a plain manager,
-    a TP manager checked every step, and the check (`verify`) alone."""
+    """Median microseconds per decode step (prepare_step, `--tp-model-ms` of simulated model time,
+    commit_step) of a plain manager and of TP managers checked every step, and the overhead over
+    the plain one; then the digest and a blocking `verify` alone."""
     full = pk.KVCacheParams(torch.float16, num_layers=1, num_kv_heads=2, head_dim=8, page_size=16)
     params = shard_params(full, 2, rank)
+    model_s = args.tp_model_ms / 1e3
     rows = []
     for name, make in [
         ("KVCacheManager (no TP)", lambda c: pk.KVCacheManager(c)),
-        ("TensorParallelKVCacheManager, digest every step", lambda c: TensorParallelKVCacheManager(c)),
-        ("TensorParallelKVCacheManager, verify_every=16", lambda c: TensorParallelKVCacheManager(c, verify_every=16)),
+        ("TensorParallelKVCacheManager (check overlapped with the model)", lambda c: TensorParallelKVCacheManager(c)),
+        ("TensorParallelKVCacheManager, overlap=False", lambda c: TensorParallelKVCacheManager(c, overlap=False)),
     ]:
         per_step = []
         for _ in range(args.repeats):
@@ -164,13 +167,17 @@ def tp_bookkeeping(rank: int, args: argparse.Namespace) -> list[dict]:
             start = time.perf_counter()
             for _ in range(args.tp_steps):
                 m.prepare_step(ids, ones, tokens)
+                if model_s:
+                    time.sleep(model_s)
                 m.commit_step()
             per_step.append((time.perf_counter() - start) / args.tp_steps * 1e6)
         rows.append({"what": name, "batch": args.tp_batch, "us_per_step": statistics.median(per_step)})
+    for row in rows:
+        row["overhead_us"] = row["us_per_step"] - rows[0]["us_per_step"]
     m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 64, 8, 64))
     m.claim(0)
     m.prepare_step([0], [1])
-    for label, fn in [("digest alone", m.digest), ("verify (digest + all-reduce)", m.verify)]:
+    for label, fn in [("digest alone", m.digest), ("verify (digest + blocking all-reduce)", m.verify)]:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(args.tp_steps):
@@ -186,6 +193,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tp-batch", type=int, default=64)
     parser.add_argument("--tp-steps", type=int, default=300)
+    parser.add_argument("--tp-model-ms", type=float, default=2.0, help="simulated model time per step")
     parser.add_argument("--checksum", choices=["sum64", "crc32"], default="sum64")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -198,7 +206,8 @@ def main() -> None:
     setup = {"params": str(PARAMS), "page MiB": PARAMS.page_size * PARAMS.bytes_per_token / 2**20, "backend": "gloo"}
     print(report("bench_transfer", transfer_rows, setup))
     print()
-    print(report("bench_tp_bookkeeping", tp_rows, {"ranks": 2, "backend": "gloo", "steps": args.tp_steps}))
+    tp_setup = {"ranks": 2, "backend": "gloo", "steps": args.tp_steps, "model ms": args.tp_model_ms}
+    print(report("bench_tp_bookkeeping", tp_rows, tp_setup))
 
 
 if __name__ == "__main__":

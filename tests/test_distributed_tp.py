@@ -110,8 +110,17 @@ def _divergence(rank: int, world: int) -> str:
     m.verify(full=True)
     if rank == 1:  # a call the other rank does not make: a page copied on rank 1 only
         m.fork("a", "b")
+    m.prepare_step(["a"], [1], [[8]])  # the check runs while the model would
     with pytest.raises(TensorParallelDivergenceError, match="differ at step 3") as info:
-        m.prepare_step(["a"], [1], [[8]])
+        m.commit_step()
+    assert m.cache_length("a") == 7  # nothing was committed
+    waiting = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64), overlap=False)
+    waiting.claim("a" if rank == 0 else "b")  # a different id: the same pages, but not the same sequences
+    waiting.claim("x")
+    if rank == 1:
+        waiting.claim("y")
+    with pytest.raises(TensorParallelDivergenceError, match="differ at step 1"):
+        waiting.prepare_step(["x"], [2])  # without overlap the step itself raises
     return str(info.value)
 
 

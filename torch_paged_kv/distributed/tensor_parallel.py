@@ -91,9 +91,11 @@ class TensorParallelKVCacheManager(KVCacheManager):
     process's size/rank in `group`. Call it exactly as every other rank does. Every `verify_every`-th
     `prepare_step` (default: each) all-reduces a digest of the step (lengths, page counts, the last
     page of each row, the pool's counters) over `cpu_group` (default `group`, which must then be a
-    gloo group; with NCCL pass a gloo group of the same ranks) and raises
-    `TensorParallelDivergenceError` on every rank if any differs. `verify(full=True)` also compares
-    every sequence's pages and the free list (after a load or a transfer, say).
+    gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
+    all-reduce runs while the model does and `commit_step` checks it; without, `prepare_step` waits
+    for it. Either raises `TensorParallelDivergenceError` on every rank if any differs, before the
+    step is committed. `verify(full=True)` also compares every sequence's pages and the free list
+    (after a load or a transfer, say).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class TensorParallelKVCacheManager(KVCacheManager):
         *,
         cpu_group: dist.ProcessGroup | None = None,
         verify_every: int = 1,
+        overlap: bool = True,
         enable_prefix_caching: bool = True,
         hash_salt: bytes | None = None,
     ) -> None:
@@ -121,17 +124,30 @@ class TensorParallelKVCacheManager(KVCacheManager):
             raise ValueError(f"verify_every: expected an int >= 0 (0: never), got {verify_every!r}")
         self.group, self.cpu_group, self.verify_every = group, cpu_group, verify_every
         self.tp_rank, self.tp_size = rank, size
+        self.overlap = bool(overlap)
         self.steps_prepared = 0
+        self._in_flight: tuple[int, torch.Tensor, object] | None = None
 
     def prepare_step(
         self, seq_ids: Sequence, num_new_tokens: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None
     ) -> StepTensors:
-        """`KVCacheManager.prepare_step`, then the digest check (every `verify_every` steps)."""
+        """`KVCacheManager.prepare_step`, then (every `verify_every` steps) the digest all-reduce is
+        started; with `overlap` it completes while the model runs and `commit_step` checks it."""
+        self._check_pending()  # an abandoned step's check still counts
         step = super().prepare_step(seq_ids, num_new_tokens, token_ids)
         self.steps_prepared += 1
         if self.verify_every and self.steps_prepared % self.verify_every == 0:
-            self.verify()
+            if self.overlap:
+                self._in_flight = self._start(self.digest())
+            else:
+                self.verify()
         return step
+
+    def commit_step(self) -> None:
+        """Check this step's digests (`TensorParallelDivergenceError` before anything is committed),
+        then `KVCacheManager.commit_step`."""
+        self._check_pending()
+        super().commit_step()
 
     def digest(self, full: bool = False) -> int:
         """A 56-bit digest of the page decisions so far (see the class docs); equal on every rank."""
@@ -152,16 +168,28 @@ class TensorParallelKVCacheManager(KVCacheManager):
             h.update(table.rows[slots].tobytes() + np.array(pool.free, dtype=np.int64).tobytes())
         return int.from_bytes(h.digest(), "little")
 
-    def verify(self, full: bool = False) -> None:
-        """Compare `digest(full)` across the group; `TensorParallelDivergenceError` on every rank if
-        any rank differs."""
-        d = self.digest(full)
-        both = torch.tensor([d, -d], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.cpu_group)
+    def _start(self, digest: int) -> tuple[int, torch.Tensor, object]:
+        both = torch.tensor([digest, -digest], dtype=torch.int64)
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.cpu_group, async_op=True)
+        return digest, both, work
+
+    def _check(self, digest: int, both: torch.Tensor, work: object) -> None:
+        work.wait()
         high, low = int(both[0]), -int(both[1])
         if high != low:
             raise TensorParallelDivergenceError(
                 f"rank {self.tp_rank} of {self.tp_size}: the ranks' page decisions differ at step "
-                f"{self.steps_prepared} (digest {d:#x} here, between {low:#x} and {high:#x} over the group); "
+                f"{self.steps_prepared} (digest {digest:#x} here, between {low:#x} and {high:#x} over the group); "
                 "every rank must make the same manager calls in the same order"
             )
+
+    def _check_pending(self) -> None:
+        if self._in_flight is not None:
+            in_flight, self._in_flight = self._in_flight, None
+            self._check(*in_flight)
+
+    def verify(self, full: bool = False) -> None:
+        """Compare `digest(full)` across the group now; `TensorParallelDivergenceError` on every rank
+        if any rank differs."""
+        self._check_pending()
+        self._check(*self._start(self.digest(full)))
