@@ -288,3 +288,41 @@ def test_kv_rows_is_a_function_of_the_prefix():
     assert torch.equal(kv_rows(PARAMS, [1, 2, 3, 9], 0, 3), a[:3]) and not torch.equal(
         a[3], kv_rows(PARAMS, [1, 2, 3, 9], 3, 4)[0]
     )
+
+
+# -- quantized caches: per-page scales travel with the pages -----------------------------------------
+
+
+def with_scales(m: pk.KVCacheManager, seed: int | None) -> pk.KVCacheManager:
+    """Give the collection a `scales` tensor as FP8 caches have (DESIGN.md: float32, one per token and
+    head at granularity = head_dim), random when `seed` is given."""
+    p, blocks = m.collection.params, m.collection.blocks
+    m.collection.scales = torch.zeros(blocks.shape[0], p.num_planes, p.num_layers, p.page_size, p.num_kv_heads, 1)
+    if seed is not None:
+        m.collection.scales.normal_(generator=torch.Generator().manual_seed(seed))
+    return m
+
+
+def _scales(rank: int, world: int) -> None:
+    src, model, ids, _ = sender_state(11)
+    with_scales(src, 5)
+    if rank == 0:
+        with pytest.raises(TransferRejected, match="scales"):
+            send_sequences(src, ids, 1)
+        send_sequences(src, ids, 1, chunk_bytes=3 * PS * PARAMS.bytes_per_token)
+        return None
+    plain = make()
+    with pytest.raises(TransferRejected, match="scales"):
+        receive_sequences(plain, 0)
+    dst = with_scales(make(), None)
+    receive_sequences(dst, 0)
+    for i in ids:
+        used = -(-src.cache_length(i) // PS)
+        mine, theirs = torch.tensor(dst.pages(i)[:used]), torch.tensor(src.pages(i)[:used])
+        assert torch.equal(dst.collection.scales[mine], src.collection.scales[theirs]), i
+    check_contents(dst, {i: model[i] for i in ids}, ids)
+    return None
+
+
+def test_scales_of_a_quantized_cache_travel_with_their_pages(rank_groups):
+    rank_groups.get(2).run(_scales)
