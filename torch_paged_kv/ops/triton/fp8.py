@@ -1,10 +1,11 @@
 """FP8 <-> fp32 in Triton, for the kernels that store into and read from FP8 caches.
 
-Two ways, picked per launch by the constexpr `NATIVE`: the hardware conversions (`.to()` on FP8
-pointers: `cvt` instructions, sm_89 and later) or exact integer arithmetic on the raw bytes (any
-GPU, and Triton's interpreter, which has no FP8 type). Both round to nearest even and saturate at
-the format's largest finite value, the rule of `ops/quant.py`; the integer path is tested bit for
-bit against torch's own conversion for every byte and for fp32 values of every binade.
+Exact integer arithmetic on the raw bytes, so the same code runs on every GPU (sm_80 has no FP8
+conversion instructions) and in Triton's interpreter (which has no FP8 type): round to nearest
+even, saturating at the format's largest finite value, the rule of `ops/quant.py`. Tested bit for
+bit against torch's own conversion for every byte and for fp32 values of every binade. (On sm_89+
+the hardware `cvt` instructions would save a few integer operations per element: a change to
+measure on a GPU first.)
 
 A format is described by its mantissa bits, exponent bias and largest finite value:
 e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57344.
@@ -18,11 +19,6 @@ import triton.language as tl
 
 FORMATS = {torch.float8_e4m3fn: (3, 7, 448.0), torch.float8_e5m2: (2, 15, 57344.0)}
 """FP8 dtype -> (mantissa bits, exponent bias, largest finite value)."""
-
-
-def native_fp8(device: torch.device) -> bool:
-    """Whether kernels on `device` convert FP8 in hardware (a CUDA GPU of compute capability 8.9+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @triton.jit
