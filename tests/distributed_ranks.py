@@ -164,7 +164,8 @@ def kv_rows(params: Any, tokens: list[int], start: int, stop: int) -> Any:
     n_vals = shape[0] * shape[1] * shape[2] * shape[3]
     mult = torch.arange(1, n_vals + 1, dtype=torch.int64) * 7919
     vals = (torch.tensor(hashes[start:], dtype=torch.int64)[:, None] * mult[None]) % 997
-    return (vals.double() / 997 - 0.5).to(params.dtype).view(-1, *shape)
+    dtype = torch.float32 if params.quantized else params.dtype  # an FP8 cache quantizes float rows
+    return (vals.double() / 997 - 0.5).to(dtype).view(-1, *shape)
 
 
 def run_step(manager: Any, ids: list, news: list[list[int]], model: dict) -> None:
@@ -180,14 +181,16 @@ def run_step(manager: Any, ids: list, news: list[list[int]], model: dict) -> Non
     )
     kv = kv[:, :, :, p.kv_head_start : p.kv_head_start + p.num_kv_heads]
     for layer in range(p.num_layers):
-        pk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), manager.collection.blocks, *step, layer)
+        k, v = kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous()
+        pk.store_kv(k, v, manager.collection.blocks, *step, layer, manager.collection.scales)
     manager.commit_step()
     for i, t in zip(ids, news, strict=True):
         model[i] = model[i] + t
 
 
 def check_contents(manager: Any, model: dict, ids: list) -> None:
-    """`gather_kv` over each sequence's pages equals its K/V recomputed from its tokens (this cache's heads)."""
+    """`gather_kv` over each sequence's pages equals its K/V recomputed from its tokens (this cache's
+    heads; not for FP8 caches, whose pages hold rounded values: compare their bytes instead)."""
     import torch
 
     import torch_paged_kv as pk

@@ -34,6 +34,18 @@ CPU_RUNS = {
         "1,16",
     ],
     "bench_manager.py": ["--batch", "8", "--steps", "20", "--repeats", "1"],
+    "bench_fp8.py": [
+        "--batch",
+        "2",
+        "--context",
+        "64",
+        "--head-dim",
+        "64",
+        "--heads",
+        "4,2",
+        "--accuracy-tokens",
+        "64",
+    ],
     "bench_checkpoint.py": ["--device", "cpu", "--size-mb", "4", "--repeats", "1"],
     "bench_transfer.py": ["--size-mb", "8", "--chunk-mb", "4", "--repeats", "1", "--tp-steps", "5", "--tp-batch", "4"],
     "bench_hf.py": [

@@ -88,7 +88,7 @@ def test_paged_collection_layout():
     assert c.cache_lengths.dtype == c.lookup_table.dtype == c.input_row_offsets.dtype == torch.int32
     step = c.step_tensors(3)
     assert step.cache_lengths.data_ptr() == c.cache_lengths.data_ptr() and step.input_row_offsets.shape == (4,)
-    assert c.memory_bytes() >= c.blocks.numel() * 2
+    assert c.memory_footprint() >= c.blocks.numel() * 2
     with pytest.raises(ValueError, match="batch"):
         c.step_tensors(5)
 

@@ -371,3 +371,34 @@ def test_mismatched_shards_are_refused_with_a_clear_error(tmp_path):
     with pytest.raises(pk.CheckpointError, match="does not fit the target"):
         plan_shards(files, shard_params(more_heads, 2, 0))
     assert target.sequences == [] and target.num_free_pages() == 32  # nothing was allocated
+
+
+def test_fp8_checkpoints_reshard_blocks_and_scales(tmp_path):
+    """Per-granule FP8: each head's scales depend on that head only, so the shards of a TP=2 run are
+    exactly the head slices of a TP=1 run, and reload at any size bit for bit (blocks and scales)."""
+    fp8 = pk.KVCacheParams(torch.float8_e4m3fn, num_layers=2, num_kv_heads=4, head_dim=8, page_size=4)
+    whole = pk.KVCacheManager(pk.PagedKVCacheCollection(fp8, 32, 4, 64))
+    _build(whole)
+    files = []
+    for r in range(2):
+        params = shard_params(fp8, 2, r)
+        m = pk.KVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64))
+        _build(m)
+        files.append(shard_path(tmp_path / "kv.safetensors", params))
+        m.save(files[-1], ["a", "b", "c"])
+    as_bytes = [lambda t: t.view(torch.uint8), lambda t: t]
+    for tp_size in (1, 2, 4):
+        for r in range(tp_size):
+            target = pk.KVCacheManager(pk.PagedKVCacheCollection(shard_params(fp8, tp_size, r), 32, 4, 64))
+            ids = load_sharded(target, files, ["a", "b", "c"])
+            heads = kv_head_range(4, tp_size, r)
+            for i in ids:
+                mine, theirs = torch.tensor(target.pages(i)), torch.tensor(whole.pages(i))
+                for view, a, b in zip(
+                    as_bytes, target.collection.page_tensors(), whole.collection.page_tensors(), strict=True
+                ):
+                    assert torch.equal(view(a[mine]), view(b[theirs][:, :, :, :, heads.start : heads.stop])), (
+                        tp_size,
+                        r,
+                        i,
+                    )

@@ -290,39 +290,51 @@ def test_kv_rows_is_a_function_of_the_prefix():
     )
 
 
-# -- quantized caches: per-page scales travel with the pages -----------------------------------------
+# -- FP8 caches: per-page scales travel with the pages ----------------------------------------------
+
+FP8 = pk.KVCacheParams(
+    torch.float8_e4m3fn, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, quantization_granularity=4
+)
 
 
-def with_scales(m: pk.KVCacheManager, seed: int | None) -> pk.KVCacheManager:
-    """Give the collection a `scales` tensor as FP8 caches have (DESIGN.md: float32, one per token and
-    head at granularity = head_dim), random when `seed` is given."""
-    p, blocks = m.collection.params, m.collection.blocks
-    m.collection.scales = torch.zeros(blocks.shape[0], p.num_planes, p.num_layers, p.page_size, p.num_kv_heads, 1)
-    if seed is not None:
-        m.collection.scales.normal_(generator=torch.Generator().manual_seed(seed))
-    return m
+def fp8_sender(seed: int) -> tuple[pk.KVCacheManager, list]:
+    """Random ragged FP8 sequences (K/V quantized by store_kv, scales per token, head and granule)."""
+    gen = random.Random(seed)
+    m, model = make(params=FP8), {}
+    for j in range(4):
+        seq_id = f"q{j}"
+        m.claim(seq_id)
+        model[seq_id] = []
+        run_step(m, [seq_id], [[gen.randrange(50) for _ in range(gen.randint(1, 14))]], model)
+    m.fork("q0", "q0-fork")
+    return m, m.sequences
 
 
-def _scales(rank: int, world: int) -> None:
-    src, model, ids, _ = sender_state(11)
-    with_scales(src, 5)
+def _fp8(rank: int, world: int) -> None:
+    src, ids = fp8_sender(11)
     if rank == 0:
-        with pytest.raises(TransferRejected, match="scales"):
-            send_sequences(src, ids, 1)
-        send_sequences(src, ids, 1, chunk_bytes=3 * PS * PARAMS.bytes_per_token)
+        for _ in range(2):  # refused by a bf16 cache and by a coarser granularity
+            with pytest.raises(TransferRejected, match="sender's cache is"):
+                send_sequences(src, ids, 1)
+        send_sequences(src, ids, 1, chunk_bytes=3 * PS * (FP8.bytes_per_token + FP8.scale_bytes_per_token))
         return None
-    plain = make()
-    with pytest.raises(TransferRejected, match="scales"):
-        receive_sequences(plain, 0)
-    dst = with_scales(make(), None)
-    receive_sequences(dst, 0)
+    coarse = pk.KVCacheParams(torch.float8_e4m3fn, 2, 2, 8, 4, quantization_granularity=8)
+    for other in (make(), make(params=coarse)):
+        with pytest.raises(TransferRejected):
+            receive_sequences(other, 0)
+    dst = make(params=FP8)
+    stats = receive_sequences(dst, 0)
+    assert stats.pages_sent == stats.pages
     for i in ids:
         used = -(-src.cache_length(i) // PS)
         mine, theirs = torch.tensor(dst.pages(i)[:used]), torch.tensor(src.pages(i)[:used])
+        assert torch.equal(
+            dst.collection.blocks[mine].view(torch.uint8), src.collection.blocks[theirs].view(torch.uint8)
+        )
         assert torch.equal(dst.collection.scales[mine], src.collection.scales[theirs]), i
-    check_contents(dst, {i: model[i] for i in ids}, ids)
+        assert bool(dst.collection.scales[mine].ne(0).any())
     return None
 
 
-def test_scales_of_a_quantized_cache_travel_with_their_pages(rank_groups):
-    rank_groups.get(2).run(_scales)
+def test_fp8_pages_travel_with_their_scales(rank_groups):
+    rank_groups.get(2).run(_fp8)

@@ -590,6 +590,56 @@ def test_load_failing_its_checksums_frees_its_pages(tmp_path):
     assert_same(before, after)
 
 
+def test_fp8_scales_move_with_their_pages_through_fork_offload_restore_and_save_load(tmp_path):
+    """Per-granule scales are page contents: forking copies a partial page's scales, offload/restore
+    and save/load bring them back bit for bit, so attention over the sequence is unchanged."""
+    params = tpk.KVCacheParams(
+        torch.float8_e4m3fn, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, quantization_granularity=4
+    )
+    m = KVCacheManager(tpk.PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=40))
+    c = m.collection
+    gen = torch.Generator().manual_seed(3)
+
+    def step(ids, counts):
+        plan = tpk.StepPlan.of(c, m.prepare_step(ids, counts))
+        for layer in range(params.num_layers):
+            rows = torch.randn(2, sum(counts), 2, 8, generator=gen) * 10 ** torch.randn(1, generator=gen)
+            plan.store_kv(rows[0], rows[1], layer)
+        m.commit_step()
+
+    def attention(seq_id):
+        lengths = torch.tensor([m.cache_length(seq_id)], dtype=torch.int32)
+        table = torch.zeros(1, c.lookup_table.shape[1], dtype=torch.int32)
+        table[0, : len(m.pages(seq_id))] = torch.tensor(m.pages(seq_id), dtype=torch.int32)
+        q = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(0))
+        offsets = torch.tensor([0, 1], dtype=torch.int32)
+        return torch.cat([tpk.flash_attention(q, c.blocks, lengths - 1, table, offsets, layer, 0.4, scales=c.scales)
+                          for layer in range(params.num_layers)])  # fmt: skip
+
+    m.claim("a", list(range(10)))
+    step(["a"], [10])
+    m.fork("a", "b")  # 10 tokens: two full pages shared, the third (2 tokens) copied with its scales
+    assert m.pages("a")[:2] == m.pages("b")[:2] and m.pages("a")[2] != m.pages("b")[2]
+    assert torch.equal(c.scales[m.pages("a")[2]], c.scales[m.pages("b")[2]])
+    step(["a", "b"], [3, 1])
+    before = {i: attention(i) for i in ("a", "b")}
+    private = m.pages("a")[2:]  # not in the prefix cache: freed by offload
+    m.offload(["a"])
+    m.release("b")
+    m.claim("x", [9] * 30)
+    step(["x"], [30])  # takes free pages and writes new values and scales there
+    assert set(private) <= set(m.pages("x"))
+    m.restore(["a"])
+    assert torch.equal(attention("a"), before["a"])
+    m.save(tmp_path / "a.safetensors", ["a"])
+    other = KVCacheManager(tpk.PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=40))
+    other.collection.scales.fill_(7.0)
+    (loaded,) = other.load(tmp_path / "a.safetensors")
+    c_a = attention("a")
+    m, c = other, other.collection
+    assert torch.equal(attention(loaded), c_a)
+
+
 # -- adopt: sequences whose pages were filled from elsewhere --------------------------------------
 
 

@@ -25,6 +25,7 @@ import torch
 from . import checkpoint, layout
 from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
+from .ops.quant import indexable
 from .page_pool import PagePool, root_key
 from .page_table import PageTable
 
@@ -45,7 +46,7 @@ class _Sequence:
     seq_id: Hashable
     slot: int
     keys: list[bytes]  # prefix-cache keys of the leading full pages
-    host_pages: torch.Tensor | None = None  # page contents while offloaded
+    host_pages: list[torch.Tensor] | None = None  # while offloaded: the page tensors' contents (page_tensors())
 
 
 class _Step(NamedTuple):
@@ -340,14 +341,12 @@ class KVCacheManager:
     def offload(self, seq_ids: Sequence) -> None:
         """Move sequences' pages to CPU memory (pinned when the pool is on a GPU) and free them."""
         seqs = self._resolve(list(seq_ids), name="seq_ids", limit_batch=False)[0]
-        blocks, table = self.collection.blocks, self.page_table
+        table = self.page_table
         for seq in seqs:
             used = table.pages(seq.slot)[: table.pages_for(int(table.lengths[seq.slot]))]
-            host = torch.empty((len(used), *blocks.shape[1:]), dtype=blocks.dtype, pin_memory=blocks.is_cuda)
-            host.copy_(blocks[torch.tensor(used, dtype=torch.long, device=blocks.device)])
+            seq.host_pages = self._read_pages(used)
             self.page_pool.unref(reversed(table.pages(seq.slot)))
             table.set_pages(seq.slot, [])
-            seq.host_pages = host
         self._rows = _Rows()
 
     def restore(self, seq_ids: Sequence) -> None:
@@ -363,7 +362,7 @@ class KVCacheManager:
         # A full page still in the prefix cache (its key) is shared again, not copied back.
         cached = [[pool.lookup(key) for key in seq.keys] for seq in seqs]
         missing = sum(
-            seq.host_pages.shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached, strict=True)
+            seq.host_pages[0].shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached, strict=True)
         )
         revived = {page for hits in cached for page in hits if page is not None and pool.refcounts[page] == 0}
         self._require_pages(missing + len(revived))  # a revived cached page leaves the evictable ones
@@ -373,10 +372,10 @@ class KVCacheManager:
                     pool.ref(page)
         for seq, hits in zip(seqs, cached, strict=True):
             host, seq.host_pages = seq.host_pages, None
-            hits += [None] * (host.shape[0] - len(hits))
+            hits += [None] * (host[0].shape[0] - len(hits))
             todo = [i for i, page in enumerate(hits) if page is None]
             fresh = pool.allocate(len(todo))
-            self._write_pages(fresh, host[todo])
+            self._write_pages(fresh, [t[todo] for t in host])
             for i, page in zip(todo, fresh, strict=True):
                 hits[i] = page
             self.page_table.set_pages(seq.slot, hits)
@@ -435,7 +434,7 @@ class KVCacheManager:
         ]
         new_pages = self.page_pool.allocate(info.num_pages)
         try:  # streamed straight into the pool, through bounded host buffers
-            checkpoint.load_pages(path, c.blocks, new_pages)
+            checkpoint.load_pages(path, c.blocks, new_pages, scales=c.scales)
         except BaseException:
             self.page_pool.unref(
                 new_pages[::-1]
@@ -620,14 +619,21 @@ class KVCacheManager:
             )
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        device = self.collection.device
-        copy_pages(
-            self.collection.blocks,
-            torch.tensor(src, dtype=torch.int32, device=device),
-            torch.tensor(dst, dtype=torch.int32, device=device),
-        )
+        c = self.collection
+        index = [torch.tensor(pages, dtype=torch.int32, device=c.device) for pages in (src, dst)]
+        copy_pages(c.blocks, *index, c.scales)
 
-    def _write_pages(self, pages: list[int], contents: torch.Tensor) -> None:
-        blocks = self.collection.blocks
-        index = torch.tensor(pages, dtype=torch.long, device=blocks.device)
-        blocks.index_copy_(0, index, contents.to(blocks.device))
+    def _read_pages(self, pages: list[int]) -> list[torch.Tensor]:
+        """Host copies of `pages` of every page tensor (pinned for a GPU pool)."""
+        out = []
+        for t in self.collection.page_tensors():
+            data = indexable(t)
+            host = torch.empty((len(pages), *data.shape[1:]), dtype=data.dtype, pin_memory=data.is_cuda)
+            out.append(host.copy_(data.index_select(0, torch.tensor(pages, dtype=torch.long, device=data.device))))
+        return out
+
+    def _write_pages(self, pages: list[int], contents: list[torch.Tensor]) -> None:
+        """Write host copies made by `_read_pages` into `pages`."""
+        for t, host in zip(self.collection.page_tensors(), contents, strict=True):
+            data = indexable(t)
+            data.index_copy_(0, torch.tensor(pages, dtype=torch.long, device=data.device), host.to(data.device))

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from .collection import StepTensors
+from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .ops import library  # noqa: F401  (registers torch.ops.paged_kv)
 
 _OPS = torch.ops.paged_kv
@@ -23,18 +23,28 @@ _OPS = torch.ops.paged_kv
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """The paged-cache ops of one step over `blocks`, per layer; `first_layer` checks the step."""
+    """The paged-cache ops of one step over `blocks` (and an FP8 cache's `scales`), per layer;
+    `first_layer` checks the step."""
 
     blocks: Tensor
     step: StepTensors
+    scales: Tensor | None = None
     first_layer: int = 0
+
+    @classmethod
+    def of(
+        cls, collection: PagedKVCacheCollection | ContinuousBatchingKVCacheCollection, step: StepTensors
+    ) -> StepPlan:
+        """The plan over a collection's pool (its `blocks` and `scales`)."""
+        return cls(collection.blocks, step, collection.scales)
 
     def _checked(self, layer_idx: int) -> str:
         return "default" if layer_idx == self.first_layer else "unchecked"
 
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
-        getattr(_OPS.store_kv, self._checked(layer_idx))(key, value, self.blocks, *self.step, layer_idx)
+        op = getattr(_OPS.store_kv, self._checked(layer_idx))
+        op(key, value, self.blocks, *self.step, layer_idx, self.scales)
 
     def flash_attention(
         self,
@@ -47,8 +57,9 @@ class StepPlan:
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
         op = getattr(_OPS.flash_attention, self._checked(layer_idx))
-        return op(q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap)
+        return op(q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales)
 
-    def gather_kv(self, layer_idx: int, max_kv_len: int) -> tuple[Tensor, Tensor]:
+    def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
-        return getattr(_OPS.gather_kv, self._checked(layer_idx))(self.blocks, *self.step, layer_idx, max_kv_len)
+        op = getattr(_OPS.gather_kv, self._checked(layer_idx))
+        return op(self.blocks, *self.step, layer_idx, max_kv_len, self.scales, out_dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import zlib
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import torch
 from ..checkpoint import CONTINUOUS, PAGED, CheckpointError, CheckpointInfo, read_info
 from ..collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
 from ..manager import METADATA_KEY, KVCacheManager
+from ..ops.quant import indexable
 from ..page_stream import CHUNK_BYTES
 from ..params import KVCacheParams
 from ..safetensors_stream import format_crc, read_into
@@ -114,43 +116,54 @@ def _describe(heads: range) -> str:
     return f"heads {heads.start}..{heads.stop - 1}"
 
 
-def _stream_heads(source: _Source, blocks: torch.Tensor, pages: torch.Tensor) -> None:
+def _paged_tensors(params: KVCacheParams) -> list[tuple[str, torch.dtype, int]]:
+    """(name, dtype, last dim) of the tensors a file stores per page: `blocks`, and the per-granule
+    `scales` of an FP8 cache; both `[pages, planes, layers, page_tokens, kv_heads, last dim]`."""
+    tensors = [("blocks", params.dtype, params.head_dim)]
+    if params.has_scales_tensor:
+        tensors.append(("scales", params.scale_dtype, params.scales_per_head))
+    return tensors
+
+
+def _stream_heads(source: _Source, pools: list[torch.Tensor], pages: torch.Tensor) -> None:
     """Copy the head columns `source.file_heads` of every stored page of one file into
-    `blocks[pages[j], ..., source.target_heads, :]` (stored page j + 1 -> `pages[j]`), reading whole
-    pages in chunks and checking every tensor's CRC-32 (a mismatch raises after some pages were
-    written: only pages in `pages` are touched)."""
+    `pool[pages[j], ..., source.target_heads, :]` of each pool (`blocks`, then `scales`; stored page
+    j + 1 -> `pages[j]`), reading whole pages in chunks and checking every tensor's CRC-32 (a
+    mismatch raises after some pages were written: only pages in `pages` are touched)."""
     info = source.info
     p = info.params
-    unit = (p.num_planes, p.num_layers, info.page_tokens, p.num_kv_heads, p.head_dim)
-    page_bytes = info.page_tokens * p.bytes_per_token
-    per_chunk = max(1, CHUNK_BYTES // max(page_bytes, 1))
-    itemsize = torch.empty((), dtype=p.dtype).element_size()
-    host = torch.empty(min(info.num_pages, per_chunk) * page_bytes // itemsize, dtype=p.dtype)  # one chunk, reused
-    first = 0
-    for name in sorted(n for n in info.tensor_files if n.startswith("blocks.")):
-        start, end = info.tensor_offsets[name]
-        count = (end - start) // page_bytes
-        crc = 0
-        with open(info.tensor_files[name], "rb") as f:
-            for a in range(0, count, per_chunk):
-                n = min(per_chunk, count - a)
-                chunk = host[: n * page_bytes // itemsize].view(n, *unit)
-                read_into(f, start + a * page_bytes, chunk)
-                crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy()).cast("B"), crc)
-                index = pages[first + a : first + a + n].to(blocks.device)
-                columns = chunk[:, :, :, :, source.file_heads].to(blocks.device)
-                blocks[index, :, :, : info.page_tokens, source.target_heads] = columns
-        if format_crc(crc) != info.checksums[name]:
-            raise CheckpointError(
-                f"{info.tensor_files[name]}: checksum mismatch in tensor {name!r} "
-                f"(stored {info.checksums[name]}, computed {format_crc(crc)})"
-            )
-        first += count
+    for (name, dtype, last), pool in zip(_paged_tensors(p), pools, strict=True):
+        unit = (p.num_planes, p.num_layers, info.page_tokens, p.num_kv_heads, last)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        page_bytes = math.prod(unit) * itemsize
+        per_chunk = max(1, CHUNK_BYTES // max(page_bytes, 1))
+        host = torch.empty(min(info.num_pages, per_chunk) * math.prod(unit), dtype=dtype)  # one chunk, reused
+        target = indexable(pool)  # FP8 as bytes: torch has no FP8 index_put
+        first = 0
+        for piece in sorted(n for n in info.tensor_files if n.startswith(name + ".")):
+            start, end = info.tensor_offsets[piece]
+            count = (end - start) // page_bytes
+            crc = 0
+            with open(info.tensor_files[piece], "rb") as f:
+                for a in range(0, count, per_chunk):
+                    n = min(per_chunk, count - a)
+                    chunk = host[: n * math.prod(unit)].view(n, *unit)
+                    read_into(f, start + a * page_bytes, chunk)
+                    crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy()).cast("B"), crc)
+                    index = pages[first + a : first + a + n].to(pool.device)
+                    columns = indexable(chunk)[:, :, :, :, source.file_heads].to(pool.device)
+                    target[index, :, :, : info.page_tokens, source.target_heads] = columns
+            if format_crc(crc) != info.checksums[piece]:
+                raise CheckpointError(
+                    f"{info.tensor_files[piece]}: checksum mismatch in tensor {piece!r} "
+                    f"(stored {info.checksums[piece]}, computed {format_crc(crc)})"
+                )
+            first += count
 
 
-def _fill(sources: list[_Source], blocks: torch.Tensor, pages: torch.Tensor) -> None:
+def _fill(sources: list[_Source], pools: list[torch.Tensor], pages: torch.Tensor) -> None:
     for source in sources:
-        _stream_heads(source, blocks, pages)
+        _stream_heads(source, pools, pages)
 
 
 def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Sequence | None = None) -> list:
@@ -181,7 +194,7 @@ def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Se
     def fill(incoming: list[int], pages: list[int]) -> None:
         order = torch.empty(info.num_pages, dtype=torch.long)
         order[torch.tensor(incoming, dtype=torch.long)] = torch.tensor(pages, dtype=torch.long)
-        _fill(sources, c.blocks, order)
+        _fill(sources, c.page_tensors(), order)
 
     manager.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
     return ids
@@ -206,7 +219,7 @@ def load_cache_sharded(
         collection = ContinuousBatchingKVCacheCollection(target, batch, info.max_seq_len, device)
     else:
         collection = PagedKVCacheCollection(target, max(1, info.num_pages), batch, info.max_seq_len, device)
-    _fill(sources, collection.blocks, torch.arange(1, info.num_pages + 1))
+    _fill(sources, collection.page_tensors(), torch.arange(1, info.num_pages + 1))
     collection.cache_lengths.copy_(torch.tensor(info.cache_lengths, dtype=torch.int32))
     collection.lookup_table.copy_(info.lookup_table)
     return collection

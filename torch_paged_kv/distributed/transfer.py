@@ -77,8 +77,10 @@ def wire_device(group: dist.ProcessGroup | None, pool_device: torch.device) -> t
 
 
 def _scales(manager: KVCacheManager) -> torch.Tensor | None:
-    """The collection's per-page scales (FP8 caches), if it has them."""
-    return getattr(manager.collection, "scales", None)
+    """The collection's per-page scales (a per-granule FP8 cache), if it has them; static per-tensor
+    scales are part of the params, which both sides compare."""
+    c = manager.collection
+    return c.scales if c.params.has_scales_tensor else None
 
 
 def _byte_pages(tensor: torch.Tensor) -> torch.Tensor:
