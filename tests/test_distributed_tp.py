@@ -402,3 +402,16 @@ def test_fp8_checkpoints_reshard_blocks_and_scales(tmp_path):
                         r,
                         i,
                     )
+
+
+def test_inspect_says_which_heads_a_shard_holds(tmp_path, capsys):
+    from torch_paged_kv.__main__ import main
+
+    files = _shard_files(tmp_path)
+    assert main(["inspect", str(files[1])]) == 0
+    assert "kv heads:   2..3 of 4 (tensor-parallel rank 1 of 2" in capsys.readouterr().out
+    m = pk.KVCacheManager(pk.PagedKVCacheCollection(FULL, 32, 4, 64))
+    _build(m)
+    m.save(tmp_path / "whole.safetensors", ["a"])
+    assert main(["inspect", str(tmp_path / "whole.safetensors")]) == 0
+    assert "kv heads:   all 4" in capsys.readouterr().out
