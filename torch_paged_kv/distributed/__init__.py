@@ -12,6 +12,15 @@ See docs/distributed.md.
 
 from __future__ import annotations
 
+from .reshard import load_cache_sharded, load_sharded, shard_path
+from .tensor_parallel import (
+    TensorParallelDivergenceError,
+    TensorParallelKVCacheManager,
+    head_shard,
+    kv_head_range,
+    shard_params,
+    unshard_params,
+)
 from .transfer import (
     TransferError,
     TransferRejected,
@@ -21,9 +30,18 @@ from .transfer import (
 )
 
 __all__ = [
+    "TensorParallelDivergenceError",
+    "TensorParallelKVCacheManager",
     "TransferError",
     "TransferRejected",
     "TransferStats",
+    "head_shard",
+    "kv_head_range",
+    "load_cache_sharded",
+    "load_sharded",
     "receive_sequences",
     "send_sequences",
+    "shard_params",
+    "shard_path",
+    "unshard_params",
 ]
