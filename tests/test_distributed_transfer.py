@@ -338,3 +338,43 @@ def _fp8(rank: int, world: int) -> None:
 
 def test_fp8_pages_travel_with_their_scales(rank_groups):
     rank_groups.get(2).run(_fp8)
+
+
+def _corrupted(rank: int, world: int) -> str:
+    """A byte flipped in chunk 2 after its checksum: the receiver drains the rest, says why, and is
+    unchanged; the sender hears the reason; the next transfer on the same channel works."""
+    src, model, ids, _ = sender_state(5)
+    one_page = PS * PARAMS.bytes_per_token
+    if rank == 0:
+        calls = [0]
+        gather = transfer_module._PagePipe.gather
+
+        def corrupting_gather(self, message, pages, kind):
+            gather(self, message, pages, kind)
+            calls[0] += 1
+            if calls[0] == 2:
+                message[3] ^= 0x40
+
+        transfer_module._PagePipe.gather = corrupting_gather
+        try:
+            with pytest.raises(TransferError) as info:
+                send_sequences(src, ids, 1, chunk_bytes=one_page)
+        finally:
+            transfer_module._PagePipe.gather = gather
+        send_sequences(src, ids, 1, chunk_bytes=one_page)
+        return str(info.value)
+    dst, dst_model = receiver_state(5, [1, 2, 3, 4])
+    before = snapshot(dst)
+    with pytest.raises(TransferError, match="checksum") as info:
+        receive_sequences(dst, 0)
+    assert_same(before, snapshot(dst))
+    assert info.value.pages_written == 1  # chunk 1 went in, then was given back
+    receive_sequences(dst, 0)
+    check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
+    return str(info.value)
+
+
+def test_a_corrupted_chunk_is_refused_and_the_channel_stays_usable(rank_groups):
+    sender, receiver = rank_groups.get(2).run(_corrupted)
+    assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
+    assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender

@@ -480,16 +480,20 @@ def _receive_chunks(
         if k < len(sizes):
             works[k] = _post(dist.irecv, pipe.message(k, sizes[k]), src, group, what.format(k + 1), written)
 
-    written = 0
+    written, bad = 0, None
     for k in range(PIPELINE_DEPTH - 1):
         post(k)
     for k, n in enumerate(sizes):
         _wait(works.pop(k), timeout, what.format(k + 1), src, written)
         post(k + PIPELINE_DEPTH - 1)
+        if bad is not None:  # drain the rest, so the sender hears why and the channel stays usable
+            continue
         message = pipe.message(k, n)
         if not pipe.verify(message, preamble.checksum):
-            name = wire.CHECKSUM_NAMES[preamble.checksum]
-            raise TransferError(f"checksum ({name}) mismatch in chunk {k + 1} of {len(sizes)} from rank {src}", written)
+            bad = f"checksum ({wire.CHECKSUM_NAMES[preamble.checksum]}) mismatch in chunk {k + 1} of {len(sizes)}"
+            continue
         pipe.scatter(message, pages[written : written + n])
         written += n
+    if bad is not None:
+        raise TransferError(f"{bad} from rank {src}", written)
     return written
