@@ -307,16 +307,20 @@ def send_sequences(
     send = [page for page, w in zip(source_pages, wanted, strict=True) if w]
     pending: list[Any] = [None] * PIPELINE_DEPTH
     first = 0
-    for k, n in enumerate(preamble.chunk_sizes(len(send))):
-        if pending[k % PIPELINE_DEPTH] is not None:  # the buffer's previous chunk must be out first
-            _wait(pending[k % PIPELINE_DEPTH], timeout, f"sending chunk {k + 1 - PIPELINE_DEPTH}", dst)
-        message = pipe.message(k, n)
-        pipe.gather(message, send[first : first + n], kind)
-        pending[k % PIPELINE_DEPTH] = _post(dist.isend, message, dst, group, f"sending chunk {k + 1}")
-        first += n
-    for work in pending:
-        if work is not None:
-            _wait(work, timeout, "sending the last chunks", dst)
+    try:
+        for k, n in enumerate(preamble.chunk_sizes(len(send))):
+            if pending[k % PIPELINE_DEPTH] is not None:  # the buffer's previous chunk must be out first
+                _wait(pending[k % PIPELINE_DEPTH], timeout, f"sending chunk {k + 1 - PIPELINE_DEPTH}", dst)
+            message = pipe.message(k, n)
+            pipe.gather(message, send[first : first + n], kind)
+            pending[k % PIPELINE_DEPTH] = _post(dist.isend, message, dst, group, f"sending chunk {k + 1}")
+            first += n
+        for work in pending:
+            if work is not None:
+                _wait(work, timeout, "sending the last chunks", dst)
+    except BaseException:
+        free_buffers()  # a send may still hold one: the next transfer gets fresh buffers
+        raise
     done = torch.empty(wire.REPLY_BYTES, dtype=torch.uint8, device=dev)
     _exchange(dist.irecv, done, dst, group, timeout, "waiting for the receiver's confirmation")
     status, reason, _ = wire.unpack_reply(done)
@@ -425,6 +429,7 @@ def receive_sequences(
                 written = _receive_chunks(manager, preamble, src, group, timeout, pages, dev)
             except BaseException as exc:
                 error = exc
+                free_buffers()  # a receive may still hold one: the next transfer gets fresh buffers
             if consensus_group is not None:
                 state["voted"] = True
                 if not _vote(consensus_group, error is None, vote_device) and error is None:
@@ -471,8 +476,8 @@ def _receive_chunks(
 ) -> int:
     """Receive the chunks of `pages` (`PIPELINE_DEPTH` buffers: the next chunks arrive while this one
     is checked and copied into the pool); returns the pages written. Raises TransferError."""
-    pipe = _PagePipe(manager.collection.blocks, _scales(manager), dev, preamble.chunk_pages)
     sizes = preamble.chunk_sizes(len(pages))
+    pipe = _PagePipe(manager.collection.blocks, _scales(manager), dev, max(sizes, default=1))
     what = f"receiving chunk {{}} of {len(sizes)}"
     works: dict[int, Any] = {}
 
