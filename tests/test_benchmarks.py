@@ -47,6 +47,7 @@ CPU_RUNS = {
         "64",
     ],
     "bench_checkpoint.py": ["--device", "cpu", "--size-mb", "4", "--repeats", "1"],
+    "bench_transfer.py": ["--size-mb", "8", "--chunk-mb", "4", "--repeats", "1", "--tp-steps", "5", "--tp-batch", "4"],
     "bench_hf.py": [
         "--layers",
         "1",
