@@ -22,18 +22,22 @@ from torch_paged_kv import (
 from torch_paged_kv.checkpoint import CheckpointError, load_cache, load_pages, read_info, save_cache, verify
 from torch_paged_kv.safetensors_stream import SafetensorsWriter
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 
 
 def _random_blocks(collection, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     data = torch.randn(collection.blocks.shape, generator=g) + 3.0  # never zero
     collection.blocks.copy_(data.to(collection.blocks.dtype))
+    if collection.params.has_scales_tensor:
+        collection.scales.copy_(torch.rand(collection.scales.shape, generator=g) + 0.5)
 
 
-def make_paged(dtype=torch.bfloat16, seed: int = 0, mla: bool = False) -> PagedKVCacheCollection:
+def make_paged(dtype=torch.bfloat16, seed: int = 0, mla: bool = False, **quant) -> PagedKVCacheCollection:
     """4 rows over shuffled pages; row 2 forks row 0's first two pages; row 3 is empty."""
-    params = KVCacheParams(dtype, num_layers=2, num_kv_heads=1 if mla else 2, head_dim=8, page_size=4, is_mla=mla)
+    params = KVCacheParams(
+        dtype, num_layers=2, num_kv_heads=1 if mla else 2, head_dim=8, page_size=4, is_mla=mla, **quant
+    )
     c = PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=30)
     _random_blocks(c, seed)
     pages = (torch.randperm(24, generator=torch.Generator().manual_seed(seed)) + 1).to(torch.int32)
@@ -45,8 +49,8 @@ def make_paged(dtype=torch.bfloat16, seed: int = 0, mla: bool = False) -> PagedK
     return c
 
 
-def make_continuous(dtype=torch.bfloat16, seed: int = 0) -> ContinuousBatchingKVCacheCollection:
-    params = KVCacheParams(dtype, num_layers=2, num_kv_heads=2, head_dim=8, page_size=16)
+def make_continuous(dtype=torch.bfloat16, seed: int = 0, **quant) -> ContinuousBatchingKVCacheCollection:
+    params = KVCacheParams(dtype, num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, **quant)
     c = ContinuousBatchingKVCacheCollection(params, max_batch_size=4, max_seq_len=16)
     _random_blocks(c, seed)
     c.lookup_table.copy_(torch.tensor([3, 1, 4, 2], dtype=torch.int32))
@@ -69,10 +73,11 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
         n = int(src.cache_lengths[b])
         if loaded.lookup_table.dim() == 1:
             if n:
-                assert torch.equal(
-                    bits(loaded.blocks[int(loaded.lookup_table[i]), :, :, :n]),
-                    bits(src.blocks[int(src.lookup_table[b]), :, :, :n]),
-                )
+                for new_pool, src_pool in zip(loaded.page_tensors(), src.page_tensors(), strict=True):
+                    assert torch.equal(
+                        bits(new_pool[int(loaded.lookup_table[i]), :, :, :n]),
+                        bits(src_pool[int(src.lookup_table[b]), :, :, :n]),
+                    )
                 src_pages.append(int(src.lookup_table[b]))
                 new_pages.append(int(loaded.lookup_table[i]))
             continue
@@ -80,7 +85,9 @@ def assert_rows_equal(src, loaded, rows: list[int]) -> None:
         assert (loaded.lookup_table[i, used:] == 0).all()
         for j in range(used):
             s, d = int(src.lookup_table[b, j]), int(loaded.lookup_table[i, j])
-            assert d != 0 and torch.equal(bits(loaded.blocks[d]), bits(src.blocks[s]))  # whole page
+            assert d != 0  # whole pages, scales included
+            pairs = zip(loaded.page_tensors(), src.page_tensors(), strict=True)
+            assert all(torch.equal(bits(new[d]), bits(old[s])) for new, old in pairs)
             src_pages.append(s)
             new_pages.append(d)
     pairs = set(zip(src_pages, new_pages, strict=True))
@@ -164,7 +171,7 @@ def test_readable_by_safetensors(tmp_path: Path) -> None:
     with safe_open(tmp_path / "kv.safetensors", framework="pt") as f:
         assert set(f.keys()) == {"cache_lengths", "lookup_table", "blocks.00000"}
         meta = f.metadata()
-        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "1"
+        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "2"
         assert KVCacheParams.from_dict(json.loads(meta["params"])) == src.params
         assert torch.equal(bits(f.get_tensor("blocks.00000")), bits(loaded.blocks[1:]))
         assert torch.equal(f.get_tensor("lookup_table"), loaded.lookup_table)
@@ -226,7 +233,7 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
         "padded": (raw + b"\0" * 16, "16 unexpected bytes after the last tensor"),
         "garbage": (b"definitely not a checkpoint" * 3, "not a safetensors file"),
         "tiny": (b"abc", "not a safetensors file"),
-        "version": (raw.replace(b'"format_version":"1"', b'"format_version":"7"'), "unknown format version '7'"),
+        "version": (raw.replace(b'"format_version":"2"', b'"format_version":"7"'), "unknown format version '7'"),
         "foreign": (
             raw.replace(b'"format":"torch_paged_kv.kv_cache"', b'"format":"torch_paged_kv.other___"'),
             "not a torch_paged_kv checkpoint",
@@ -350,6 +357,7 @@ def test_cli_inspect(tmp_path: Path) -> None:
         "'model': 'tiny'",
         "rows:       2",
         "11 referenced by the rows, 11 stored",
+        "quantized:  none (bfloat16)",
     ):
         assert text in out.stdout
     assert "   0            29      8" in out.stdout
@@ -363,3 +371,65 @@ def test_progress_bar(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     load_cache(tmp_path / "kv.safetensors", progress=True)
     err = capsys.readouterr().err
     assert "save kv.safetensors" in err and "load kv.safetensors" in err
+
+
+@pytest.mark.parametrize(
+    "quant", [dict(quantization_granularity=4), dict(static_scales=(0.25, 2.0))], ids=["granule4", "static"]
+)
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_round_trips_carry_scales(tmp_path: Path, dtype, quant) -> None:
+    src = make_paged(dtype, seed=5, **quant)
+    save_cache(src, tmp_path / "fp8.safetensors")
+    loaded = load_cache(tmp_path / "fp8.safetensors")
+    assert_rows_equal(src, loaded, [0, 1, 2, 3])  # params, pages and per-granule scales
+    if "static_scales" in quant:
+        assert loaded.scales.tolist() == list(quant["static_scales"])
+    with safe_open(tmp_path / "fp8.safetensors", framework="pt") as f:
+        has_scales = "scales.00000" in f.keys()  # noqa: SIM118 (safe_open is not iterable)
+    assert has_scales == ("quantization_granularity" in quant)
+    cb = make_continuous(dtype, seed=6, **quant)
+    save_cache(cb, tmp_path / "cb8.safetensors")
+    assert_rows_equal(cb, load_cache(tmp_path / "cb8.safetensors"), [0, 1, 2, 3])
+
+
+def test_fp8_scales_are_checksummed_and_must_fit(tmp_path: Path) -> None:
+    src = make_paged(torch.float8_e4m3fn, seed=7, quantization_granularity=4)
+    path = tmp_path / "fp8.safetensors"
+    save_cache(src, path)
+    info = read_info(path)
+    start, end = info.tensor_offsets["scales.00000"]
+    raw = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    raw[header + (start + end) // 2] ^= 0x10
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch in tensor 'scales.00000'"):
+        load_cache(bad)
+    target = PagedKVCacheCollection(src.params, num_pages=20, max_batch_size=4, max_seq_len=30)
+    with pytest.raises(CheckpointError, match="do not fit the target scales \\(none\\)"):
+        load_pages(path, target.blocks, list(range(1, info.num_pages + 1)))
+    before = target.scales.clone()
+    load_pages(path, target.blocks, list(range(2, info.num_pages + 2)), scales=target.scales)
+    assert not torch.equal(before, target.scales) and torch.equal(target.scales[2], load_cache(path).scales[1])
+
+
+def test_version_1_files_still_load(tmp_path: Path) -> None:
+    """A version-1 file is what version 2 writes for an unquantized cache, but for the version string."""
+    src = make_paged(torch.bfloat16, seed=9)
+    save_cache(src, tmp_path / "v2.safetensors")
+    raw = (tmp_path / "v2.safetensors").read_bytes()
+    old = raw.replace(b'"format_version":"2"', b'"format_version":"1"')
+    assert old != raw
+    (tmp_path / "v1.safetensors").write_bytes(old)
+    assert read_info(tmp_path / "v1.safetensors").metadata["format_version"] == "1"
+    assert_rows_equal(src, load_cache(tmp_path / "v1.safetensors"), [0, 1, 2, 3])
+
+
+def test_cli_inspect_shows_the_quantization(tmp_path: Path) -> None:
+    for quant, text in [
+        (dict(quantization_granularity=4), "quantized:  float8_e4m3fn, a float32 scale per token, head and 4 elements"),
+        (dict(static_scales=(0.5, 2)), "quantized:  float8_e4m3fn, one static scale per tensor (0.5, 2.0 for K, V)"),
+    ]:
+        save_cache(make_paged(torch.float8_e4m3fn, seed=11, **quant), tmp_path / "q.safetensors")
+        out = _cli("inspect", str(tmp_path / "q.safetensors"))
+        assert out.returncode == 0 and text in out.stdout and "checksums:  OK" in out.stdout, out.stdout + out.stderr

@@ -1,6 +1,7 @@
 """A decode step (store_kv + flash_attention) under torch.compile(fullgraph=True): no graph break,
 no recompile as the batch size changes over one preallocated pool, even when batch 1 comes first."""
 
+import pytest
 import torch
 
 import torch_paged_kv as pk
@@ -9,11 +10,13 @@ from torch_paged_kv.testing import attention_fp64
 NUM_LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM, PAGE = 2, 2, 4, 16, 4
 
 
-def decode_step(q, k, v, blocks, cache_lengths, lookup_table, input_row_offsets):
+def decode_step(q, k, v, blocks, cache_lengths, lookup_table, input_row_offsets, scales=None):
     out = q
     for layer in range(NUM_LAYERS):
-        pk.store_kv(k, v, blocks, cache_lengths, lookup_table, input_row_offsets, layer)
-        out = pk.flash_attention(out, blocks, cache_lengths, lookup_table, input_row_offsets, layer, HEAD_DIM**-0.5)
+        pk.store_kv(k, v, blocks, cache_lengths, lookup_table, input_row_offsets, layer, scales)
+        out = pk.flash_attention(
+            out, blocks, cache_lengths, lookup_table, input_row_offsets, layer, HEAD_DIM**-0.5, scales=scales
+        )
     return out * 2
 
 
@@ -28,27 +31,35 @@ def _step_inputs(collection, batch, gen):
     return q, k, v, step
 
 
-def test_decode_step_compiles_fullgraph_without_recompiling():
+@pytest.mark.parametrize(
+    "dtype, quant",
+    [(torch.float32, {}), (torch.float8_e4m3fn, dict(quantization_granularity=8)), (torch.float8_e5m2, {})],
+    ids=["fp32", "fp8-granule8", "fp8-per-token"],
+)
+def test_decode_step_compiles_fullgraph_without_recompiling(dtype, quant):
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
-    params = pk.KVCacheParams(torch.float32, NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE)
+    params = pk.KVCacheParams(dtype, NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE, **quant)
     collection = pk.PagedKVCacheCollection(params, num_pages=64, max_batch_size=8, max_seq_len=24)
-    collection.blocks.normal_(generator=gen)
+    collection.blocks.copy_(torch.randn(collection.blocks.shape, generator=gen).to(dtype))
+    if collection.scales is not None:
+        collection.scales.uniform_(0.01, 0.02, generator=gen)
     collection.lookup_table[:, :6] = (torch.randperm(64, generator=gen)[:48] + 1).view(8, 6).int()
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
 
     for i, batch in enumerate([1, 3, 5, 8, 2, 1]):
         q, k, v, step = _step_inputs(collection, batch, gen)
-        eager_blocks = collection.blocks.clone()
-        expected = decode_step(q, k, v, eager_blocks, *step)
+        eager = [t.clone() for t in (collection.blocks, collection.scales) if t is not None]
+        expected = decode_step(q, k, v, *eager[:1], *step, *eager[1:])
         if i == 1:
             torch.compiler.set_stance("fail_on_recompile")
         try:
-            out = compiled(q, k, v, collection.blocks, *step)
+            out = compiled(q, k, v, collection.blocks, *step, collection.scales)
         finally:
             torch.compiler.set_stance("default")
         assert torch.equal(out, expected)
-        assert torch.equal(collection.blocks, eager_blocks)
+        assert torch.equal(collection.blocks.view(torch.uint8), eager[0].view(torch.uint8))
+        assert collection.scales is None or torch.equal(collection.scales, eager[1])
 
 
 def test_compiled_attention_matches_fp64():

@@ -21,3 +21,9 @@ def test_compiled_decode_serves_requests_without_recompiling():
 def test_checkpoint_resume_continues_identically_in_a_new_process():
     out = _run("checkpoint_resume.py", "--device", "cpu")
     assert out.strip().splitlines()[-1].startswith("identical")
+
+
+def test_disaggregated_prefill_and_decode_processes_give_the_single_process_tokens():
+    out = _run("disaggregated.py", "--requests", "4", "--new-tokens", "6", "--device", "cpu", "--eager")
+    assert "identical to a single-process run: 4 requests" in out
+    assert "received requests [2, 3] (4 of 5 pages sent)" in out  # the shared system prompt's page stayed

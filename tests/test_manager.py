@@ -17,7 +17,7 @@ import torch
 
 import torch_paged_kv as tpk
 from torch_paged_kv.manager import KVCacheManager, OutOfPagesError
-from torch_paged_kv.prefix_cache import page_key, root_key
+from torch_paged_kv.page_pool import page_key, root_key
 
 PARAMS = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
 PS = PARAMS.page_size
@@ -58,7 +58,7 @@ def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
     """gather_kv over each sequence's pages equals K/V recomputed from its tokens."""
     c = m.collection
     for i in ids:
-        pages = m._pages(m._seqs[i])
+        pages = m.pages(i)
         table = torch.full((1, c.lookup_table.shape[1]), tpk.NULL_PAGE, dtype=torch.int32)
         table[0, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
         length = len(model[i])
@@ -73,21 +73,22 @@ def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
 
 
 def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
-    """Refcounts equal holders; free/evictable/held partition the pages; shared pages are full."""
-    pool, n = m._pool, m.collection.num_pages
+    """Refcounts equal holders; free/evictable/held partition the pages; shared pages are full;
+    the host table holds exactly the sequences' pages."""
+    pool, n = m.page_pool, m.collection.num_pages
     holders: dict[int, list[tuple]] = {}
     for i in model:
-        seq = m._seqs[i]
-        pages = m._pages(seq)
-        assert (seq.host_pages is None) == (i in on_device)
+        pages = m.pages(i)
+        assert m.is_offloaded(i) == (i not in on_device)
         if i not in on_device:
             assert pages == []
             continue
         assert len(pages) == -(-len(model[i]) // PS)
         assert len(set(pages)) == len(pages) and tpk.NULL_PAGE not in pages
-        assert (m._table[seq.slot, len(pages) :] == tpk.NULL_PAGE).all()
         for idx, page in enumerate(pages):
             holders.setdefault(page, []).append((i, idx))
+    rows = m.page_table.rows
+    assert (rows != tpk.NULL_PAGE).sum() == sum(len(h) for h in holders.values())  # no stale table entries
     for page in range(1, n + 1):
         assert pool.refcounts[page] == len(holders.get(page, [])), page
         shared_or_cached = len(holders.get(page, [])) > 1 or page in pool.key_of
@@ -102,17 +103,15 @@ def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
 
 
 def snapshot(m: KVCacheManager) -> dict:
-    """Everything an all-or-nothing operation must leave unchanged."""
-    c = m.collection
-    state = {
-        k: copy.deepcopy(v)
-        for k, v in vars(m).items()
-        if k not in ("collection", "_host_views", "_step_views", "_rows_seqs", "_pending", "_seqs", "_pool")
+    """Everything an all-or-nothing operation must leave unchanged, as the public surface shows it."""
+    c, table = m.collection, m.page_table
+    state = {name: getattr(table, name).copy() for name in ("lengths", "num_pages", "known", "tokens", "rows")}
+    state["pool"] = copy.deepcopy(vars(m.page_pool))
+    state["counters"] = (m.prefix_cache_hits, m.prefix_cache_misses, m.num_free_pages(), m.num_cached_pages())
+    state["seqs"] = {
+        i: (m.cache_length(i), m.pages(i), m.token_ids(i), m.prefix_keys(i), m.is_offloaded(i)) for i in m.sequences
     }
-    state["pool"] = copy.deepcopy(vars(m._pool))
-    state["seqs"] = {i: (s.slot, m._token_ids(s), list(s.keys), s.host_pages is None) for i, s in m._seqs.items()}
-    state["pending"] = None if m._pending is None else [s.seq_id for s in m._pending.seqs]
-    state["rows_seqs"] = [s.seq_id for s in m._rows_seqs]
+    state["prepared"] = m.prepared_sequences
     state["device"] = [t.clone() for t in (c.cache_lengths, c.lookup_table, c.input_row_offsets, c.blocks)]
     return state
 
@@ -180,7 +179,7 @@ def test_random_workload_against_model():
             else:
                 step = run_step(m, ids, news, model, pass_tokens)
                 for b, i in enumerate(ids):  # the step tensors the model saw
-                    pages = m._pages(m._seqs[i])
+                    pages = m.pages(i)
                     assert step.cache_lengths[b] == len(model[i]) - len(news[b])
                     assert step.lookup_table[b, : len(pages)].tolist() == pages
                     assert (step.lookup_table[b, len(pages) :] == tpk.NULL_PAGE).all()
@@ -262,8 +261,8 @@ def test_prefix_reuse_matches_recompute_and_counts_tokens():
     assert (m.prefix_cache_hits, m.prefix_cache_misses) == (0, 11)
     reused_out = attention_of_last(m, "b", prompt)
     assert m.cache_length("b") == 11 and (m.prefix_cache_hits, m.prefix_cache_misses) == (8, 14)
-    assert m._pages(m._seqs["b"])[:2] == m._pages(m._seqs["a"])[:2]
-    assert m._pages(m._seqs["b"])[2] != m._pages(m._seqs["a"])[2]
+    assert m.pages("b")[:2] == m.pages("a")[:2]
+    assert m.pages("b")[2] != m.pages("a")[2]
     assert torch.equal(reused_out, fresh)
     torch.testing.assert_close(reused_out, one_step[8:])  # a different query count: rounding may differ
     # a prompt of exactly two cached pages reuses one: at least one token is left to compute
@@ -288,19 +287,19 @@ def test_lru_evicts_least_recently_released_tail_first():
         m.claim(i, p)
         model[i] = []
         run_step(m, [i], [p], model)
-    a_pages, b_pages = m._pages(m._seqs["a"]), m._pages(m._seqs["b"])
+    a_pages, b_pages = m.pages("a"), m.pages("b")
     m.release("a")
     m.release("b")
     assert m.num_free_pages() == 6 and m.num_cached_pages() == 4
-    assert list(m._pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
+    assert list(m.page_pool.evictable) == [a_pages[1], a_pages[0], b_pages[1], b_pages[0]]
     # touching b's head makes it most recent: reuse then release
     assert m.claim("b2", pb[:5]) == 4
     m.release("b2")
-    assert list(m._pool.evictable) == [*[a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3], b_pages[0]]
+    assert list(m.page_pool.evictable) == [*[a_pages[1], a_pages[0], b_pages[1], b_pages[0]][:3], b_pages[0]]
     m.claim("c", [3] * 12)
     model["c"] = []
     run_step(m, ["c"], [[3] * 12], model)  # 3 pages: 2 free (the partial ones), then a's tail
-    assert a_pages[1] in m._pages(m._seqs["c"])
+    assert a_pages[1] in m.pages("c")
     assert m.claim("a2", pa) == 4 and m.claim("b3", pb) == 8
 
 
@@ -310,7 +309,7 @@ def test_salt_separates_caches():
     for salt in (None, b"tenant-1", b"tenant-2"):
         m = make(hash_salt=salt)
         attention_of_last(m, "a", prompt)
-        keys[salt] = m._seqs["a"].keys
+        keys[salt] = m.prefix_keys("a")
         assert keys[salt][0] == page_key(root_key(salt), prompt[:4])
         assert keys[salt][1] == page_key(keys[salt][0], prompt[4:8])
     assert len({k[0] for k in keys.values()}) == 3
@@ -326,14 +325,14 @@ def test_decode_pages_cached_only_with_token_ids():
     run_step(m, ["a", "b"], [[1, 2, 3], [1, 2, 3]], model, pass_tokens=False)  # a: from its prompt; b: unknown
     for tok in (4, 5):
         run_step(m, ["a", "b"], [[tok], [tok]], model, pass_tokens=False)
-    assert len(m._seqs["a"].keys) == 0 and m.num_cached_pages() == 0  # position 3 of a was not in the prompt
+    assert len(m.prefix_keys("a")) == 0 and m.num_cached_pages() == 0  # position 3 of a was not in the prompt
     m.claim("c", [7, 7])
     model["c"] = []
     run_step(m, ["c"], [[7, 7]], model, pass_tokens=False)
     run_step(m, ["c"], [[8, 9]], model)
     assert m.num_cached_pages() == 1 and m.claim("d", [7, 7, 8, 9, 1]) == 4
     run_step(m, ["b"], [[6]], model)  # ids of b's first tokens were never given: b caches nothing
-    assert m._token_ids(m._seqs["b"]) is None and m.num_cached_pages() == 1
+    assert m.token_ids("b") is None and m.num_cached_pages() == 1
 
 
 def chained_keys(tokens: list[int], salt: bytes | None = None) -> list[bytes]:
@@ -357,13 +356,13 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
     m.claim("a", [1, 2, 3, 4, 5, 6, 9, 9])  # the remembered prompt runs past the first step
     m.claim("c")
     run_step(m, ["a", "c"], [[1, 2, 3, 4, 5, 6], [7] * 5], model, pass_tokens=False)  # c: ids unknown
-    assert m._token_ids(m._seqs["a"]) == [1, 2, 3, 4, 5, 6, 9, 9] and m._tokens.shape[1] == 8
-    assert m._seqs["a"].keys == chained_keys(model["a"]) and m._seqs["c"].keys == []
+    assert m.token_ids("a") == [1, 2, 3, 4, 5, 6, 9, 9] and m.page_table.tokens.shape[1] == 8
+    assert m.prefix_keys("a") == chained_keys(model["a"]) and m.prefix_keys("c") == []
     for t in range(20):  # decode with ids, a past its capacity (8 -> 16 -> 32 -> 48); c stops caching for good
         run_step(m, ["a", "c"], [[t % 3, 7] if t % 4 else [t], [t]], model)
-        assert m._seqs["a"].keys == chained_keys(model["a"]), t
-        assert m._token_ids(m._seqs["a"]) == model["a"] and m._token_ids(m._seqs["c"]) is None
-    assert m._tokens.shape[1] == 48 and m.cache_length("a") == 41  # doubling stops at max_seq_len
+        assert m.prefix_keys("a") == chained_keys(model["a"]), t
+        assert m.token_ids("a") == model["a"] and m.token_ids("c") is None
+    assert m.page_table.tokens.shape[1] == 48 and m.cache_length("a") == 41  # doubling stops at max_seq_len
     m.fork("a", "b")  # a long, partial-page parent: the child has all its ids and keys
     model["b"] = list(model["a"])
     m.prepare_step(["b", "c"], [2, 1], [[5, 5], [5]])  # (no K/V stored: b's contents are not checked)
@@ -374,7 +373,7 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
     for t in range(3):
         run_step(m, ["a", "b"], [[t], [t + 1]], model)
     for i in ("a", "b"):
-        assert m._token_ids(m._seqs[i]) == model[i] and m._seqs[i].keys == chained_keys(model[i])
+        assert m.token_ids(i) == model[i] and m.prefix_keys(i) == chained_keys(model[i])
     check_contents(m, model, ["a"])
     assert m.claim("d", model["b"] + [0]) == len(model["b"]) // PS * PS
     m.release("d")
@@ -383,8 +382,8 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
         dst = make(enable_prefix_caching=caching)
         ids = dst.load(tmp_path / "kv.safetensors")
         for new, old in zip(ids, ["a", "b"], strict=True):
-            assert dst._token_ids(dst._seqs[new]) == (model[old] if caching else None)
-            assert dst._seqs[new].keys == (chained_keys(model[old]) if caching else [])
+            assert dst.token_ids(new) == (model[old] if caching else None)
+            assert dst.prefix_keys(new) == (chained_keys(model[old]) if caching else [])
 
 
 # -- fork / copy-on-write -----------------------------------------------------------------------
@@ -397,18 +396,18 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
     run_step(m, ["p"], [[1, 2, 3, 4, 5, 6]], model)
     m.fork("p", "c")
     model["c"] = list(model["p"])
-    pp, cp = m._pages(m._seqs["p"]), m._pages(m._seqs["c"])
-    assert pp[0] == cp[0] and pp[1] != cp[1] and m._pool.refcounts[pp[0]] == 2
+    pp, cp = m.pages("p"), m.pages("c")
+    assert pp[0] == cp[0] and pp[1] != cp[1] and m.page_pool.refcounts[pp[0]] == 2
     check_contents(m, model, ["p", "c"])
     for step in range(5):  # diverge: both write into the copied page and beyond
         run_step(m, ["p", "c"], [[10 + step], [20 + step, 30]], model)
     check_contents(m, model, ["p", "c"])
-    assert m._pages(m._seqs["p"])[0] == m._pages(m._seqs["c"])[0]
+    assert m.pages("p")[0] == m.pages("c")[0]
     m.release("p")
     check_contents(m, model, ["c"])
-    assert m._pool.refcounts[pp[0]] == 1
+    assert m.page_pool.refcounts[pp[0]] == 1
     m.fork("c", "g")  # length 16: page aligned, nothing copied
-    assert m._pages(m._seqs["g"]) == m._pages(m._seqs["c"])
+    assert m.pages("g") == m.pages("c")
 
 
 # -- all or nothing -----------------------------------------------------------------------------
@@ -450,12 +449,12 @@ def test_restore_shares_full_pages_still_cached():
         n = m.claim(s, prompt)
         m.prepare_step([s], [9 - n], token_ids=[prompt[n:]])
         m.commit_step()
-    shared = m._pages(m._seqs["a"])[:2]
-    assert m._pages(m._seqs["b"])[:2] == shared
+    shared = m.pages("a")[:2]
+    assert m.pages("b")[:2] == shared
     free = m.num_free_pages()
     m.offload(["b"])
     m.restore(["b"])
-    assert m._pages(m._seqs["b"])[:2] == shared and m.num_free_pages() == free  # no private copies
+    assert m.pages("b")[:2] == shared and m.num_free_pages() == free  # no private copies
 
 
 def test_errors_name_the_argument_and_change_nothing():
@@ -581,7 +580,7 @@ def test_load_failing_its_checksums_frees_its_pages(tmp_path):
     m = make()
     m.claim("x")
     run_step(m, ["x"], [[2] * 5], {"x": []})
-    live = m._pages(m._seqs["x"])
+    live = m.pages("x")
     before = snapshot(m)
     with pytest.raises(tpk.CheckpointError, match="checksum mismatch"):
         m.load(tmp_path / "kv.safetensors")
@@ -589,3 +588,215 @@ def test_load_failing_its_checksums_frees_its_pages(tmp_path):
     for state in (before, after):  # pages no sequence holds may have been written: compare the rest
         state["device"][3] = state["device"][3][live]
     assert_same(before, after)
+
+
+def test_fp8_scales_move_with_their_pages_through_fork_offload_restore_and_save_load(tmp_path):
+    """Per-granule scales are page contents: forking copies a partial page's scales, offload/restore
+    and save/load bring them back bit for bit, so attention over the sequence is unchanged."""
+    params = tpk.KVCacheParams(
+        torch.float8_e4m3fn, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, quantization_granularity=4
+    )
+    m = KVCacheManager(tpk.PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=40))
+    c = m.collection
+    gen = torch.Generator().manual_seed(3)
+
+    def step(ids, counts):
+        plan = tpk.StepPlan.of(c, m.prepare_step(ids, counts))
+        for layer in range(params.num_layers):
+            rows = torch.randn(2, sum(counts), 2, 8, generator=gen) * 10 ** torch.randn(1, generator=gen)
+            plan.store_kv(rows[0], rows[1], layer)
+        m.commit_step()
+
+    def attention(seq_id):
+        lengths = torch.tensor([m.cache_length(seq_id)], dtype=torch.int32)
+        table = torch.zeros(1, c.lookup_table.shape[1], dtype=torch.int32)
+        table[0, : len(m.pages(seq_id))] = torch.tensor(m.pages(seq_id), dtype=torch.int32)
+        q = torch.randn(1, 2, 8, generator=torch.Generator().manual_seed(0))
+        offsets = torch.tensor([0, 1], dtype=torch.int32)
+        return torch.cat([tpk.flash_attention(q, c.blocks, lengths - 1, table, offsets, layer, 0.4, scales=c.scales)
+                          for layer in range(params.num_layers)])  # fmt: skip
+
+    m.claim("a", list(range(10)))
+    step(["a"], [10])
+    m.fork("a", "b")  # 10 tokens: two full pages shared, the third (2 tokens) copied with its scales
+    assert m.pages("a")[:2] == m.pages("b")[:2] and m.pages("a")[2] != m.pages("b")[2]
+    assert torch.equal(c.scales[m.pages("a")[2]], c.scales[m.pages("b")[2]])
+    step(["a", "b"], [3, 1])
+    before = {i: attention(i) for i in ("a", "b")}
+    private = m.pages("a")[2:]  # not in the prefix cache: freed by offload
+    m.offload(["a"])
+    m.release("b")
+    m.claim("x", [9] * 30)
+    step(["x"], [30])  # takes free pages and writes new values and scales there
+    assert set(private) <= set(m.pages("x"))
+    m.restore(["a"])
+    assert torch.equal(attention("a"), before["a"])
+    m.save(tmp_path / "a.safetensors", ["a"])
+    other = KVCacheManager(tpk.PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=40))
+    other.collection.scales.fill_(7.0)
+    (loaded,) = other.load(tmp_path / "a.safetensors")
+    c_a = attention("a")
+    m, c = other, other.collection
+    assert torch.equal(attention(loaded), c_a)
+
+
+# -- adopt: sequences whose pages were filled from elsewhere --------------------------------------
+
+
+def export(m: KVCacheManager, ids: list) -> tuple[list[int], list[list[int]], list, list, list[int]]:
+    """What a sender ships: lengths, rows as indices into its distinct used pages, token ids, keys, the pages."""
+    source: dict[int, int] = {}
+    rows = []
+    for i in ids:
+        used = m.pages(i)[: -(-m.cache_length(i) // PS)]
+        rows.append([source.setdefault(page, len(source)) for page in used])
+    lengths = [m.cache_length(i) for i in ids]
+    return lengths, rows, [m.token_ids(i) for i in ids], [m.prefix_keys(i) for i in ids], list(source)
+
+
+def copier(src: KVCacheManager, source_pages: list[int], dst: KVCacheManager, calls: list | None = None):
+    def fill(incoming: list[int], pages: list[int]) -> None:
+        if calls is not None:
+            calls.append((list(incoming), list(pages)))
+        from_pages = torch.tensor([source_pages[i] for i in incoming], dtype=torch.long)
+        dst.collection.blocks[torch.tensor(pages, dtype=torch.long)] = src.collection.blocks[from_pages]
+
+    return fill
+
+
+def forked_source() -> tuple[KVCacheManager, dict]:
+    src = make()
+    model = {"a": [], "b": []}
+    src.claim("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    src.claim("b")
+    run_step(src, ["a", "b"], [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 4, 4]], model)
+    src.fork("a", "c")  # shares a's two full pages
+    model["c"] = list(model["a"])
+    run_step(src, ["c"], [[0, 0]], model)
+    return src, model
+
+
+def test_adopt_registers_filled_sequences_with_sharing_and_prefix_keys():
+    src, model = forked_source()
+    dst = make(num_pages=20)
+    live = {"x": []}
+    dst.claim("x")
+    run_step(dst, ["x"], [[9] * 5], live)
+    lengths, rows, tokens, keys, source_pages = export(src, ["c", "b", "a"])
+    assert len(source_pages) == 5 and rows[0][:2] == rows[2][:2]  # a and c share two pages
+    calls: list = []
+    filled = dst.adopt(
+        ["C", "B", "A"], lengths, rows, copier(src, source_pages, dst, calls), token_ids=tokens, prefix_keys=keys
+    )
+    assert filled == [0, 1, 2, 3, 4] and len(calls) == 1
+    assert calls[0][1] == sorted(calls[0][1]) and not set(calls[0][1]) & set(dst.pages("x"))
+    adopted = {"C": model["c"], "B": model["b"], "A": model["a"], **live}
+    check_contents(dst, adopted, list(adopted))
+    check_ownership(dst, adopted, set(adopted))
+    assert dst.prefix_keys("A") == src.prefix_keys("a")
+    assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8  # the adopted prefix is in the cache
+    run_step(dst, ["A", "C"], [[5], [6, 7]], adopted)  # and the sequences go on
+    check_contents(dst, adopted, ["A", "C", "B"])
+
+
+def test_adopt_shares_pages_already_cached_instead_of_filling_them():
+    src, model = forked_source()
+    dst = make(num_pages=20)
+    dst.claim("p", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run_step(dst, ["p"], [[1, 2, 3, 4, 5, 6, 7, 8, 9]], {"p": []})
+    dst.release("p")  # its two full pages stay cached, evictable
+    cached = dst.page_pool.page_of.copy()
+    lengths, rows, tokens, keys, source_pages = export(src, ["a", "c"])
+    calls: list = []
+    filled = dst.adopt(
+        ["A", "C"], lengths, rows, copier(src, source_pages, dst, calls), token_ids=tokens, prefix_keys=keys
+    )
+    assert filled == [2, 3]  # the two shared prompt pages came from the cache
+    assert dst.pages("A")[:2] == [cached[k] for k in keys[0]] == dst.pages("C")[:2]
+    adopted = {"A": model["a"], "C": model["c"]}
+    check_contents(dst, adopted, ["A", "C"])
+    check_ownership(dst, adopted, {"A", "C"})
+    # without keys (or with prefix caching off) nothing is shared, and nothing is cached
+    other = make(num_pages=20, enable_prefix_caching=False)
+    assert other.adopt(["A"], lengths[:1], rows[:1], copier(src, source_pages, other), prefix_keys=keys[:1]) == [
+        0,
+        1,
+        2,
+    ]
+    assert other.prefix_keys("A") == [] and other.num_cached_pages() == 0
+
+
+def test_failed_adopt_leaves_the_manager_unchanged():
+    src, _ = forked_source()
+    lengths, rows, tokens, keys, source_pages = export(src, ["c", "b", "a"])
+    dst = make(num_pages=8)
+    live = {"x": []}
+    dst.claim("x", [7] * 9)
+    run_step(dst, ["x"], [[7] * 9], live)  # 3 pages, 2 cached
+    held = dst.pages("x")
+
+    def fail_after_writing(incoming, pages):
+        copier(src, source_pages, dst)(incoming, pages)
+        raise RuntimeError("connection lost")
+
+    def failed(state):  # pages nobody holds or caches may have been written: compare the rest
+        c_lengths, c_table, c_offsets, blocks = state["device"]
+        return {**state, "device": [c_lengths, c_table, c_offsets, blocks[held]]}
+
+    before = snapshot(dst)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        dst.adopt(["C", "B", "A"], lengths, rows, fail_after_writing, token_ids=tokens, prefix_keys=keys)
+    assert_same(failed(before), failed(snapshot(dst)))
+    with pytest.raises(OutOfPagesError, match="6 needed, 5 free, 0 evictable"):
+        dst.adopt(["C", "B", "A", "D"], [*lengths, 1], [*rows, [5]], fail_after_writing)
+    for bad, name in [
+        (dict(seq_ids=["x", "B", "A"]), "seq_ids"),
+        (dict(seq_ids=["C", "C", "A"]), "seq_ids"),
+        (dict(cache_lengths=lengths[:2]), "cache_lengths"),
+        (dict(cache_lengths=[9999, *lengths[1:]]), "cache_lengths"),
+        (dict(page_rows=[rows[0], rows[1], rows[2][:-1]]), "page_rows"),
+        (dict(page_rows=[[r + 1 for r in row] for row in rows]), "page_rows"),
+        (dict(page_rows=[rows[0], rows[1], [*rows[2][:-1], rows[1][-1]]]), "page_rows"),  # partial page shared
+        (dict(token_ids=tokens[:1]), "token_ids"),
+        (dict(prefix_keys=[[b"short"], [], []]), "prefix_keys"),
+        (dict(prefix_keys=[keys[0], [], keys[0][::-1]]), "prefix_keys"),  # one page, two keys
+    ]:
+        args = dict(seq_ids=["C", "B", "A"], cache_lengths=lengths, page_rows=rows, token_ids=tokens, prefix_keys=keys)
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            dst.adopt(fill=fail_after_writing, **{**args, **bad})
+    assert_same(failed(before), failed(snapshot(dst)))
+
+
+def test_failed_adopt_that_had_to_evict_drops_only_the_cache_entries_it_overwrote():
+    src, model = forked_source()
+    lengths, rows, tokens, keys, source_pages = export(src, ["a"])  # 3 pages
+    dst = make(num_pages=5)
+    dst.claim("x", [7] * 9)
+    run_step(dst, ["x"], [[7] * 9], {"x": []})
+    dst.release("x")  # 2 cached pages (evictable) + 3 free
+    dst.claim("y")
+    run_step(dst, ["y"], [[5] * 8], {"y": []})  # takes 2 free pages: 1 free, 2 evictable left
+
+    class Lost(RuntimeError):
+        pages_written = 0  # nothing written yet: every cache entry survives
+
+    def fail(incoming, pages):
+        raise Lost("sender gone")
+
+    before = snapshot(dst)
+    with pytest.raises(Lost):
+        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    assert_same(before, snapshot(dst))
+    oldest = next(iter(dst.page_pool.evictable))
+    Lost.pages_written = 2  # the free page and the least recently used cached one
+    with pytest.raises(Lost):
+        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    assert oldest not in dst.page_pool.key_of and oldest in dst.page_pool.free
+    assert dst.num_cached_pages() == 3 and dst.num_free_pages() == 3  # y holds two cached pages
+    check_ownership(dst, {"y": [5] * 8}, {"y"})
+    del Lost.pages_written  # unknown progress: every page it was going to evict is dropped
+    with pytest.raises(Lost):
+        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    assert dst.num_cached_pages() == 2 and dst.num_free_pages() == 3
+    dst.adopt(["A"], lengths, rows, copier(src, source_pages, dst), token_ids=tokens, prefix_keys=keys)
+    check_contents(dst, {"A": model["a"], "y": [5] * 8}, ["A", "y"])

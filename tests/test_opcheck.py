@@ -48,12 +48,13 @@ def test_opcheck_copy_pages(batch, overload):
 
 CONTRACT = {  # docs/design.md's op contract; the registered schemas are derived from ops/api.py
     "store_kv": "(Tensor key, Tensor value, Tensor(a!) blocks, Tensor cache_lengths, Tensor lookup_table, "
-    "Tensor input_row_offsets, int layer_idx) -> ()",
+    "Tensor input_row_offsets, int layer_idx, Tensor(a!)? scales=None) -> ()",
     "flash_attention": "(Tensor q, Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
-    "int layer_idx, float softmax_scale, bool causal=True, int sliding_window=-1, float softcap=0.) -> Tensor",
+    "int layer_idx, float softmax_scale, bool causal=True, int sliding_window=-1, float softcap=0., "
+    "Tensor? scales=None) -> Tensor",
     "gather_kv": "(Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
-    "int layer_idx, int max_kv_len) -> (Tensor, Tensor)",
-    "copy_pages": "(Tensor(a!) blocks, Tensor src_pages, Tensor dst_pages) -> ()",
+    "int layer_idx, int max_kv_len, Tensor? scales=None, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
+    "copy_pages": "(Tensor(a!) blocks, Tensor src_pages, Tensor dst_pages, Tensor(a!)? scales=None) -> ()",
 }
 
 

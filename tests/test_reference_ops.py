@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_paged_kv as pk
-from torch_paged_kv.testing import attention_fp64, make_paged_batch
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, attention_fp64, make_paged_batch
 
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = list(ATTENTION_TOLERANCE)
 BACKENDS = ["reference", "cpu"]
 # cached tokens / new tokens: a prefill, a chunked prefill, two decodes, an idle row, a long one
 CACHED = [0, 37, 100, 5, 0, 129]
@@ -29,11 +29,12 @@ def _store_then_attend(batch, scale, **kwargs):
     return pk.flash_attention(batch.q, batch.blocks, *batch.step, batch.layer_idx, scale, **kwargs)
 
 
-def _max_error(out, ref):
-    return (out.double() - ref).abs().max().item()
+def _check(out, ref):
+    """`out` (in its dtype) against the fp64 `ref`, with the one attention tolerance table."""
+    torch.testing.assert_close(out.double(), ref, **ATTENTION_TOLERANCE[out.dtype])
 
 
-@pytest.mark.parametrize("page_size, dtype", itertools.product([1, 7, 16, 128], list(TOLERANCE)))
+@pytest.mark.parametrize("page_size, dtype", itertools.product([1, 7, 16, 128], DTYPES))
 def test_attention_matches_fp64(page_size, dtype):
     batch = make_paged_batch(
         CACHED, NEW, page_size=page_size, num_kv_heads=2, head_dim=64, group=4, dtype=dtype, seed=page_size
@@ -41,7 +42,7 @@ def test_attention_matches_fp64(page_size, dtype):
     out = _store_then_attend(batch, 0.125)
     assert out.dtype == dtype and out.shape == batch.q.shape
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.125)
-    assert _max_error(out, ref) <= TOLERANCE[dtype]
+    _check(out, ref)
 
 
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (128, 4), (256, 8), (128, 8)])
@@ -58,7 +59,7 @@ def test_attention_head_dims_and_gqa(head_dim, group):
     )
     scale = head_dim**-0.5
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, scale)
-    assert _max_error(_store_then_attend(batch, scale), ref) <= TOLERANCE[torch.bfloat16]
+    _check(_store_then_attend(batch, scale), ref)
 
 
 @pytest.mark.parametrize(
@@ -69,13 +70,13 @@ def test_attention_masks_and_softcap(causal, sliding_window, softcap):
     batch = make_paged_batch(CACHED, NEW, page_size=8, group=2, seed=3)
     kwargs = dict(causal=causal, sliding_window=sliding_window, softcap=softcap)
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.4, **kwargs)
-    assert _max_error(_store_then_attend(batch, 0.4, **kwargs), ref) <= TOLERANCE[torch.float32]
+    _check(_store_then_attend(batch, 0.4, **kwargs), ref)
 
 
 def test_mqa_single_kv_head():
     batch = make_paged_batch(CACHED, NEW, page_size=4, num_kv_heads=1, group=8, seed=5)
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.2)
-    assert _max_error(_store_then_attend(batch, 0.2), ref) <= TOLERANCE[torch.float32]
+    _check(_store_then_attend(batch, 0.2), ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,7 +84,7 @@ def test_continuous_batching_layout(dtype):
     batch = make_paged_batch(CACHED, NEW, page_size=160, continuous=True, group=2, dtype=dtype, seed=9)
     assert batch.lookup_table.dim() == 1
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.3)
-    assert _max_error(_store_then_attend(batch, 0.3), ref) <= TOLERANCE[dtype]
+    _check(_store_then_attend(batch, 0.3), ref)
 
 
 def test_attention_matches_sdpa_on_contiguous_kv():
@@ -159,7 +160,7 @@ def test_attention_in_query_chunks_matches_fp64(monkeypatch, softcap):
     batch = make_paged_batch(CACHED, NEW, page_size=5, num_kv_heads=3, head_dim=32, group=4, seed=21)
     kwargs = dict(sliding_window=40, softcap=softcap)
     ref = attention_fp64(batch.q, batch.keys, batch.values, CACHED, 0.2, **kwargs)
-    assert _max_error(_store_then_attend(batch, 0.2, **kwargs), ref) <= TOLERANCE[torch.float32]
+    _check(_store_then_attend(batch, 0.2, **kwargs), ref)
 
 
 @pytest.mark.parametrize(
@@ -177,4 +178,4 @@ def test_attention_with_equal_lengths_matches_fp64(new, causal, sliding_window):
     batch = make_paged_batch(cached, new, page_size=8, group=2, seed=sum(new) + sliding_window)
     kwargs = dict(causal=causal, sliding_window=sliding_window)
     ref = attention_fp64(batch.q, batch.keys, batch.values, cached, 0.3, **kwargs)
-    assert _max_error(_store_then_attend(batch, 0.3, **kwargs), ref) <= TOLERANCE[torch.float32]
+    _check(_store_then_attend(batch, 0.3, **kwargs), ref)

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .checkpoint import CheckpointError, CheckpointInfo, read_info, verify
+from .params import KVCacheParams
 
 
 def _size(num_bytes: int) -> str:
@@ -16,16 +17,42 @@ def _size(num_bytes: int) -> str:
     raise AssertionError
 
 
+def _quantization(params: KVCacheParams) -> str:
+    if not params.quantized:
+        return f"none ({str(params.dtype).removeprefix('torch.')})"
+    fp8 = str(params.dtype).removeprefix("torch.")
+    if params.static_scales is not None:
+        return f"{fp8}, one static scale per tensor ({', '.join(map(str, params.static_scales))} for K, V)"
+    return (
+        f"{fp8}, a {str(params.scale_dtype).removeprefix('torch.')} scale per token, head and "
+        f"{params.quantization_granularity} elements ({params.scales_per_head} per head of {params.head_dim})"
+    )
+
+
+def _heads(params: KVCacheParams) -> str:
+    heads = params.kv_head_range
+    if len(heads) == params.total_kv_heads:
+        return f"all {params.total_kv_heads}"
+    return (
+        f"{heads.start}..{heads.stop - 1} of {params.total_kv_heads} (tensor-parallel rank {params.tp_rank} of "
+        f"{params.tp_size}: one shard; torch_paged_kv.distributed.reshard loads the shards at any size)"
+    )
+
+
 def _describe(info: CheckpointInfo) -> str:
     meta = info.metadata
     sizes = sum(f.stat().st_size for f in info.files)
+    p = info.params
+    page_bytes = info.page_tokens * (p.bytes_per_token + p.scale_bytes_per_token)
     lines = [
         f"checkpoint: {info.path} ({len(info.files)} file(s), {_size(sizes)})",
         f"format:     {meta['format']} v{meta['format_version']}, written by torch_paged_kv "
         f"{meta.get('torch_paged_kv_version', '?')} / torch {meta.get('torch_version', '?')}",
-        f"params:     {', '.join(f'{k}={v}' for k, v in info.params.to_dict().items())}",
+        f"params:     {', '.join(f'{k}={v}' for k, v in p.to_dict().items())}",
+        f"quantized:  {_quantization(p)}",
+        f"kv heads:   {_heads(p)}",
         f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
-        f"({info.page_tokens} tokens each, {_size(info.num_pages * info.page_tokens * info.params.bytes_per_token)})",
+        f"({info.page_tokens} tokens each, {_size(info.num_pages * page_bytes)})",
     ]
     references = sum(info.pages_per_row())
     lines.append(

@@ -9,6 +9,7 @@ Only the pages the saved rows use are stored, compacted and renumbered `1..n` in
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import uuid
@@ -37,7 +38,10 @@ from .safetensors_stream import (
 )
 
 FORMAT = "torch_paged_kv.kv_cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 2 added FP8 caches (quantization fields in `params`, `scales.*` page tensors); a version-1
+file reads as it always did."""
 DEFAULT_SHARD_BYTES = 4 << 30
 PROGRESS_MIN_BYTES = 512 << 20
 PAGED, CONTINUOUS = "paged", "continuous_batching"
@@ -72,17 +76,36 @@ def _first_use_order(used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return uniq[order], rank[inverse]
 
 
-def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
-    rows = list(range(collection.max_batch_size)) if batch_indices is None else [int(b) for b in batch_indices]
-    if not rows:
+def _selected_rows(
+    collection: Collection, batch_indices: list[int] | None, rows: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """(source row numbers, cache_lengths, lookup_table) of what a save stores, on the CPU."""
+    if rows is not None:
+        if batch_indices is not None:
+            raise CheckpointError("rows: pass either batch_indices or rows, not both")
+        lengths, table = (torch.as_tensor(t).cpu() for t in rows)
+        width = collection.lookup_table.shape[1:]
+        shape_ok = lengths.dim() == 1 and tuple(table.shape) == (lengths.shape[0], *width)
+        if lengths.dtype != torch.int32 or table.dtype != torch.int32 or not shape_ok:
+            raise CheckpointError(
+                f"rows: expected int32 cache_lengths [B] and lookup_table [B{', ' + str(width[0]) if width else ''}], "
+                f"got {lengths.dtype}{list(lengths.shape)} and {table.dtype}{list(table.shape)}"
+            )
+        if not lengths.numel():
+            raise CheckpointError("rows: nothing to save (empty)")
+        return list(range(lengths.shape[0])), lengths, table
+    selected = list(range(collection.max_batch_size)) if batch_indices is None else [int(b) for b in batch_indices]
+    if not selected:
         raise CheckpointError("batch_indices: nothing to save (empty)")
-    if len(set(rows)) != len(rows) or not all(0 <= b < collection.max_batch_size for b in rows):
+    if len(set(selected)) != len(selected) or not all(0 <= b < collection.max_batch_size for b in selected):
         raise CheckpointError(
-            f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {rows}"
+            f"batch_indices: expected distinct rows in 0..{collection.max_batch_size - 1}, got {selected}"
         )
-    index = torch.tensor(rows)
-    lengths = collection.cache_lengths.cpu()[index]
-    table = collection.lookup_table.cpu()[index]
+    index = torch.tensor(selected)
+    return selected, collection.cache_lengths.cpu()[index], collection.lookup_table.cpu()[index]
+
+
+def _plan(collection: Collection, rows: list[int], lengths: torch.Tensor, table: torch.Tensor) -> _Plan:
     if bool((lengths < 0).any()) or bool((lengths > collection.max_seq_len).any()):
         raise CheckpointError(f"cache_lengths: expected 0..{collection.max_seq_len}, got {lengths.tolist()}")
     page_size = collection.params.page_size
@@ -109,8 +132,28 @@ def _plan(collection: Collection, batch_indices: list[int] | None) -> _Plan:
     return _Plan(CONTINUOUS, rows, lengths, new_table, source_pages, page_tokens)
 
 
-def _piece_name(k: int) -> str:
-    return f"blocks.{k:05d}"
+@dataclass(frozen=True)
+class _PagedTensor:
+    """A pool tensor indexed by page, as files store it: `<name>.<k>` pieces of whole pages."""
+
+    name: str  # "blocks", or "scales" for a per-granule FP8 cache
+    dtype: torch.dtype
+    token_shape: tuple[int, ...]  # per token, layer and plane: (kv_heads, head_dim) or (kv_heads, groups)
+
+    def piece(self, k: int) -> str:
+        return f"{self.name}.{k:05d}"
+
+    def stream(self, params: KVCacheParams, page_tokens: int, pool: torch.Tensor | None) -> PageStream:
+        token_bytes = math.prod(self.token_shape) * torch.empty((), dtype=self.dtype).element_size()
+        return PageStream(params.num_planes, params.num_layers, token_bytes, page_tokens, pool)
+
+
+def _paged_tensors(params: KVCacheParams) -> list[_PagedTensor]:
+    """`blocks`, then the per-granule `scales` of an FP8 cache (static scales live in `params`)."""
+    tensors = [_PagedTensor("blocks", params.dtype, (params.num_kv_heads, params.head_dim))]
+    if params.has_scales_tensor:
+        tensors.append(_PagedTensor("scales", params.scale_dtype, (params.num_kv_heads, params.scales_per_head)))
+    return tensors
 
 
 def _show_progress(progress: bool | None, total: int) -> bool:
@@ -139,13 +182,17 @@ def save_cache(
     path: str | os.PathLike[str],
     *,
     batch_indices: list[int] | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     metadata: dict[str, str] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool | None = None,
 ) -> None:
     """Save rows `batch_indices` (default: every row, in order) of `collection` to `path`.
 
-    The loaded collection's row i is saved row `batch_indices[i]`. `metadata` (str -> str) is
+    The loaded collection's row i is saved row `batch_indices[i]`. Instead of the collection's own
+    rows, `rows=(cache_lengths, lookup_table)` saves rows given explicitly (int32, the shapes of the
+    collection's step tensors), whose tables name pages of `collection.blocks` (what
+    `KVCacheManager.save` passes: its sequences are not rows of the collection). `metadata` (str -> str) is
     stored as user metadata. Page data beyond `shard_bytes` per file goes to shard files next to
     `path`, listed in `path`'s header. A failed save leaves any checkpoint at `path` intact.
     """
@@ -155,12 +202,14 @@ def save_cache(
         raise CheckpointError("metadata: expected a dict of str to str")
     if shard_bytes <= 0:
         raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
-    plan = _plan(collection, batch_indices)
+    plan = _plan(collection, *_selected_rows(collection, batch_indices, rows))
     params = collection.params
-    io = PageStream(params, plan.page_tokens, collection.blocks)
-    piece_shape = (params.num_planes, params.num_layers, plan.page_tokens, params.num_kv_heads, params.head_dim)
+    paged = _paged_tensors(params)
+    pools = collection.page_tensors()
+    streams = [t.stream(params, plan.page_tokens, pool) for t, pool in zip(paged, pools, strict=True)]
+    page_bytes = sum(io.page_bytes for io in streams)
     n = plan.source_pages.numel()
-    per_file = max(1, shard_bytes // io.page_bytes) if io.page_bytes else max(n, 1)
+    per_file = max(1, shard_bytes // page_bytes) if page_bytes else max(n, 1)
     ranges = [(a, min(n, a + per_file)) for a in range(0, n, per_file)] or [(0, 0)]
 
     path = Path(path)
@@ -169,11 +218,11 @@ def save_cache(
     names = [path.name] + [f"{stem}-{save_id}-{k:05d}-of-{len(ranges) - 1:05d}{suffix}" for k in range(1, len(ranges))]
     common = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "save_id": save_id}
     bar = tqdm(
-        total=n * io.page_bytes,
+        total=n * page_bytes,
         unit="B",
         unit_scale=True,
         desc=f"save {path.name}",
-        disable=not _show_progress(progress, n * io.page_bytes),
+        disable=not _show_progress(progress, n * page_bytes),
     )
     index_device = plan.source_pages.to(collection.device)
     written: list[Path] = []
@@ -183,14 +232,17 @@ def save_cache(
         a, b = ranges[k]
         specs = [TensorSpec(name, t.dtype, tuple(t.shape)) for name, t in small]
         if b > a:
-            specs.append(TensorSpec(_piece_name(k), params.dtype, (b - a, *piece_shape)))
+            for t in paged:
+                unit = (params.num_planes, params.num_layers, plan.page_tokens, *t.token_shape)
+                specs.append(TensorSpec(t.piece(k), t.dtype, (b - a, *unit)))
         temp = path.parent / f".{names[k]}.{save_id}.tmp"
         written.append(temp)
         with open(temp, "wb") as f:
             writer = SafetensorsWriter(f, specs, file_metadata)
             for _, t in small:
                 writer.write(t)
-            io.write(writer, index_device[a:b], bar)
+            for io in streams:
+                io.write(writer, index_device[a:b], bar)
             checksums = writer.finish()
         final = path.parent / names[k]
         os.replace(temp, final)
@@ -271,10 +323,10 @@ def _header(path: Path, what: str) -> tuple[dict[str, str], dict[str, dict]]:
 def _check_format(path: Path, metadata: dict[str, str]) -> None:
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a torch_paged_kv checkpoint (format {metadata.get('format')!r})")
-    if metadata.get("format_version") != str(FORMAT_VERSION):
+    if metadata.get("format_version") not in [str(v) for v in READABLE_VERSIONS]:
         raise CheckpointError(
             f"{path}: unknown format version {metadata.get('format_version')!r} "
-            f"(this library reads version {FORMAT_VERSION})"
+            f"(this library reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
 
 
@@ -373,17 +425,22 @@ def _check_shapes(
     width = [] if kind == CONTINUOUS else [layout.table_width(max_seq_len, params.page_size)]
     if len(batch) != 1 or batch[0] < 1 or tensors["lookup_table"]["shape"] != batch + width:
         raise fail(f"cache_lengths {batch} / lookup_table {tensors['lookup_table']['shape']} shapes disagree")
-    pieces = sorted(name for name in tensors if name.startswith("blocks."))
-    unit = [params.num_planes, params.num_layers, page_tokens, params.num_kv_heads, params.head_dim]
-    dtype_name = DTYPE_NAMES[params.dtype]
-    total = 0
-    for name in pieces:
-        info = tensors[name]
-        if info["shape"][1:] != unit or info["dtype"] != dtype_name:
-            raise fail(f"tensor {name} is {info['dtype']}{info['shape']}, params say {dtype_name}[n, {unit}]")
-        total += info["shape"][0]
-    if total != num_pages or pieces != [_piece_name(k) for k in range(len(pieces))] or (total and not page_tokens):
-        raise fail(f"page tensors {pieces} hold {total} pages, the header says {num_pages}")
+    expected = {t.name: t for t in _paged_tensors(params)}
+    stray = sorted(n for n in tensors if n.split(".")[0] not in expected and n not in ("cache_lengths", "lookup_table"))
+    if stray:
+        raise fail(f"tensors {stray} are not part of a {params.dtype} cache")
+    for t in expected.values():
+        pieces = sorted(name for name in tensors if name.startswith(t.name + "."))
+        unit = [params.num_planes, params.num_layers, page_tokens, *t.token_shape]
+        dtype_name = DTYPE_NAMES[t.dtype]
+        total = 0
+        for name in pieces:
+            info = tensors[name]
+            if info["shape"][1:] != unit or info["dtype"] != dtype_name:
+                raise fail(f"tensor {name} is {info['dtype']}{info['shape']}, params say {dtype_name}[n, {unit}]")
+            total += info["shape"][0]
+        if total != num_pages or pieces != [t.piece(k) for k in range(len(pieces))] or (total and not page_tokens):
+            raise fail(f"page tensors {pieces} hold {total} pages, the header says {num_pages}")
 
 
 def _read_small(f: Any, name: str, checksums: dict[str, str], path: Path) -> torch.Tensor:
@@ -400,29 +457,33 @@ def _verify(name: str, crc: int, checksums: dict[str, str], path: Path) -> None:
 
 
 def _stream_pages(
-    info: CheckpointInfo, blocks: torch.Tensor | None, pages: torch.Tensor | None, progress: bool | None
+    info: CheckpointInfo, pools: list[torch.Tensor] | None, pages: torch.Tensor | None, progress: bool | None
 ) -> None:
-    """Read every page tensor in chunks and verify its checksum; stored page j (from 0) goes to
-    `blocks[pages[j]]` when `blocks` is given."""
-    io = PageStream(info.params, info.page_tokens, blocks)
+    """Read every page tensor in chunks and verify its checksum; stored page j (from 0) goes to page
+    `pages[j]` of each pool (`blocks`, then an FP8 cache's `scales`) when `pools` is given."""
+    paged = _paged_tensors(info.params)
+    streams = [t.stream(info.params, info.page_tokens, None if pools is None else pool)
+               for t, pool in zip(paged, pools or [None] * len(paged), strict=True)]  # fmt: skip
+    total = info.num_pages * sum(io.page_bytes for io in streams)
     bar = tqdm(
-        total=info.num_pages * io.page_bytes,
+        total=total,
         unit="B",
         unit_scale=True,
         desc=f"load {info.path.name}",
-        disable=not _show_progress(progress, info.num_pages * io.page_bytes),
+        disable=not _show_progress(progress, total),
     )
-    first = 0
     try:
-        for name in sorted(n for n in info.tensor_files if n.startswith("blocks.")):
-            path = info.tensor_files[name]
-            start, end = info.tensor_offsets[name]
-            count = (end - start) // io.page_bytes if io.page_bytes else 0
-            ids = None if pages is None else pages[first : first + count]
-            with open(path, "rb") as f:
-                crc = io.read(f, start, ids, count, bar)
-            _verify(name, crc, info.checksums, path)
-            first += count
+        for t, io in zip(paged, streams, strict=True):
+            first = 0
+            for name in sorted(n for n in info.tensor_files if n.startswith(t.name + ".")):
+                path = info.tensor_files[name]
+                start, end = info.tensor_offsets[name]
+                count = (end - start) // io.page_bytes if io.page_bytes else 0
+                ids = None if pages is None else pages[first : first + count]
+                with open(path, "rb") as f:
+                    crc = io.read(f, start, ids, count, bar)
+                _verify(name, crc, info.checksums, path)
+                first += count
     finally:
         bar.close()
 
@@ -435,21 +496,35 @@ def verify(path: str | os.PathLike[str], *, progress: bool | None = None) -> Che
 
 
 def load_pages(
-    path: str | os.PathLike[str], blocks: torch.Tensor, pages: list[int] | torch.Tensor, *, progress: bool | None = None
+    path: str | os.PathLike[str],
+    blocks: torch.Tensor,
+    pages: list[int] | torch.Tensor,
+    *,
+    scales: torch.Tensor | None = None,
+    progress: bool | None = None,
 ) -> CheckpointInfo:
     """Stream the stored pages of a checkpoint into an existing pool: stored page j + 1 (the id
-    in the file's lookup table) goes to `blocks[pages[j]]`, through bounded host memory.
+    in the file's lookup table) goes to `blocks[pages[j]]` (and `scales[pages[j]]` for a per-granule
+    FP8 cache), through bounded host memory.
 
-    For restoring into a live cache: `blocks` must match the file's params (else
+    For restoring into a live cache: `blocks` (and `scales`) must match the file's params (else
     `CheckpointError`); `pages` must be distinct, in range, and `read_info(path).num_pages` long.
     A continuous-batching file writes only its first `page_tokens` tokens of each slot. A checksum
     error can come after some pages were written: only pages in `pages` are ever touched.
     """
     info = read_info(path)
     p = info.params
-    expected = (p.num_planes, p.num_layers, p.page_size, p.num_kv_heads, p.head_dim)
-    if tuple(blocks.shape[1:]) != expected or blocks.dtype != p.dtype:
-        raise CheckpointError(f"{path}: params {p} do not fit the target blocks {blocks.dtype}{list(blocks.shape)}")
+    pools = [blocks] + ([scales] if p.has_scales_tensor else [])
+    for t, pool in zip(_paged_tensors(p), pools, strict=True):
+        expected = (p.num_planes, p.num_layers, p.page_size, *t.token_shape)
+        if (
+            pool is None
+            or tuple(pool.shape[1:]) != expected
+            or pool.dtype != t.dtype
+            or pool.shape[0] != blocks.shape[0]
+        ):
+            found = "none" if pool is None else f"{pool.dtype}{list(pool.shape)}"
+            raise CheckpointError(f"{path}: params {p} do not fit the target {t.name} ({found})")
     ids = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
     if (
         ids.numel() != info.num_pages
@@ -460,7 +535,7 @@ def load_pages(
             f"pages: expected {info.num_pages} distinct ids in 1..{blocks.shape[0] - 1} "
             f"(never the null page {layout.NULL_PAGE}), got {ids.tolist()}"
         )
-    _stream_pages(info, blocks, ids, progress)
+    _stream_pages(info, pools, ids, progress)
     return info
 
 
@@ -484,7 +559,7 @@ def load_cache(
         collection: Collection = ContinuousBatchingKVCacheCollection(info.params, batch, info.max_seq_len, device)
     else:
         collection = PagedKVCacheCollection(info.params, max(1, info.num_pages), batch, info.max_seq_len, device)
-    _stream_pages(info, collection.blocks, torch.arange(1, info.num_pages + 1), progress)
+    _stream_pages(info, collection.page_tensors(), torch.arange(1, info.num_pages + 1), progress)
     collection.cache_lengths.copy_(torch.tensor(info.cache_lengths, dtype=torch.int32))
     collection.lookup_table.copy_(info.lookup_table)
     return collection

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 
 from . import layout
-from .params import KVCacheParams
+from .params import FP8_DTYPES, KVCacheParams
 
 
 class StepTensors(NamedTuple):
@@ -30,6 +30,18 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def _allocate_scales(params: KVCacheParams, physical_pages: int, device: torch.device) -> torch.Tensor | None:
+    """The scales of an FP8 cache: `[pages, planes, layers, page_size, kv_heads, head_dim / granularity]`
+    per granule (zeros: an unwritten slot reads as zeros), or the `[planes]` static per-tensor pair."""
+    p = params
+    if not p.quantized:
+        return None
+    if p.static_scales is not None:
+        return torch.tensor(p.static_scales, dtype=torch.float32, device=device)
+    shape = (physical_pages, p.num_planes, p.num_layers, p.page_size, p.num_kv_heads, p.scales_per_head)
+    return torch.zeros(shape, dtype=p.scale_dtype, device=device)
+
+
 class _Collection:
     """Storage shared by the paged and continuous-batching collections."""
 
@@ -38,6 +50,7 @@ class _Collection:
     cache_lengths: torch.Tensor
     lookup_table: torch.Tensor
     input_row_offsets: torch.Tensor
+    scales: torch.Tensor | None
     max_batch_size: int
     max_seq_len: int
 
@@ -63,6 +76,7 @@ class _Collection:
             dtype=p.dtype,
             device=device,
         )
+        self.scales = _allocate_scales(p, physical_pages, device)
         self.cache_lengths = torch.zeros(self.max_batch_size, dtype=torch.int32, device=device)
         self.lookup_table = torch.full(table_shape, layout.NULL_PAGE, dtype=torch.int32, device=device)
         self.input_row_offsets = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=device)
@@ -76,10 +90,15 @@ class _Collection:
         """Pages in `blocks`, the null page included."""
         return self.blocks.shape[0]
 
-    def memory_bytes(self) -> int:
-        """Bytes held by the pool and the step tensors."""
-        tensors = (self.blocks, self.cache_lengths, self.lookup_table, self.input_row_offsets)
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def memory_footprint(self) -> int:
+        """Bytes held by the pool (`blocks` and, for an FP8 cache, `scales`) and the step tensors."""
+        tensors = (self.blocks, self.scales, self.cache_lengths, self.lookup_table, self.input_row_offsets)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def page_tensors(self) -> list[torch.Tensor]:
+        """The tensors indexed by physical page: `blocks`, and the per-granule `scales` of an FP8 cache
+        (what moves with a page when it is copied, offloaded, saved or sent)."""
+        return [self.blocks] + ([self.scales] if self.params.has_scales_tensor else [])
 
     def step_tensors(self, batch: int) -> StepTensors:
         """Views of the first `batch` rows of the step tensors (no copy)."""
@@ -99,7 +118,9 @@ class _Collection:
 
     def _view(self, layer_idx: int, plane: int) -> PagedKVCache:
         view_type = ContinuousBatchingKVCache if self.lookup_table.dim() == 1 else PagedKVCache
-        return view_type(self.blocks, self.cache_lengths, self.lookup_table, layer_idx, plane, self.input_row_offsets)
+        return view_type(
+            self.blocks, self.cache_lengths, self.lookup_table, layer_idx, plane, self.input_row_offsets, self.scales
+        )
 
 
 class PagedKVCacheCollection(_Collection):
@@ -171,6 +192,11 @@ class PagedKVCache:
     Built from the step tensors, so it can wrap a collection's buffers or any slice of them.
     Host-side helpers (`cache_length`, `load`, `store`, ...) read tensors and may synchronise;
     kernels use the same arithmetic (`layout.tma_row`) on device.
+
+    An FP8 cache also takes its `scales` (the collection's: per granule, or the static `[planes]`
+    pair): `load` then dequantizes, `load_quantized` / `store` move raw FP8 elements, and
+    `load_scale` / `store_scale` the scales, whose row view has the same rows as `blocks`' row view
+    (`scale_row_view`, `scale_col_idx`).
     """
 
     def __init__(
@@ -181,6 +207,7 @@ class PagedKVCache:
         layer_idx: int,
         plane: int = 0,
         input_row_offsets: torch.Tensor | None = None,
+        scales: torch.Tensor | None = None,
     ) -> None:
         if blocks.dim() != 6:
             raise ValueError(f"blocks: expected 6 dims, got shape {tuple(blocks.shape)}")
@@ -200,6 +227,10 @@ class PagedKVCache:
         self.head_dim = blocks.shape[5]
         self.page_stride = layout.page_stride_rows(num_planes, num_layers, self.page_size)
         self.plane_offset = layout.plane_row_offset(layer_idx, plane, num_layers, self.page_size)
+        self.scales = scales
+        self.quantization_enabled = blocks.dtype in FP8_DTYPES
+        if self.quantization_enabled and (scales is None or scales.dim() not in (1, 6)):
+            raise ValueError("scales: an FP8 cache needs its scales (per granule, 6 dims, or the static [planes] pair)")
 
     # -- lengths ---------------------------------------------------------------------------
     def cache_length(self, batch_idx: int) -> int:
@@ -261,15 +292,80 @@ class PagedKVCache:
         toks = torch.arange(base_row, base_row + num_rows, device=self.lookup_table.device)
         return self.get_tma_row(self._encode(batch_idx, toks))
 
+    # -- quantization (MAX's quantized KVCacheT surface) -------------------------------------
+    @property
+    def per_granule(self) -> bool:
+        """Whether scales are per token, head and granule (else: one static scale per plane)."""
+        return self.quantization_enabled and self.scales.dim() == 6
+
+    @property
+    def quantization_granularity(self) -> int | None:
+        """Elements of head_dim sharing one scale (None: unquantized or a static per-tensor scale)."""
+        return self.head_dim // self.scales.shape[-1] if self.per_granule else None
+
+    @property
+    def scale_dtype(self) -> torch.dtype | None:
+        return self.scales.dtype if self.quantization_enabled else None
+
+    def scale_row_view(self) -> torch.Tensor:
+        """Per-granule `scales` as rows of width `num_kv_heads * groups`: row r holds the scales of row r
+        of `row_view()` (same `get_tma_row` / `row_idx` arithmetic)."""
+        if not self.per_granule:
+            raise ValueError("scale_row_view: only a per-granule FP8 cache has a scales row view")
+        return self.scales.view(-1, self.num_kv_heads * self.scales.shape[-1])
+
+    def scale_col_idx(self, head_idx: int, group: int = 0) -> int:
+        """Column of (KV head `head_idx`, granule `group`) in `scale_row_view()`."""
+        return head_idx * self.scales.shape[-1] + group
+
+    def load_scale(self, batch_idx: int, head_idx: int, tok: int, group: int = 0) -> torch.Tensor:
+        """The fp32 scale of granule `group` of one cached token's head vector (the plane's static
+        scale for a per-tensor cache)."""
+        self._require_quantized("load_scale")
+        if not self.per_granule:
+            return self.scales[self.plane]
+        return self.scale_row_view()[self.row_idx(batch_idx, tok), self.scale_col_idx(head_idx, group)]
+
+    def store_scale(self, batch_idx: int, head_idx: int, tok: int, group: int, scale: float | torch.Tensor) -> None:
+        """Write the scale of granule `group` of one cached token's head vector."""
+        self._require_quantized("store_scale")
+        if not self.per_granule:
+            raise ValueError("store_scale: a per-tensor FP8 cache has fixed static scales")
+        self.scale_row_view()[self.row_idx(batch_idx, tok), self.scale_col_idx(head_idx, group)] = scale
+
+    def load_quantized(
+        self, batch_idx: int, head_idx: int, tok: int, dim: int = 0, width: int | None = None
+    ) -> torch.Tensor:
+        """`width` raw FP8 elements (default: to the end of the head) of one cached token's head vector."""
+        self._require_quantized("load_quantized")
+        return self._raw(batch_idx, head_idx, tok, dim, width)
+
+    def _require_quantized(self, name: str) -> None:
+        if not self.quantization_enabled:
+            raise ValueError(f"{name}: this cache is not quantized (dtype {self.blocks.dtype})")
+
     # -- element access (host-side) --------------------------------------------------------
-    def load(self, batch_idx: int, head_idx: int, tok: int, dim: int = 0, width: int | None = None) -> torch.Tensor:
-        """`width` elements (default: to the end of the head) of one cached token's head vector."""
+    def _raw(self, batch_idx: int, head_idx: int, tok: int, dim: int, width: int | None) -> torch.Tensor:
         width = self.head_dim - dim if width is None else width
         col = self.col_idx(head_idx) + dim
         return self.row_view()[self.row_idx(batch_idx, tok), col : col + width]
 
+    def load(self, batch_idx: int, head_idx: int, tok: int, dim: int = 0, width: int | None = None) -> torch.Tensor:
+        """`width` elements (default: to the end of the head) of one cached token's head vector;
+        dequantized to fp32 for an FP8 cache."""
+        raw = self._raw(batch_idx, head_idx, tok, dim, width)
+        if not self.quantization_enabled:
+            return raw
+        if not self.per_granule:
+            return raw.float() * self.scales[self.plane]
+        granularity = self.quantization_granularity
+        groups = torch.arange(dim, dim + raw.numel(), device=raw.device) // granularity
+        row = self.scale_row_view()[self.row_idx(batch_idx, tok)]
+        return raw.float() * row[self.scale_col_idx(head_idx) + groups]
+
     def store(self, batch_idx: int, head_idx: int, tok: int, dim: int, values: torch.Tensor) -> None:
-        """Write `values` into one cached token's head vector starting at `dim`."""
+        """Write `values` into one cached token's head vector starting at `dim`, as raw elements of
+        the cache's dtype (for an FP8 cache: quantized values; write their scales with `store_scale`)."""
         col = self.col_idx(head_idx) + dim
         self.row_view()[self.row_idx(batch_idx, tok), col : col + values.numel()] = values.reshape(-1)
 

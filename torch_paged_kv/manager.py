@@ -1,22 +1,22 @@
 """`KVCacheManager`: sequences, page allocation, prefix caching, fork, offload and KV checkpoints.
 
-The manager owns a `PagedKVCacheCollection`'s step tensors: `prepare_step` fills their first
-rows in place for the sequences of one step, the model runs, `commit_step` advances the lengths.
-Host bookkeeping lives in int64 numpy arrays indexed by a per-sequence slot (lengths, page
-tables, known token ids) plus a list of prefix-cache keys per sequence, so a decode step costs a
-few vectorised numpy operations, one sha256 per page that fills, and one device copy of the
-lengths; table rows are re-sent only when a row gains pages or the rows change sequence.
+The manager keeps policy: who claims and releases pages, when pages are shared, copied, offloaded,
+saved or loaded. State lives in two objects it owns: a `PagePool` (refcounts, free pages, the
+prefix cache: page_pool.py) and a `PageTable` (per-sequence slot: lengths, pages, token ids, and
+the upload of a step into the collection's step tensors: page_table.py). `prepare_step` fills the
+step tensors in place for the sequences of one step, the model runs, `commit_step` advances the
+lengths and caches the pages that became full (one sha256 per page that fills).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import json
 import os
 from array import array
-from collections.abc import Hashable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -25,7 +25,9 @@ import torch
 from . import checkpoint, layout
 from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
-from .prefix_cache import TOKEN_DTYPE, PagePool, page_key, page_key_of_bytes, root_key
+from .ops.quant import indexable
+from .page_pool import PagePool, root_key
+from .page_table import PageTable
 
 METADATA_KEY = "torch_paged_kv.manager"
 """Checkpoint user-metadata key holding the saved sequences' token ids (JSON)."""
@@ -44,7 +46,7 @@ class _Sequence:
     seq_id: Hashable
     slot: int
     keys: list[bytes]  # prefix-cache keys of the leading full pages
-    host_pages: torch.Tensor | None = None  # page contents while offloaded
+    host_pages: list[torch.Tensor] | None = None  # while offloaded: the page tensors' contents (page_tensors())
 
 
 class _Step(NamedTuple):
@@ -53,6 +55,17 @@ class _Step(NamedTuple):
     num_new: np.ndarray
     new_lengths: np.ndarray
     token_ids: np.ndarray | None  # the rows' new token ids, concatenated
+
+
+class _Rows(NamedTuple):
+    """What the collection's step tensors hold: the rows of the last prepared step (none after a
+    change that may have moved pages: release, offload)."""
+
+    ids: list | None = None
+    seqs: Sequence[_Sequence] = ()
+    slots: np.ndarray = np.zeros(0, dtype=np.int64)
+    num_new_list: list | None = None
+    num_new: np.ndarray | None = None
 
 
 def _int64s(name: str, tokens: Iterable[int]) -> np.ndarray:
@@ -69,7 +82,8 @@ class KVCacheManager:
     Prefix caching (on by default) keys every full page by a sha256 chained over its parent's
     key and its token ids (plus `hash_salt`); `claim` reuses the longest cached prefix. The
     counters `prefix_cache_hits` / `prefix_cache_misses` count prompt *tokens* given to `claim`
-    that were reused / must be computed.
+    that were reused / must be computed. `page_pool` and `page_table` are the state it owns
+    (read them; change them only through the manager).
     """
 
     def __init__(
@@ -84,32 +98,13 @@ class KVCacheManager:
         self.page_size = collection.params.page_size
         self.prefix_cache_hits = 0
         self.prefix_cache_misses = 0
+        self.page_pool = PagePool(collection.num_pages)
+        self.page_table = PageTable(collection)
         self._root = root_key(hash_salt)
-        self._pool = PagePool(collection.num_pages)
         self._seqs: dict[Hashable, _Sequence] = {}
-        # Per-slot host state; a slot is a sequence's row in these arrays.
-        self._lengths = np.zeros(0, dtype=np.int64)
-        self._num_pages = np.zeros(0, dtype=np.int64)
-        self._known = np.zeros(0, dtype=np.int64)  # token ids known from position 0; -1: unknown
-        self._tokens = np.zeros((0, 0), dtype=TOKEN_DTYPE)  # [slot, :known]: the ids (columns double)
-        self._table = np.zeros((0, collection.lookup_table.shape[1]), dtype=np.int32)
-        self._free_slots: list[int] = []
-        self._grow_slots(collection.max_batch_size)
-        # What the device rows hold: the ids/sequences/slots of the last prepared step.
-        self._rows_ids: list | None = None
-        self._rows_seqs: list[_Sequence] = []
-        self._rows_slots = np.zeros(0, dtype=np.int64)
-        self._rows_num_new_list: list | None = None
-        self._rows_num_new: np.ndarray | None = None
         self._pending: _Step | None = None
-        self._step_views: dict[int, StepTensors] = {}
+        self._rows = _Rows()  # what the device rows hold: the last prepared step
         self._next_loaded_id = 0
-        on_cpu = collection.device.type == "cpu"
-        self._host_views = (
-            (collection.cache_lengths.numpy(), collection.lookup_table.numpy(), collection.input_row_offsets.numpy())
-            if on_cpu
-            else None
-        )
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -119,15 +114,37 @@ class KVCacheManager:
 
     def cache_length(self, seq_id: Hashable) -> int:
         """Tokens cached for `seq_id` (committed steps only)."""
-        return int(self._lengths[self._get(seq_id, "seq_id").slot])
+        return int(self.page_table.lengths[self._get(seq_id, "seq_id").slot])
+
+    def pages(self, seq_id: Hashable) -> list[int]:
+        """Physical pages of `seq_id` in order (empty while it is offloaded)."""
+        return self.page_table.pages(self._get(seq_id, "seq_id").slot)
+
+    def token_ids(self, seq_id: Hashable) -> list[int] | None:
+        """Token ids of `seq_id` known from position 0 (a claimed prompt may run past its length), or None."""
+        return self.page_table.token_ids(self._get(seq_id, "seq_id").slot)
+
+    def prefix_keys(self, seq_id: Hashable) -> list[bytes]:
+        """Prefix-cache keys of `seq_id`'s leading full pages (chained sha256, see page_pool.py)."""
+        return list(self._get(seq_id, "seq_id").keys)
+
+    @property
+    def prepared_sequences(self) -> list:
+        """Ids of the rows of the prepared step not yet committed (empty when there is none)."""
+        return [] if self._pending is None else [s.seq_id for s in self._pending.seqs]
+
+    @property
+    def prefix_root(self) -> bytes:
+        """Parent key of every sequence's first page (from `hash_salt`): keys chain from it."""
+        return self._root
 
     def num_free_pages(self) -> int:
         """Pages an allocation can use now: unused pages plus evictable cached pages."""
-        return self._pool.available()
+        return self.page_pool.available()
 
     def num_cached_pages(self) -> int:
         """Pages in the prefix cache (referenced or evictable)."""
-        return len(self._pool.key_of)
+        return len(self.page_pool.key_of)
 
     def is_offloaded(self, seq_id: Hashable) -> bool:
         return self._get(seq_id, "seq_id").host_pages is not None
@@ -146,19 +163,12 @@ class KVCacheManager:
         pages: list[int] = []
         keys: list[bytes] = []
         if self.enable_prefix_caching and prompt_tokens is not None:
-            ps, parent = self.page_size, self._root
-            for i in range((len(prompt) - 1) // ps):
-                key = page_key(parent, prompt[i * ps : (i + 1) * ps])
-                page = self._pool.lookup(key)
-                if page is None:
-                    break
-                pages.append(page)
-                keys.append(key)
-                parent = key
+            max_pages = (len(prompt) - 1) // self.page_size  # leave at least one token to compute
+            pages, keys = self.page_pool.match_prefix(self._root, prompt, self.page_size, max_pages)
             for page in pages:
-                self._pool.ref(page)
-            self.prefix_cache_hits += len(pages) * ps
-            self.prefix_cache_misses += len(prompt) - len(pages) * ps
+                self.page_pool.ref(page)
+            self.prefix_cache_hits += len(pages) * self.page_size
+            self.prefix_cache_misses += len(prompt) - len(pages) * self.page_size
         tokens = prompt if self.enable_prefix_caching else None
         self._add(seq_id, pages, len(pages) * self.page_size, tokens, keys)
         return len(pages) * self.page_size
@@ -167,8 +177,7 @@ class KVCacheManager:
         """Forget a sequence; its pages return to the pool (cached ones stay cached, LRU last page first)."""
         seq = self._get(seq_id, "seq_id")
         del self._seqs[seq_id]
-        self._drop_pages(seq)
-        self._free_slots.append(seq.slot)  # its lengths are overwritten when the slot is reused
+        self.page_pool.unref(reversed(self.page_table.remove(seq.slot)))
         if self._pending is not None and seq in self._pending.seqs:
             p = self._pending
             keep = np.array([s is not seq for s in p.seqs])
@@ -179,26 +188,91 @@ class KVCacheManager:
                 p.new_lengths[keep],
                 None if p.token_ids is None else p.token_ids[np.repeat(keep, p.num_new)],
             )
-        self._rows_ids = None
+        self._rows = _Rows()
 
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """New sequence `child` with `parent`'s cache: full pages shared, a partial last page copied."""
         src = self._get_on_device(parent, "parent")
         self._check_new_id(child, "child")
-        length = int(self._lengths[src.slot])
+        table = self.page_table
+        length = int(table.lengths[src.slot])
         full = length // self.page_size
         partial = length % self.page_size != 0
         self._require_pages(int(partial))
-        src_pages = self._pages(src)
+        src_pages = table.pages(src.slot)
         pages = src_pages[:full]
         for page in pages:
-            self._pool.ref(page)
+            self.page_pool.ref(page)
         if partial:
-            pages += self._pool.allocate(1)
+            pages += self.page_pool.allocate(1)
             self._copy_pages([src_pages[full]], pages[-1:])
-        known = int(self._known[src.slot])
-        tokens = self._tokens[src.slot, : min(known, length)] if known >= 0 else None
+        known = int(table.known[src.slot])
+        tokens = table.tokens[src.slot, : min(known, length)] if known >= 0 else None
         self._add(child, pages, length, tokens, src.keys[:full])
+
+    def adopt(
+        self,
+        seq_ids: Sequence,
+        cache_lengths: Sequence[int],
+        page_rows: Sequence[Sequence[int]],
+        fill: Callable[[list[int], list[int]], None],
+        *,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        prefix_keys: Sequence[Sequence[bytes]] | None = None,
+    ) -> list[int]:
+        """Add sequences whose pages come from elsewhere (another process, a file), all or nothing.
+
+        Sequence `seq_ids[i]` holds `cache_lengths[i]` tokens in the incoming pages `page_rows[i]`
+        (`ceil(length / page_size)` indices into the incoming pages `0..n-1`, each used; rows may
+        share full pages). `token_ids[i]` are its known ids from position 0 (or None), for prefix
+        caching; `prefix_keys[i]` the keys of its leading full pages, computed with this manager's
+        salt: an incoming page whose key is cached here is shared, not filled. Then
+        `fill(incoming, pages)` must write incoming page `incoming[j]` into physical page `pages[j]`
+        (the pages: free ones first, then cached ones to evict, least recently used first) and
+        must not use the manager. Only after it returns are pages taken and the sequences
+        registered; returns the incoming pages that were filled.
+
+        On any error nothing changed, except when `fill` raises after writing into cached pages
+        this allocation was going to evict: their cache entries are dropped (they are free pages
+        now). An exception with an int `pages_written` limits that to the first pages it wrote.
+        """
+        ids, lengths, rows, tokens, keys = self._check_adopt(seq_ids, cache_lengths, page_rows, token_ids, prefix_keys)
+        pool = self.page_pool
+        num_incoming = 1 + max((i for row in rows for i in row), default=-1)
+        key_of_incoming: dict[int, bytes] = {}
+        for row, row_keys in zip(rows, keys, strict=True):
+            for i, key in zip(row, row_keys, strict=False):
+                if key_of_incoming.setdefault(i, key) != key:
+                    raise ValueError(f"prefix_keys: incoming page {i} has two different keys")
+        hits = {i: page for i, key in key_of_incoming.items() if (page := pool.lookup(key)) is not None}
+        incoming = [i for i in range(num_incoming) if i not in hits]
+        revived = sum(1 for page in hits.values() if pool.refcounts[page] == 0)
+        self._require_pages(len(incoming) + revived)  # a revived cached page leaves the evictable ones
+        pages = pool.peek(len(incoming), keep=set(hits.values()))
+        try:
+            fill(list(incoming), list(pages))
+        except BaseException as exc:
+            evicting = pages[min(len(pages), len(pool.free)) :]
+            written = getattr(exc, "pages_written", None)
+            pool.forget(evicting if not isinstance(written, int) else evicting[: max(0, written - len(pool.free))])
+            raise
+        pool.take(pages)
+        physical = {**hits, **dict(zip(incoming, pages, strict=True))}
+        taken = set(pages)
+        for seq_id, length, row, seq_tokens, row_keys in zip(ids, lengths, rows, tokens, keys, strict=True):
+            row_pages = [physical[i] for i in row]
+            for page in row_pages:
+                if page in taken:
+                    taken.discard(page)  # the first owner holds the refcount `take` gave it
+                else:
+                    pool.ref(page)
+            for page, key in zip(row_pages, row_keys, strict=False):
+                pool.register(page, key)
+            self._add(seq_id, row_pages, length, seq_tokens, list(row_keys))
+        seqs = [self._seqs[i] for i in ids]
+        known = [min(n, int(self.page_table.known[s.slot])) for s, n in zip(seqs, lengths, strict=True)]
+        self._cache_full_pages(seqs, [n // self.page_size for n in known])
+        return incoming
 
     # -- steps ---------------------------------------------------------------------------------
     def prepare_step(
@@ -210,21 +284,19 @@ class KVCacheManager:
         All or nothing: on any error (`OutOfPagesError` included) nothing changed. A prepared
         step not yet committed is abandoned by the next `prepare_step` (its pages stay reserved).
         """
+        table, last = self.page_table, self._rows
         ids = list(seq_ids)
-        if ids == self._rows_ids:
-            seqs, slots = self._rows_seqs, self._rows_slots
-        else:
-            seqs, slots = self._resolve(ids)
+        same_rows = ids == last.ids
+        seqs, slots = (last.seqs, last.slots) if same_rows else self._resolve(ids)
         batch = len(ids)
         num_new_list = num_new_tokens if type(num_new_tokens) is list else None
-        if num_new_list is not None and len(num_new_list) == batch and num_new_list == self._rows_num_new_list:
-            num_new = self._rows_num_new  # same counts as the last step: already validated
+        if num_new_list is not None and len(num_new_list) == batch and num_new_list == last.num_new_list:
+            num_new = last.num_new  # same counts as the last step: already validated
         else:
             num_new = self._check_num_new(num_new_tokens, batch)
             num_new_list = None if num_new_list is None else list(num_new_list)
         flat_ids = None if token_ids is None else self._check_token_ids(token_ids, num_new)
-        old_lengths = self._lengths[slots]
-        new_lengths = old_lengths + num_new
+        new_lengths = table.lengths[slots] + num_new
         longest = int(new_lengths.max())
         if longest > self.collection.max_seq_len:
             b = int(new_lengths.argmax())
@@ -232,22 +304,18 @@ class KVCacheManager:
                 f"num_new_tokens: sequence {ids[b]!r} would reach {longest} tokens, "
                 f"past max_seq_len={self.collection.max_seq_len}"
             )
-        missing = (new_lengths + (self.page_size - 1)) // self.page_size - self._num_pages[slots]
+        missing = table.pages_for(new_lengths) - table.num_pages[slots]
         grow = np.flatnonzero(missing > 0)
         if grow.size:
             needed = int(missing[grow].sum())
             self._require_pages(needed)
-            self._extend_pages(slots[grow], missing[grow], needed)
+            table.extend(slots[grow], missing[grow], self.page_pool.allocate(needed))
         if flat_ids is not None and self.enable_prefix_caching:
-            self._reserve_tokens(longest)  # room for this step's ids
-        self._upload(batch, seqs is self._rows_seqs, grow, slots, old_lengths, num_new)
-        self._rows_ids, self._rows_seqs, self._rows_slots = ids, seqs, slots
-        self._rows_num_new_list, self._rows_num_new = num_new_list, num_new
+            table.reserve_tokens(longest)  # room for this step's ids
+        table.upload(slots, num_new, grow if same_rows else None, same_rows and num_new is last.num_new)
+        self._rows = _Rows(ids, seqs, slots, num_new_list, num_new)
         self._pending = _Step(seqs, slots, num_new, new_lengths, flat_ids)
-        views = self._step_views.get(batch)
-        if views is None:
-            views = self._step_views[batch] = self.collection.step_tensors(batch)
-        return views
+        return table.step_tensors(batch)
 
     def commit_step(self) -> None:
         """After the model ran the prepared step: advance lengths, cache newly full pages."""
@@ -255,31 +323,31 @@ class KVCacheManager:
         if step is None:
             raise RuntimeError("commit_step: no prepared step (call prepare_step first)")
         self._pending = None
-        old_lengths = self._lengths[step.slots]
-        self._lengths[step.slots] = step.new_lengths
+        table = self.page_table
+        old_lengths = table.lengths[step.slots]
+        table.lengths[step.slots] = step.new_lengths
         if not self.enable_prefix_caching:
             return
-        known = self._known[step.slots]
+        known = table.known[step.slots]
         if step.token_ids is not None:
-            known = self._append_tokens(step, old_lengths, known)
+            known = table.append_tokens(step.slots, old_lengths, step.new_lengths, step.num_new, step.token_ids)
         full = step.new_lengths // self.page_size
         end = full * self.page_size  # a row whose last full page ends past its old length crossed into it
         crossed = np.flatnonzero((end > old_lengths) & (known >= end)).tolist()
         if crossed:
-            self._register_full_pages([step.seqs[b] for b in crossed], full[crossed].tolist())
+            self._cache_full_pages([step.seqs[b] for b in crossed], full[crossed].tolist())
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, seq_ids: Sequence) -> None:
         """Move sequences' pages to CPU memory (pinned when the pool is on a GPU) and free them."""
         seqs = self._resolve(list(seq_ids), name="seq_ids", limit_batch=False)[0]
-        blocks = self.collection.blocks
+        table = self.page_table
         for seq in seqs:
-            used = self._pages(seq)[: self._pages_for(int(self._lengths[seq.slot]))]
-            host = torch.empty((len(used), *blocks.shape[1:]), dtype=blocks.dtype, pin_memory=blocks.is_cuda)
-            host.copy_(blocks[torch.tensor(used, dtype=torch.long, device=blocks.device)])
-            self._drop_pages(seq)
-            seq.host_pages = host
-        self._rows_ids = None
+            used = table.pages(seq.slot)[: table.pages_for(int(table.lengths[seq.slot]))]
+            seq.host_pages = self._read_pages(used)
+            self.page_pool.unref(reversed(table.pages(seq.slot)))
+            table.set_pages(seq.slot, [])
+        self._rows = _Rows()
 
     def restore(self, seq_ids: Sequence) -> None:
         """Bring offloaded sequences back, contents identical (all or nothing): full pages still in
@@ -290,28 +358,29 @@ class KVCacheManager:
         for seq in seqs:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
+        pool = self.page_pool
         # A full page still in the prefix cache (its key) is shared again, not copied back.
-        cached = [[self._pool.lookup(key) for key in seq.keys] for seq in seqs]
+        cached = [[pool.lookup(key) for key in seq.keys] for seq in seqs]
         missing = sum(
-            seq.host_pages.shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached, strict=True)
+            seq.host_pages[0].shape[0] - len(hits) + hits.count(None) for seq, hits in zip(seqs, cached, strict=True)
         )
-        revived = {page for hits in cached for page in hits if page is not None and self._pool.refcounts[page] == 0}
+        revived = {page for hits in cached for page in hits if page is not None and pool.refcounts[page] == 0}
         self._require_pages(missing + len(revived))  # a revived cached page leaves the evictable ones
         for hits in cached:
             for page in hits:
                 if page is not None:
-                    self._pool.ref(page)
+                    pool.ref(page)
         for seq, hits in zip(seqs, cached, strict=True):
             host, seq.host_pages = seq.host_pages, None
-            hits += [None] * (host.shape[0] - len(hits))
+            hits += [None] * (host[0].shape[0] - len(hits))
             todo = [i for i, page in enumerate(hits) if page is None]
-            fresh = self._pool.allocate(len(todo))
-            self._write_pages(fresh, host[todo])
+            fresh = pool.allocate(len(todo))
+            self._write_pages(fresh, [t[todo] for t in host])
             for i, page in zip(todo, fresh, strict=True):
                 hits[i] = page
-            self._set_pages(seq.slot, hits)
+            self.page_table.set_pages(seq.slot, hits)
             for page, key in zip(hits[: len(seq.keys)], seq.keys, strict=True):  # keyed: the leading full pages
-                self._pool.register(page, key)
+                pool.register(page, key)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
@@ -323,12 +392,11 @@ class KVCacheManager:
         seqs = self._resolve(list(seq_ids), name="seq_ids", limit_batch=False)[0]
         if not seqs:
             raise ValueError("seq_ids: nothing to save (empty)")
-        view = copy.copy(self.collection)  # shares `blocks`; gets step tensors of its own below
-        view.max_batch_size = len(seqs)
-        view.cache_lengths = torch.tensor([int(self._lengths[s.slot]) for s in seqs], dtype=torch.int32)
-        view.lookup_table = torch.from_numpy(self._table[[s.slot for s in seqs]])
-        meta = {"token_ids": [self._token_ids(s) for s in seqs]}
-        checkpoint.save_cache(view, path, metadata={METADATA_KEY: json.dumps(meta)})
+        slots = [s.slot for s in seqs]
+        table = self.page_table
+        rows = (torch.from_numpy(table.lengths[slots].astype(np.int32)), torch.from_numpy(table.rows[slots]))
+        meta = {"token_ids": [table.token_ids(slot) for slot in slots]}
+        checkpoint.save_cache(self.collection, path, rows=rows, metadata={METADATA_KEY: json.dumps(meta)})
 
     def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
         """Add the sequences of a checkpoint to this live cache, in free pages; returns their ids.
@@ -342,8 +410,11 @@ class KVCacheManager:
         info = checkpoint.read_info(path)
         params, c = self.collection.params, self.collection
         if info.kind != checkpoint.PAGED or info.params != params:
+            heads = ("num_kv_heads", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+            other_heads = dataclasses.replace(info.params, **{f: getattr(params, f) for f in heads}) == params
+            hint = " (a shard of other KV heads: see torch_paged_kv.distributed.reshard.load_sharded)" * other_heads
             raise checkpoint.CheckpointError(
-                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}"
+                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}{hint}"
             )
         if max(info.cache_lengths) > c.max_seq_len:
             raise checkpoint.CheckpointError(
@@ -361,11 +432,13 @@ class KVCacheManager:
         tokens = [
             None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t) for t in tokens
         ]
-        new_pages = self._pool.allocate(info.num_pages)
+        new_pages = self.page_pool.allocate(info.num_pages)
         try:  # streamed straight into the pool, through bounded host buffers
-            checkpoint.load_pages(path, c.blocks, new_pages)
+            checkpoint.load_pages(path, c.blocks, new_pages, scales=c.scales)
         except BaseException:
-            self._pool.unref(new_pages[::-1])  # back to free, in their old order; evicted cache entries stay evicted
+            self.page_pool.unref(
+                new_pages[::-1]
+            )  # back to free, in their old order; evicted cache entries stay evicted
             raise
         pages = [layout.NULL_PAGE, *new_pages]  # checkpoint page j -> pages[j]
         seen: set[int] = set()
@@ -374,14 +447,12 @@ class KVCacheManager:
             row = [pages[j] for j in info.lookup_table[b, :per_row].tolist()]
             for page in row:
                 if page in seen:  # shared in the checkpoint: one more owner
-                    self._pool.ref(page)
+                    self.page_pool.ref(page)
                 seen.add(page)
             self._add(seq_id, row, length, tokens[b], [])
         seqs = [self._seqs[i] for i in ids]
-        self._register_full_pages(
-            seqs,
-            [min(n, int(self._known[s.slot])) // self.page_size for s, n in zip(seqs, info.cache_lengths, strict=True)],
-        )
+        known = [min(n, int(self.page_table.known[s.slot])) for s, n in zip(seqs, info.cache_lengths, strict=True)]
+        self._cache_full_pages(seqs, [n // self.page_size for n in known])
         if seq_ids is None:
             self._next_loaded_id = ids[-1][1] + 1
         return ids
@@ -473,164 +544,96 @@ class KVCacheManager:
             raise ValueError(f"token_ids: expected {num_new.tolist()} ids per row, got {counts}")
         return _int64s("token_ids", itertools.chain.from_iterable(token_ids))
 
-    def _pages_for(self, length: int) -> int:
-        return -(-length // self.page_size)
+    def _check_adopt(
+        self,
+        seq_ids: Sequence,
+        cache_lengths: Sequence[int],
+        page_rows: Sequence[Sequence[int]],
+        token_ids: Sequence[Sequence[int] | None] | None,
+        prefix_keys: Sequence[Sequence[bytes]] | None,
+    ) -> tuple[list, list[int], list[list[int]], list[np.ndarray | None], list[list[bytes]]]:
+        """`adopt`'s arguments, checked (ValueError naming the argument) and normalised."""
+        ids = list(seq_ids)
+        self._check_unique(ids, "seq_ids")
+        for i in ids:
+            self._check_new_id(i, "seq_ids")
+        batch = len(ids)
+        for name, value in (("cache_lengths", cache_lengths), ("page_rows", page_rows)):
+            if len(value) != batch:
+                raise ValueError(f"{name}: expected {batch} entries (one per sequence), got {len(value)}")
+        lengths = [int(n) for n in cache_lengths]
+        if any(not 0 <= n <= self.collection.max_seq_len for n in lengths):
+            raise ValueError(f"cache_lengths: expected 0..{self.collection.max_seq_len}, got {lengths}")
+        rows = [list(map(int, row)) for row in page_rows]
+        used = sorted({i for row in rows for i in row})
+        if used != list(range(len(used))) or any(
+            len(row) != self.page_table.pages_for(n) for row, n in zip(rows, lengths, strict=True)
+        ):
+            raise ValueError("page_rows: expected ceil(length / page_size) incoming pages per row, using all of 0..n-1")
+        uses = Counter(i for row in rows for i in row)
+        if any(uses[row[-1]] > 1 for row, n in zip(rows, lengths, strict=True) if n % self.page_size):
+            raise ValueError("page_rows: only full pages may be shared (a partially filled page is in two places)")
+        tokens: list[np.ndarray | None] = [None] * batch
+        if token_ids is not None:
+            if len(token_ids) != batch:
+                raise ValueError(f"token_ids: expected {batch} entries (one per sequence), got {len(token_ids)}")
+            tokens = [None if t is None else _int64s("token_ids", t) for t in token_ids]
+            if any(t is not None and len(t) > self.collection.max_seq_len for t in tokens):
+                raise ValueError(f"token_ids: more than max_seq_len={self.collection.max_seq_len} ids")
+        keys: list[list[bytes]] = [[] for _ in ids]
+        if prefix_keys is not None:
+            if len(prefix_keys) != batch:
+                raise ValueError(f"prefix_keys: expected {batch} entries (one per sequence), got {len(prefix_keys)}")
+            keys = [list(k) for k in prefix_keys]
+            for row_keys, n in zip(keys, lengths, strict=True):
+                well_formed = all(isinstance(k, bytes) and len(k) == 32 for k in row_keys)
+                if len(row_keys) > n // self.page_size or not well_formed:
+                    raise ValueError("prefix_keys: expected 32-byte keys of at most the full pages of each row")
+        if not self.enable_prefix_caching:
+            tokens, keys = [None] * batch, [[] for _ in ids]
+        return ids, lengths, rows, tokens, keys
 
     def _require_pages(self, needed: int) -> None:
         """`OutOfPagesError` unless an allocation of `needed` pages can succeed now."""
-        if needed > self._pool.available():
-            raise OutOfPagesError(needed, len(self._pool.free), len(self._pool.evictable))
-
-    def _grow_slots(self, extra: int) -> None:
-        start = len(self._lengths)
-        zeros = np.zeros(extra, dtype=np.int64)
-        self._lengths = np.concatenate([self._lengths, zeros])
-        self._num_pages = np.concatenate([self._num_pages, zeros])
-        self._known = np.concatenate([self._known, zeros])
-        self._tokens = np.concatenate([self._tokens, np.zeros((extra, self._tokens.shape[1]), dtype=TOKEN_DTYPE)])
-        pad = np.full((extra, self._table.shape[1]), layout.NULL_PAGE, dtype=np.int32)
-        self._table = np.concatenate([self._table, pad])
-        self._free_slots.extend(range(start + extra - 1, start - 1, -1))
+        if needed > self.page_pool.available():
+            raise OutOfPagesError(needed, len(self.page_pool.free), len(self.page_pool.evictable))
 
     def _add(
         self, seq_id: Hashable, pages: list[int], length: int, tokens: np.ndarray | None, keys: list[bytes]
     ) -> None:
-        if not self._free_slots:
-            self._grow_slots(len(self._lengths))
-        slot = self._free_slots.pop()
-        self._lengths[slot] = length
-        if tokens is None:
-            self._known[slot] = -1
-        else:
-            self._reserve_tokens(len(tokens))
-            self._tokens[slot, : len(tokens)] = tokens
-            self._known[slot] = len(tokens)
-        self._set_pages(slot, pages)
-        self._seqs[seq_id] = _Sequence(seq_id, slot, keys)
+        self._seqs[seq_id] = _Sequence(seq_id, self.page_table.add(pages, length, tokens), keys)
 
-    def _reserve_tokens(self, length: int) -> None:
-        """Room for `length` token ids per slot: whole pages, doubling until they fit."""
-        capacity = self._tokens.shape[1]
-        if length > capacity:
-            doubled = min(2 * capacity // self.page_size, self.collection.max_pages_per_sequence)
-            pages = max(self._pages_for(length), doubled)
-            grown = np.zeros((len(self._tokens), pages * self.page_size), dtype=TOKEN_DTYPE)
-            grown[:, :capacity] = self._tokens
-            self._tokens = grown
-
-    def _token_ids(self, seq: _Sequence) -> list[int] | None:
-        """Known token ids of `seq` from position 0 (may run past its length: the prompt), or None."""
-        known = int(self._known[seq.slot])
-        return self._tokens[seq.slot, :known].tolist() if known >= 0 else None
-
-    def _append_tokens(self, step: _Step, old_lengths: np.ndarray, known: np.ndarray) -> np.ndarray:
-        """Store the committed step's token ids; returns the rows' new known counts.
-
-        A row whose ids are known up to its old length gets the new ids written there (over the
-        rest of a remembered prompt: they are what ran); any other row stops caching pages (-1).
-        """
-        ok = known >= old_lengths
-        rows, cols, ids = step.slots, old_lengths, step.token_ids
-        if len(ids) != len(rows):  # some row has several new tokens: one (row, col) per id
-            starts = np.cumsum(step.num_new) - step.num_new
-            cols = np.repeat(old_lengths - starts, step.num_new) + np.arange(len(ids))
-            rows = np.repeat(rows, step.num_new)
-        if ok.all():
-            known = step.new_lengths
-        else:
-            select = np.repeat(ok, step.num_new)
-            rows, cols, ids = rows[select], cols[select], ids[select]
-            known = np.where(ok, step.new_lengths, -1)
-        self._tokens[rows, cols] = ids  # prepare_step made room
-        self._known[step.slots] = known
-        return known
-
-    def _pages(self, seq: _Sequence) -> list[int]:
-        """Physical pages of `seq`, in order (its table row is the only record of them)."""
-        return self._table[seq.slot, : self._num_pages[seq.slot]].tolist()
-
-    def _set_pages(self, slot: int, pages: list[int]) -> None:
-        self._table[slot, : len(pages)] = pages
-        self._num_pages[slot] = len(pages)
-
-    def _extend_pages(self, slots: np.ndarray, counts: np.ndarray, total: int) -> None:
-        """Allocate `counts[i]` more pages for each slot (vectorised when each needs one)."""
-        pages = self._pool.allocate(total)
-        if total == len(slots):
-            self._table[slots, self._num_pages[slots]] = pages
-            self._num_pages[slots] += 1
-            return
-        i = 0
-        for slot, count in zip(slots.tolist(), counts.tolist(), strict=True):
-            start = int(self._num_pages[slot])
-            self._table[slot, start : start + count] = pages[i : i + count]
-            self._num_pages[slot] = start + count
-            i += count
-
-    def _drop_pages(self, seq: _Sequence) -> None:
-        """Unreference all of `seq`'s pages, last first (so LRU evicts tails before heads)."""
-        self._pool.unref(reversed(self._pages(seq)))
-        self._table[seq.slot, : self._num_pages[seq.slot]] = layout.NULL_PAGE
-        self._num_pages[seq.slot] = 0
-
-    def _register_full_pages(self, seqs: list[_Sequence], num_full: Sequence[int]) -> None:
+    def _cache_full_pages(self, seqs: list[_Sequence], num_full: Sequence[int]) -> None:
         """Cache the pages of `seqs[i]` below page `num_full[i]` not yet keyed (their ids are known)."""
-        ps, width, root, register = self.page_size, 8 * self.page_size, self._root, self._pool.register
         todo = [(seq, i) for seq, n in zip(seqs, num_full, strict=True) for i in range(len(seq.keys), n)]
         if not todo:
             return
         slots, index = [seq.slot for seq, _ in todo], [i for _, i in todo]
-        data = self._tokens.reshape(len(self._tokens), -1, ps)[slots, index].tobytes()  # one page a row
-        for (seq, _), page, start in zip(
-            todo, self._table[slots, index].tolist(), range(0, len(data), width), strict=True
-        ):
+        data = self.page_table.page_tokens(slots, index)  # one page of token ids after another
+        width = len(data) // len(todo)
+        pages = self.page_table.rows[slots, index].tolist()
+        for (seq, _), page, start in zip(todo, pages, range(0, len(data), width), strict=True):
             keys = seq.keys  # a sequence's pages come in order: each chains over the one before
-            key = page_key_of_bytes(keys[-1] if keys else root, data[start : start + width])
-            keys.append(key)
-            register(page, key)
+            keys.append(
+                self.page_pool.cache_full_page(keys[-1] if keys else self._root, page, data[start : start + width])
+            )
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        device = self.collection.device
-        copy_pages(
-            self.collection.blocks,
-            torch.tensor(src, dtype=torch.int32, device=device),
-            torch.tensor(dst, dtype=torch.int32, device=device),
-        )
-
-    def _write_pages(self, pages: list[int], contents: torch.Tensor) -> None:
-        blocks = self.collection.blocks
-        index = torch.tensor(pages, dtype=torch.long, device=blocks.device)
-        blocks.index_copy_(0, index, contents.to(blocks.device))
-
-    def _upload(
-        self,
-        batch: int,
-        same_rows: bool,
-        grow: np.ndarray,
-        slots: np.ndarray,
-        old_lengths: np.ndarray,
-        num_new: np.ndarray,
-    ) -> None:
-        """Write the step into the collection's tensors: lengths, offsets, changed table rows."""
         c = self.collection
-        rows = grow if same_rows else slice(0, batch)
-        table_same = same_rows and grow.size == 0
-        offsets_same = same_rows and num_new is self._rows_num_new
-        if self._host_views is not None:
-            lengths_np, table_np, offsets_np = self._host_views
-            lengths_np[:batch] = old_lengths
-            if not table_same:
-                table_np[rows] = self._table[slots[rows]]
-            if not offsets_same:
-                np.cumsum(num_new, out=offsets_np[1 : batch + 1])
-            return
-        c.cache_lengths[:batch].copy_(torch.from_numpy(old_lengths))
-        if not table_same:
-            if same_rows:
-                c.lookup_table[torch.from_numpy(grow).to(c.device)] = torch.from_numpy(self._table[slots[grow]]).to(
-                    c.device
-                )
-            else:
-                c.lookup_table[:batch].copy_(torch.from_numpy(self._table[slots]))
-        if not offsets_same:
-            c.input_row_offsets[1 : batch + 1].copy_(torch.from_numpy(np.cumsum(num_new)))
+        index = [torch.tensor(pages, dtype=torch.int32, device=c.device) for pages in (src, dst)]
+        copy_pages(c.blocks, *index, c.scales)
+
+    def _read_pages(self, pages: list[int]) -> list[torch.Tensor]:
+        """Host copies of `pages` of every page tensor (pinned for a GPU pool)."""
+        out = []
+        for t in self.collection.page_tensors():
+            data = indexable(t)
+            host = torch.empty((len(pages), *data.shape[1:]), dtype=data.dtype, pin_memory=data.is_cuda)
+            out.append(host.copy_(data.index_select(0, torch.tensor(pages, dtype=torch.long, device=data.device))))
+        return out
+
+    def _write_pages(self, pages: list[int], contents: list[torch.Tensor]) -> None:
+        """Write host copies made by `_read_pages` into `pages`."""
+        for t, host in zip(self.collection.page_tensors(), contents, strict=True):
+            data = indexable(t)
+            data.index_copy_(0, torch.tensor(pages, dtype=torch.long, device=data.device), host.to(data.device))

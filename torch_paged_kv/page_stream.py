@@ -13,7 +13,6 @@ from typing import BinaryIO
 import torch
 from tqdm import tqdm
 
-from .params import KVCacheParams
 from .safetensors_stream import SafetensorsWriter, read_into
 
 CHUNK_BYTES = 64 << 20
@@ -28,16 +27,18 @@ def _write_all(writer: SafetensorsWriter, parts: list[torch.Tensor]) -> None:
 
 
 class PageStream:
-    """Moves stored pages between `blocks` (seen as uint8 `[pages, planes, layers, unit]`, a unit
-    being one page's tokens of one layer and plane) and files, in chunks of about `CHUNK_BYTES`
-    through at most two reused host buffers (pinned for CUDA) and a device staging buffer."""
+    """Moves stored pages between a pool tensor indexed by page (`blocks`, or an FP8 cache's
+    `scales`; seen as uint8 `[pages, planes, layers, unit]`, a unit being one page's tokens of one
+    layer and plane) and files, in chunks of about `CHUNK_BYTES` through at most two reused host
+    buffers (pinned for CUDA) and a device staging buffer. `token_bytes` is one token's bytes of one
+    layer and plane; `pool` may be None to only read (and checksum) files."""
 
-    def __init__(self, params: KVCacheParams, page_tokens: int, blocks: torch.Tensor | None) -> None:
-        self.planes, self.layers = params.num_planes, params.num_layers
-        self.page_bytes = page_tokens * params.bytes_per_token
-        self.unit = self.page_bytes // (self.planes * self.layers)
-        self.view = None if blocks is None else blocks[:, :, :, :page_tokens].flatten(3).view(torch.uint8)
-        self.cuda = blocks is not None and blocks.device.type == "cuda"
+    def __init__(self, planes: int, layers: int, token_bytes: int, page_tokens: int, pool: torch.Tensor | None) -> None:
+        self.planes, self.layers = planes, layers
+        self.unit = page_tokens * token_bytes
+        self.page_bytes = planes * layers * self.unit
+        self.view = None if pool is None else pool[:, :, :, :page_tokens].flatten(3).view(torch.uint8)
+        self.cuda = pool is not None and pool.device.type == "cuda"
         self._host: list[torch.Tensor] = []
         self._staging: torch.Tensor | None = None
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -11,7 +12,15 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +28,23 @@ class KVCacheParams:
     """What a KV cache holds: element type, layer count, heads, head size and page size.
 
     `is_mla=True` describes a latent (MLA) cache: one plane per layer instead of K and V.
+
+    An FP8 `dtype` (`torch.float8_e4m3fn` / `torch.float8_e5m2`) makes a quantized cache, in one of
+    two ways (MAX's quantized `PagedKVCache`, vLLM's per-tensor FP8):
+
+    - per granule (the default): a `scales` tensor beside `blocks` holds one `scale_dtype` scale per
+      token, head and `quantization_granularity` elements of head_dim (a divisor of head_dim;
+      head_dim, the default, means one scale per token and head). Stored value = round(x / scale),
+      scale = amax of the granule / the dtype's max.
+    - per tensor: `static_scales=(k_scale, v_scale)` (one value for MLA), fixed, no `scales` tensor.
+
     Instances are immutable, hashable, comparable and round-trip through `to_dict`/`from_dict`.
+
+    Tensor parallelism: a cache may hold a slice of the model's KV heads. `num_kv_heads` is what
+    this cache holds, the global heads `kv_head_start .. kv_head_start + num_kv_heads - 1` of
+    `total_kv_heads` (None: `num_kv_heads`, the whole model), as rank `tp_rank` of a group of
+    `tp_size` (see `torch_paged_kv.distributed.tensor_parallel.shard_params`). The defaults describe
+    an unsharded cache, and `to_dict` leaves out fields at their defaults.
     """
 
     dtype: torch.dtype
@@ -28,6 +53,13 @@ class KVCacheParams:
     head_dim: int
     page_size: int
     is_mla: bool = False
+    quantization_granularity: int | None = None
+    scale_dtype: torch.dtype | None = None
+    static_scales: tuple[float, ...] | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES.values():
@@ -40,6 +72,67 @@ class KVCacheParams:
             raise ValueError(f"is_mla: expected a bool, got {self.is_mla!r}")
         if self.is_mla and self.num_kv_heads != 1:
             raise ValueError(f"num_kv_heads: an MLA cache has one latent head, got {self.num_kv_heads}")
+        self._check_quantization()
+        self._check_tensor_parallel()
+
+    def _check_quantization(self) -> None:
+        quantized = self.dtype in FP8_DTYPES
+        given = {k: getattr(self, k) for k in ("quantization_granularity", "scale_dtype", "static_scales")}
+        if not quantized:
+            extra = [k for k, v in given.items() if v is not None]
+            if extra:
+                raise ValueError(f"{extra[0]}: only an FP8 cache is quantized, but dtype is {self.dtype}")
+            return
+        if self.static_scales is not None:
+            scales = self.static_scales
+            if self.quantization_granularity is not None or self.scale_dtype is not None:
+                raise ValueError(
+                    "static_scales: a per-tensor FP8 cache has no scales tensor; leave "
+                    "quantization_granularity and scale_dtype unset"
+                )
+            if not isinstance(scales, (tuple, list)) or len(scales) != self.num_planes:
+                raise ValueError(
+                    f"static_scales: expected {self.num_planes} floats (one per plane: K, V), got {scales!r}"
+                )
+            numbers = all(isinstance(s, (int, float)) and not isinstance(s, bool) for s in scales)
+            if not numbers or not all(math.isfinite(s) and s > 0 for s in scales):
+                raise ValueError(f"static_scales: expected finite positive floats, got {scales!r}")
+            object.__setattr__(self, "static_scales", tuple(float(s) for s in scales))
+            return
+        granularity = self.head_dim if self.quantization_granularity is None else self.quantization_granularity
+        if not isinstance(granularity, int) or isinstance(granularity, bool) or granularity <= 0:
+            raise ValueError(f"quantization_granularity: expected a positive int, got {granularity!r}")
+        if self.head_dim % granularity:
+            raise ValueError(
+                f"quantization_granularity: expected a divisor of head_dim={self.head_dim}, got {granularity}"
+            )
+        scale_dtype = torch.float32 if self.scale_dtype is None else self.scale_dtype
+        if scale_dtype not in SCALE_DTYPES.values():
+            raise ValueError(f"scale_dtype: expected one of {list(SCALE_DTYPES)}, got {scale_dtype}")
+        object.__setattr__(self, "quantization_granularity", granularity)  # normalised: equal params compare equal
+        object.__setattr__(self, "scale_dtype", scale_dtype)
+
+    def _check_tensor_parallel(self) -> None:
+        if self.total_kv_heads is None:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)  # normalised: equal params compare equal
+        for name in ("tp_size", "total_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name, bound in (("tp_rank", self.tp_size), ("kv_head_start", self.total_kv_heads)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+                raise ValueError(f"{name}: expected an int in 0..{bound - 1}, got {value!r}")
+        if self.kv_head_start + self.num_kv_heads > self.total_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: heads {self.kv_head_start}..{self.kv_head_start + self.num_kv_heads - 1} "
+                f"do not fit total_kv_heads={self.total_kv_heads}"
+            )
+
+    @property
+    def kv_head_range(self) -> range:
+        """The global KV heads this cache holds, in order."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
 
     @property
     def num_planes(self) -> int:
@@ -47,15 +140,50 @@ class KVCacheParams:
         return 1 if self.is_mla else 2
 
     @property
+    def quantized(self) -> bool:
+        """Whether the cache stores FP8 values (with a `scales` tensor or static scales)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def has_scales_tensor(self) -> bool:
+        """Whether collections allocate a `scales` tensor (per-granule FP8)."""
+        return self.quantized and self.static_scales is None
+
+    @property
+    def scales_per_head(self) -> int:
+        """Scales per token and head: `head_dim / quantization_granularity` (0 without a scales tensor)."""
+        return self.head_dim // self.quantization_granularity if self.has_scales_tensor else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies across all layers, K and V."""
+        """Bytes of `blocks` one token occupies across all layers, K and V."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_planes * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
+    @property
+    def scale_bytes_per_token(self) -> int:
+        """Bytes of `scales` one token occupies across all layers, K and V (0 without a scales tensor)."""
+        if not self.has_scales_tensor:
+            return 0
+        itemsize = torch.empty((), dtype=self.scale_dtype).element_size()
+        return self.num_planes * self.num_layers * self.num_kv_heads * self.scales_per_head * itemsize
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe description (the dtype by name)."""
+        """JSON-safe description (dtypes by name; the quantization fields only for FP8 caches, the
+        tensor-parallel fields only where they differ from their defaults)."""
         out = dataclasses.asdict(self)
-        out["dtype"] = str(self.dtype).removeprefix("torch.")
+        out["dtype"] = _dtype_name(self.dtype)
+        for name in ("quantization_granularity", "scale_dtype", "static_scales"):
+            if out[name] is None:
+                del out[name]  # unquantized params keep the format they always had
+        if self.scale_dtype is not None:
+            out["scale_dtype"] = _dtype_name(self.scale_dtype)
+        if self.static_scales is not None:
+            out["static_scales"] = list(self.static_scales)
+        defaults = {"tp_size": 1, "tp_rank": 0, "kv_head_start": 0, "total_kv_heads": self.num_kv_heads}
+        for name, default in defaults.items():  # an unsharded cache's dict is what it was before these fields
+            if out[name] == default:
+                del out[name]
         return out
 
     @classmethod
@@ -70,4 +198,8 @@ class KVCacheParams:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype: expected one of {list(SUPPORTED_DTYPES)}, got {dtype!r}")
         values["dtype"] = SUPPORTED_DTYPES[dtype]
+        if "scale_dtype" in values:
+            if values["scale_dtype"] not in SCALE_DTYPES:
+                raise ValueError(f"scale_dtype: expected one of {list(SCALE_DTYPES)}, got {values['scale_dtype']!r}")
+            values["scale_dtype"] = SCALE_DTYPES[values["scale_dtype"]]
         return cls(**values)

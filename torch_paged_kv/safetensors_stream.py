@@ -26,6 +26,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "F32",
     torch.float16: "F16",
     torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",  # safetensors' names for torch's FP8 dtypes
+    torch.float8_e5m2: "F8_E5M2",
     torch.int32: "I32",
     torch.int64: "I64",
     torch.uint8: "U8",

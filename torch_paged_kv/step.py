@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .collection import StepTensors
+from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .ops import dispatch, library, validate  # noqa: F401  (library registers torch.ops.paged_kv)
 
 _OPS = torch.ops.paged_kv
@@ -47,13 +47,22 @@ def _eager_plain(*tensors: Tensor) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """The paged-cache ops of one step over `blocks`, per layer; `first_layer` checks the step."""
+    """The paged-cache ops of one step over `blocks` (and an FP8 cache's `scales`), per layer;
+    `first_layer` checks the step."""
 
     blocks: Tensor
     step: StepTensors
+    scales: Tensor | None = None
     first_layer: int = 0
     # op name -> the kernel the first layer's (eager, checked) call ran: later eager layers call it
     kernels: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def of(
+        cls, collection: PagedKVCacheCollection | ContinuousBatchingKVCacheCollection, step: StepTensors
+    ) -> StepPlan:
+        """The plan over a collection's pool (its `blocks` and `scales`)."""
+        return cls(collection.blocks, step, collection.scales)
 
     def _checked(self, layer_idx: int) -> str:
         return "default" if layer_idx == self.first_layer else "unchecked"
@@ -75,7 +84,7 @@ class StepPlan:
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
         kernel = self._direct("store_kv", layer_idx, key, value)
-        args = (key, value, self.blocks, *self.step, layer_idx)
+        args = (key, value, self.blocks, *self.step, layer_idx, self.scales)
         if kernel is not None:
             validate.check_store_kv_rows(key, value, self.blocks)
             kernel(*args)
@@ -94,7 +103,7 @@ class StepPlan:
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
         kernel = self._direct("flash_attention", layer_idx, q)
-        args = (q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap)
+        args = (q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales)
         if kernel is not None:
             validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap)
             return kernel(*args)
@@ -102,12 +111,13 @@ class StepPlan:
         self._remember("flash_attention", layer_idx, args, q)
         return out
 
-    def gather_kv(self, layer_idx: int, max_kv_len: int) -> tuple[Tensor, Tensor]:
+    def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
-        kernel = self._direct("gather_kv", layer_idx)
-        args = (self.blocks, *self.step, layer_idx, max_kv_len)
+        kernel = self._direct("gather_kv", layer_idx) if out_dtype is None else None
+        args = (self.blocks, *self.step, layer_idx, max_kv_len, self.scales, out_dtype)
         if kernel is not None and max_kv_len >= 0:
             return kernel(*args)
         out = getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
-        self._remember("gather_kv", layer_idx, args)
+        if out_dtype is None:
+            self._remember("gather_kv", layer_idx, args)
         return out

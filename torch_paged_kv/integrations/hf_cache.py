@@ -97,7 +97,7 @@ class PagedLayer(CacheLayerMixin):
         counts = lambda: torch.full((batch,), new, dtype=torch.int32, device=cache.device)
         plan = cache.layer_plan(self.layer_idx, batch, new, counts)
         plan.store_kv(token_rows(key_states), token_rows(value_states), self.pool_layer)
-        keys, values = plan.gather_kv(self.pool_layer, cache.max_cache_len)
+        keys, values = plan.gather_kv(self.pool_layer, cache.max_cache_len, key_states.dtype)
         cache.layer_done(self.layer_idx, batch)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
@@ -136,9 +136,17 @@ class PagedCache(Cache):
         max_batch_size: most rows at once (`batch * num_beams` for beam search).
         max_cache_len: most tokens (columns, padding included) a row may reach.
         page_size: tokens per page.
-        device, dtype: of the pool. Given both, it is allocated now; otherwise at the first step, on
-            the device and in the dtype of the model's keys for the one not given. A model whose
-            keys then differ from a given one raises `ValueError` naming the argument.
+        device, dtype: the model's, that is of the keys the cache is given. Given both, the pool is
+            allocated now; otherwise at the first step, on the device and in the dtype of the model's
+            keys for the one not given. A model whose keys then differ from a given one raises
+            `ValueError` naming the argument.
+        kv_dtype: what the pool stores (default: `dtype`). `torch.float8_e4m3fn` or
+            `torch.float8_e5m2` halve the memory of a 16-bit cache: K/V are quantized on write and
+            dequantized on read (see docs/fp8.md for what it costs in accuracy).
+        quantization_granularity: for an FP8 `kv_dtype`, elements of head_dim sharing one scale
+            (default head_dim: one scale per token and head).
+        static_scales: for an FP8 `kv_dtype`, one fixed (k_scale, v_scale) pair instead of scales per
+            token (vLLM's per-tensor FP8; needs calibrated scales).
     """
 
     # Plain attributes set in `__init__`: they shadow `Cache`'s read-only properties (transformers < 5.20).
@@ -153,6 +161,9 @@ class PagedCache(Cache):
         page_size: int = 16,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+        quantization_granularity: int | None = None,
+        static_scales: tuple[float, float] | None = None,
     ) -> None:
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
@@ -165,6 +176,11 @@ class PagedCache(Cache):
         self.max_batch_size = max_batch_size
         self.requested_device = None if device is None else torch.device(device)
         self.requested_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.kv_dtype = getattr(torch, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+        self.quantization = dict(quantization_granularity=quantization_granularity, static_scales=static_scales)
+        if self.kv_dtype is not None:  # a bad combination fails now, naming the argument, not at the first step
+            KVCacheParams(self.kv_dtype, 1, self.num_kv_heads, self.head_dim, page_size, **self.quantization)
+        self.dtype: torch.dtype | None = None  # the model's (the keys'): known once the pool exists
         self.collection: PagedKVCacheCollection | None = None
         self.columns: torch.Tensor | None = None
         self.device: torch.device | None = None
@@ -184,7 +200,15 @@ class PagedCache(Cache):
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """The pool: row b owns pages `1 + b*P .. (b+1)*P`, written into the lookup table once."""
-        params = KVCacheParams(dtype, len(self.cached_layers), self.num_kv_heads, self.head_dim, self.page_size)
+        self.dtype = dtype
+        params = KVCacheParams(
+            self.kv_dtype or dtype,
+            len(self.cached_layers),
+            self.num_kv_heads,
+            self.head_dim,
+            self.page_size,
+            **self.quantization,
+        )
         pages_per_row = -(-self.max_cache_len // self.page_size)
         self.collection = PagedKVCacheCollection(
             params, self.max_batch_size * pages_per_row, self.max_batch_size, self.max_cache_len, device
@@ -202,8 +226,9 @@ class PagedCache(Cache):
         if self.static_addresses_marked or torch.compiler.is_compiling():
             return
         c = self.collection
-        for t in (c.blocks, c.cache_lengths, c.input_row_offsets, c.lookup_table, self.columns):
-            torch._dynamo.mark_static_address(t)
+        for t in (c.blocks, c.scales, c.cache_lengths, c.input_row_offsets, c.lookup_table, self.columns):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
         self.static_addresses_marked = True
 
     def ensure_pool(self, key_states: torch.Tensor) -> None:
@@ -212,7 +237,7 @@ class PagedCache(Cache):
         if self.collection is None:
             dtype, device = self.requested_dtype or key_states.dtype, self.requested_device or key_states.device
         else:
-            dtype, device = self.collection.blocks.dtype, self.collection.blocks.device
+            dtype, device = self.dtype, self.collection.blocks.device
         if key_states.dtype != dtype:
             raise ValueError(
                 f"dtype: the pool holds {dtype} but the model's keys are {key_states.dtype}; "
@@ -250,7 +275,7 @@ class PagedCache(Cache):
         count. The plan checks the step tensors at that layer only."""
         if layer_idx == self.cached_layers[0]:
             self._begin_step(new_tokens(), columns)
-            self._plan = StepPlan(self.collection.blocks, self.collection.step_tensors(batch))
+            self._plan = StepPlan.of(self.collection, self.collection.step_tensors(batch))
         return self._plan  # the same for every layer of the step (views of the step's rows)
 
     def layer_done(self, layer_idx: int, batch: int) -> None:

@@ -12,6 +12,9 @@ sequences and `total_new` new tokens:
 - `lookup_table`: int32 `[batch, width]` (pages of each sequence, in order), or `[batch]` (one
   continuous-batching slot per sequence).
 - `input_row_offsets`: int32 `[batch + 1]`, prefix sums of each sequence's new tokens.
+- `scales` (FP8 caches only, else None): fp32 `[num_pages, 2, num_layers, page_size, num_kv_heads,
+  head_dim / granularity]` (one scale per granule, beside `blocks`), or `[2]` (a static per-tensor
+  scale per plane). See `quant.py` for the rule.
 """
 
 from __future__ import annotations
@@ -28,14 +31,18 @@ def store_kv(
     lookup_table: Tensor,
     input_row_offsets: Tensor,
     layer_idx: int,
+    scales: Tensor | None = None,
 ) -> None:
-    """Write this step's new K/V rows into their pages (mutates `blocks`).
+    """Write this step's new K/V rows into their pages (mutates `blocks`, and `scales`).
 
-    `key`, `value`: `[total_new, num_kv_heads, head_dim]`, in `blocks`' dtype. New token t of sequence
-    b goes to position `cache_lengths[b] + t`: page `lookup_table[b, pos // page_size]`, row
-    `pos % page_size`. `cache_lengths` is not advanced (the caller does that after the step).
+    `key`, `value`: `[total_new, num_kv_heads, head_dim]`, in `blocks`' dtype (an FP8 cache takes
+    fp32/fp16/bf16 rows and quantizes them on write). New token t of sequence b goes to position
+    `cache_lengths[b] + t`: page `lookup_table[b, pos // page_size]`, row `pos % page_size`.
+    `cache_lengths` is not advanced (the caller does that after the step).
     """
-    torch.ops.paged_kv.store_kv.default(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)
+    torch.ops.paged_kv.store_kv.default(
+        key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales
+    )
 
 
 def flash_attention(
@@ -49,6 +56,7 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: Tensor | None = None,
 ) -> Tensor:
     """Attention of the new queries over each sequence's `cache_lengths[b] + new_b` keys -> `[total_new,
     num_q_heads, head_dim]`.
@@ -56,7 +64,8 @@ def flash_attention(
     `q`: `[total_new, num_q_heads, head_dim]`, `num_q_heads` a multiple of `num_kv_heads` (GQA/MQA).
     Call after `store_kv` of the same step. The query at position p sees key j iff (`not causal` or
     `j <= p`) and (`sliding_window <= 0` or `p - j < sliding_window`); `softcap > 0` applies
-    `softcap * tanh(score / softcap)` after scaling. Accumulates in fp32.
+    `softcap * tanh(score / softcap)` after scaling. Accumulates in fp32 (an FP8 cache is
+    dequantized on read; `q` is then fp32, fp16 or bf16).
     """
     return torch.ops.paged_kv.flash_attention.default(
         q,
@@ -69,6 +78,7 @@ def flash_attention(
         causal,
         sliding_window,
         softcap,
+        scales,
     )
 
 
@@ -79,25 +89,29 @@ def gather_kv(
     input_row_offsets: Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each sequence's `cache_lengths[b] + new_b` keys and values as contiguous `[batch, max_kv_len,
-    num_kv_heads, head_dim]` tensors, zeros past each sequence's length."""
+    num_kv_heads, head_dim]` tensors, zeros past each sequence's length, in `out_dtype` (default:
+    `blocks`' dtype; float32 for an FP8 cache, which is dequantized)."""
     return torch.ops.paged_kv.gather_kv.default(
-        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len
+        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales, out_dtype
     )
 
 
-def copy_pages(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
+def copy_pages(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
     """`blocks[dst_pages[i]] = blocks[src_pages[i]]` for every i, whole pages (all layers, K and V),
-    every source read before any destination is written (mutates `blocks`).
+    every source read before any destination is written (mutates `blocks`; per-granule `scales`
+    move with their pages).
 
     `src_pages`, `dst_pages`: int32 `[n]`; destinations distinct and never the null page 0.
     """
-    torch.ops.paged_kv.copy_pages.default(blocks, src_pages, dst_pages)
+    torch.ops.paged_kv.copy_pages.default(blocks, src_pages, dst_pages, scales)
 
 
 OPS = {"store_kv": store_kv, "flash_attention": flash_attention, "gather_kv": gather_kv, "copy_pages": copy_pages}
 """op name -> its typed public function (what `library.py` registers)."""
 
-MUTATED = {"store_kv": ("blocks",), "flash_attention": (), "gather_kv": (), "copy_pages": ("blocks",)}
+MUTATED = {"store_kv": ("blocks", "scales"), "flash_attention": (), "gather_kv": (), "copy_pages": ("blocks", "scales")}
 """op name -> the arguments it writes (declared `Tensor(a!)` in its schema)."""

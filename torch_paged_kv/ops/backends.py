@@ -10,9 +10,10 @@ from . import triton as triton_kernels
 
 
 def _register(name: str, unavailable_reason, kernels: dict) -> None:
+    """`kernels`: op -> (kernel, supports) or (kernel, supports, declines); see `dispatch.register_kernel`."""
     dispatch.register_backend(name, unavailable_reason)
-    for op, (kernel, supports) in kernels.items():
-        dispatch.register_kernel(name, op, kernel, supports)
+    for op, entry in kernels.items():
+        dispatch.register_kernel(name, op, *entry)
 
 
 _register("reference", lambda device: None, {op: (getattr(reference, op), None) for op in dispatch.OPS})

@@ -24,6 +24,7 @@ ENV_VAR = "TORCH_PAGED_KV_BACKEND"
 
 Kernel = Callable[..., Any]
 Supports = Callable[..., bool]
+Declines = Callable[[Any], "str | None"]  # KVCacheParams -> why caches like these are not covered, or None
 
 
 class BackendUnavailableError(RuntimeError):
@@ -31,6 +32,7 @@ class BackendUnavailableError(RuntimeError):
 
 
 _kernels: dict[tuple[str, str], tuple[Kernel, Supports | None]] = {}
+_declines: dict[tuple[str, str], Declines] = {}
 _availability: dict[str, Callable[[torch.device], str | None]] = {}
 
 
@@ -41,13 +43,19 @@ def register_backend(name: str, unavailable_reason: Callable[[torch.device], str
     _availability[name] = unavailable_reason
 
 
-def register_kernel(backend: str, op: str, fn: Kernel, supports: Supports | None = None) -> None:
-    """Register `fn` as `backend`'s implementation of `op`."""
+def register_kernel(
+    backend: str, op: str, fn: Kernel, supports: Supports | None = None, declines: Declines | None = None
+) -> None:
+    """Register `fn` as `backend`'s implementation of `op`. `declines(params)` (optional) says why the
+    kernel does not cover caches of those `KVCacheParams` (what `backend_info(device, params)` reports);
+    it must agree with `supports`, which decides each call."""
     if op not in OPS:
         raise ValueError(f"op: unknown op {op!r}; expected one of {OPS}")
     if backend not in _availability:
         raise ValueError(f"backend: {backend!r} is not registered; call register_backend first")
     _kernels[(backend, op)] = (fn, supports)
+    if declines is not None:
+        _declines[(backend, op)] = declines
 
 
 def _reason(backend: str, op: str, device: torch.device, args: tuple | None) -> str | None:
@@ -88,14 +96,26 @@ def select(op: str, device: torch.device, args: tuple) -> Kernel:
     raise BackendUnavailableError(f"no backend can run {op} on {device}")
 
 
-def backend_info(device: torch.device | str = "cpu") -> dict[str, str]:
-    """For each op, the backend a typical call on `device` would use (or why none can)."""
+def backend_info(device: torch.device | str = "cpu", params: Any = None) -> dict[str, str]:
+    """For each op, the backend a typical call on `device` would use (or why none can). With `params`
+    (`KVCacheParams`), for a call on a cache of those params: a backend that declines such caches is
+    skipped, and the answer says which and why, e.g. "reference (triton: ...)"."""
     device = torch.device(device)
     forced = forced_backend()
     info = {}
     for op in OPS:
         candidates = (forced,) if forced else DEFAULT_ORDER.get(device.type, FALLBACK_ORDER)
-        reasons = {b: _reason(b, op, device, None) for b in candidates}
+        reasons = {}
+        for backend in candidates:
+            reasons[backend] = _reason(backend, op, device, None)
+            if reasons[backend] is None and params is not None and (backend, op) in _declines:
+                reasons[backend] = _declines[(backend, op)](params)
+            if reasons[backend] is None:
+                break
         chosen = next((b for b, r in reasons.items() if r is None), None)
-        info[op] = chosen if chosen else "unavailable: " + "; ".join(f"{b}: {r}" for b, r in reasons.items())
+        skipped = "; ".join(f"{b}: {r}" for b, r in reasons.items() if r is not None)
+        if chosen is None:
+            info[op] = "unavailable: " + skipped
+        else:
+            info[op] = chosen + (f" ({skipped})" if skipped and params is not None else "")
     return info

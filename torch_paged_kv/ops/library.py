@@ -60,8 +60,9 @@ def _store_kv_fake(
     lookup_table: Tensor,
     input_row_offsets: Tensor,
     layer_idx: int,
+    scales: Tensor | None = None,
 ) -> None:
-    validate.check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx)
+    validate.check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales)
 
 
 @_register_fake("flash_attention")
@@ -76,10 +77,11 @@ def _flash_attention_fake(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: Tensor | None = None,
 ) -> Tensor:
     validate.check_flash_attention_meta(
         q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
-        softcap,
+        softcap, scales,
     )  # fmt: skip
     return torch.empty_like(q)
 
@@ -92,15 +94,20 @@ def _gather_kv_fake(
     input_row_offsets: Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
-    validate.check_gather_kv_meta(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len)
+    validate.check_gather_kv_meta(
+        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales, out_dtype
+    )
     shape = (cache_lengths.shape[0], max_kv_len, blocks.shape[4], blocks.shape[5])
-    return blocks.new_empty(shape), blocks.new_empty(shape)
+    dtype = validate.gather_dtype(blocks, out_dtype)
+    return blocks.new_empty(shape, dtype=dtype), blocks.new_empty(shape, dtype=dtype)
 
 
 @_register_fake("copy_pages")
-def _copy_pages_fake(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
-    validate.check_copy_pages_meta(blocks, src_pages, dst_pages)
+def _copy_pages_fake(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
+    validate.check_copy_pages_meta(blocks, src_pages, dst_pages, scales)
 
 
 # -- implementations: validate, then the selected backend's kernel ----------------------------
@@ -126,7 +133,7 @@ _complete = {name: _with_defaults(name) for name in api.OPS}
 
 def _store_kv(*args: Any, value_checks: bool = True) -> None:
     args = _complete["store_kv"](args)
-    key, _, blocks, cache_lengths, lookup_table, input_row_offsets, _ = args
+    key, _, blocks, cache_lengths, lookup_table, input_row_offsets, _, _ = args
     validate.check_store_kv_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets)
@@ -144,7 +151,7 @@ def _flash_attention(*args: Any, value_checks: bool = True) -> Tensor:
 
 def _gather_kv(*args: Any, value_checks: bool = True) -> tuple[Tensor, Tensor]:
     args = _complete["gather_kv"](args)
-    blocks, cache_lengths, lookup_table, input_row_offsets, _, max_kv_len = args
+    blocks, cache_lengths, lookup_table, input_row_offsets, _, max_kv_len, _, _ = args
     validate.check_gather_kv_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, None, max_kv_len)
@@ -155,7 +162,7 @@ def _copy_pages(*args: Any, value_checks: bool = True) -> None:
     args = _complete["copy_pages"](args)
     validate.check_copy_pages_meta(*args)
     if value_checks and validate.data_checks_enabled(args[0].device):
-        validate.check_copy_pages_data(*args)
+        validate.check_copy_pages_data(*args[:3])
     dispatch.select("copy_pages", args[0].device, args)(*args)
 
 

@@ -19,6 +19,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from . import quant
+
 CHUNK_BUDGET_BYTES = 256 * 2**20  # mask (or, with softcap, fp32 scores) of one chunk of query positions
 
 _scratch_buffers = threading.local()
@@ -52,6 +54,7 @@ def store_kv(
     lookup_table: torch.Tensor,
     input_row_offsets: torch.Tensor,
     layer_idx: int,
+    scales: torch.Tensor | None = None,
 ) -> None:
     seq, tok = _row_coordinates(input_row_offsets, key.shape[0])
     pos = cache_lengths.long()[seq] + tok
@@ -59,8 +62,15 @@ def store_kv(
     table = lookup_table.long()
     pages = table[seq] if table.dim() == 1 else table[seq, pos // page_size]
     index = (pages, pos % page_size)
-    blocks[:, 0, layer_idx].index_put_(index, key)
-    blocks[:, 1, layer_idx].index_put_(index, value)
+    for plane, rows in enumerate((key, value)):
+        if scales is None:
+            blocks[:, plane, layer_idx].index_put_(index, rows)
+        elif scales.dim() == 1:  # a static per-tensor scale per plane
+            blocks[:, plane, layer_idx].index_put_(index, quant.quantize_static(rows, blocks.dtype, scales[plane]))
+        else:
+            q, row_scales = quant.quantize(rows, blocks.dtype, blocks.shape[5] // scales.shape[5])
+            blocks[:, plane, layer_idx].index_put_(index, q)
+            scales[:, plane, layer_idx].index_put_(index, row_scales)
 
 
 def gather_tokens(
@@ -74,9 +84,10 @@ def gather_tokens(
     """`[batch, T, heads, head_dim]` with T >= min(max_len, what the table addresses): each row's
     first cached tokens, whole pages at a time (contents past a sequence's length are arbitrary).
 
-    With `scratch_slot` the result is a view into that reused scratch buffer.
+    `blocks` may be any tensor laid out like a pool (`[pages, planes, layers, page_size, ...]`, such
+    as per-granule scales). With `scratch_slot` the result is a view into that reused scratch buffer.
     """
-    page_size, heads, head_dim = blocks.shape[3], blocks.shape[4], blocks.shape[5]
+    page_size = blocks.shape[3]
     plane_view = blocks[:, plane, layer_idx]  # [num_pages, page_size, heads, head_dim]
     if lookup_table.dim() == 1:  # one slot per row: take only the first max_len tokens of it
         tokens = min(max_len, page_size)
@@ -85,7 +96,7 @@ def gather_tokens(
         num_cols = min(-(-max_len // page_size), lookup_table.shape[1])
         tokens = num_cols * page_size
         pages, source = lookup_table[:, :num_cols].reshape(-1), plane_view.flatten(1)
-    shape = (lookup_table.shape[0], tokens, heads, head_dim)
+    shape = (lookup_table.shape[0], tokens, *blocks.shape[4:])
     if scratch_slot is None:
         return source.index_select(0, pages).view(shape)
     out = _scratch(scratch_slot, shape, blocks.dtype, blocks.device)
@@ -94,13 +105,27 @@ def gather_tokens(
 
 
 def _gather_fp32(
-    blocks: torch.Tensor, plane: int, layer_idx: int, lookup_table: torch.Tensor, max_len: int
+    blocks: torch.Tensor,
+    plane: int,
+    layer_idx: int,
+    lookup_table: torch.Tensor,
+    max_len: int,
+    scales: torch.Tensor | None,
 ) -> torch.Tensor:
-    """`[batch, max_len, heads, head_dim]` fp32: `gather_tokens` in scratch (valid until the next call)."""
+    """`[batch, max_len, heads, head_dim]` fp32 (dequantized for an FP8 cache): `gather_tokens` in
+    scratch (valid until the next call)."""
     tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, f"gather{plane}")[:, :max_len]
     if tokens.dtype == torch.float32:
         return tokens
-    return _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, tokens.device).copy_(tokens)
+    out = _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, tokens.device).copy_(tokens)
+    if scales is None:
+        return out
+    if scales.dim() == 1:
+        return out.mul_(scales[plane])
+    token_scales = gather_tokens(scales, plane, layer_idx, lookup_table, max_len)[:, :max_len]
+    groups = token_scales.shape[-1]
+    out.view(*out.shape[:-1], groups, -1).mul_(token_scales[..., None])
+    return out
 
 
 def gather_kv(
@@ -110,14 +135,20 @@ def gather_kv(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     kv_len = cache_lengths + input_row_offsets.diff()
     batch, heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     valid = (torch.arange(max_kv_len, device=blocks.device)[None] < kv_len[:, None])[:, :, None, None]
+    dtype = out_dtype or (torch.float32 if scales is not None else blocks.dtype)
     outputs = []
     for plane in (0, 1):
-        out = blocks.new_zeros(batch, max_kv_len, heads, head_dim)
-        tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_kv_len)[:, :max_kv_len]
+        out = blocks.new_zeros(batch, max_kv_len, heads, head_dim, dtype=dtype)
+        if scales is None:
+            tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_kv_len)[:, :max_kv_len]
+        else:
+            tokens = _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv_len, scales)
         n = tokens.shape[1]
         out[:, :n] = tokens.masked_fill(~valid[:, :n], 0)
         outputs.append(out)
@@ -135,6 +166,7 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total, num_q_heads, head_dim = q.shape
     batch = cache_lengths.shape[0]
@@ -144,7 +176,9 @@ def flash_attention(
     kv_len = cache_lengths + new
     min_kv, max_kv, max_new = torch.stack((*torch.aminmax(kv_len), new.max())).tolist()  # one host sync
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
-    key, value = (_gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv).transpose(1, 2) for plane in (0, 1))
+    key, value = (
+        _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv, scales).transpose(1, 2) for plane in (0, 1)
+    )
     key_pos = torch.arange(max_kv, device=q.device)
     window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
     if total == batch and max_new == 1:  # decode: one new token per sequence, no query padding
@@ -214,5 +248,10 @@ def _attend(
     return torch.matmul(probs, value).view(q.shape)
 
 
-def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-    blocks.index_copy_(0, dst_pages.long(), blocks.index_select(0, src_pages.long()))
+def copy_pages(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> None:
+    src, dst = src_pages.long(), dst_pages.long()
+    for pool in (blocks, scales) if scales is not None and scales.dim() == 6 else (blocks,):
+        data = quant.indexable(pool)
+        data.index_copy_(0, dst, data.index_select(0, src))

@@ -11,15 +11,19 @@ call cannot write outside `blocks`.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from ..layout import NULL_PAGE
 from .cpu import kernels as cpu_kernels
 
 INDEX_DTYPE = torch.int32
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def data_checks_enabled(device: torch.device) -> bool:
@@ -33,7 +37,7 @@ def _fail(name: str, message: str) -> None:
     raise ValueError(f"{name}: {message}")
 
 
-def _require(cond, name: str, message) -> None:
+def _require(cond: bool | torch.SymBool, name: str, message: Callable[[], str]) -> None:
     """`ValueError(name: message())` unless `cond`; a symbolic `cond` on an unbacked size (a batch
     dimension marked with `torch._dynamo.mark_unbacked`) becomes a runtime assert instead of a guard.
     A plain `True` (every eager call) returns at once: `torch._check_with` costs about 2.5 us."""
@@ -42,7 +46,7 @@ def _require(cond, name: str, message) -> None:
     torch._check_with(ValueError, cond, lambda: f"{name}: {message()}")
 
 
-def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torch.device) -> None:
+def _check_index(name: str, t: Tensor, dims: tuple[int, ...], device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(name, f"expected a tensor, got {type(t).__name__}")
     if t.dtype != INDEX_DTYPE:
@@ -55,7 +59,7 @@ def _check_index(name: str, t: torch.Tensor, dims: tuple[int, ...], device: torc
         _fail(name, f"expected unit stride in the last dim (kernels index it densely), got strides {t.stride()}")
 
 
-def _check_inference(name: str, t: torch.Tensor) -> None:
+def _check_inference(name: str, t: Tensor) -> None:
     if t.requires_grad and torch.is_grad_enabled():
         _fail(
             name,
@@ -64,11 +68,11 @@ def _check_inference(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)) -> None:
-    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 6:
+def _check_blocks(blocks: Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)) -> None:
+    if not isinstance(blocks, Tensor) or blocks.dim() != 6:
         _fail("blocks", "expected a 6-D tensor [num_pages, 2|1, num_layers, page_size, num_kv_heads, head_dim]")
-    if blocks.dtype not in FLOAT_DTYPES:
-        _fail("blocks", f"expected dtype float32/float16/bfloat16, got {blocks.dtype}")
+    if blocks.dtype not in CACHE_DTYPES:
+        _fail("blocks", f"expected dtype float32/float16/bfloat16/float8_e4m3fn/float8_e5m2, got {blocks.dtype}")
     if blocks.shape[1] not in planes:
         _fail("blocks", f"dim 1 must be {' or '.join(map(str, planes))} for this op, got {blocks.shape[1]}")
     if not blocks.is_contiguous():
@@ -78,9 +82,33 @@ def _check_blocks(blocks: torch.Tensor, layer_idx: int, planes: tuple[int, ...] 
         _fail("layer_idx", f"expected 0..{blocks.shape[2] - 1}, got {layer_idx!r}")
 
 
-def _check_step(
-    blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor
-) -> None:
+def _check_scales(blocks: Tensor, scales: Tensor | None) -> None:
+    """An FP8 `blocks` needs its fp32 scales: per granule (the shape of `blocks` but for the last dim,
+    a divisor of head_dim) or the static `[planes]` pair; any other cache takes none."""
+    if blocks.dtype not in FP8_DTYPES:
+        if scales is not None:
+            _fail("scales", f"only an FP8 cache has scales, but blocks is {blocks.dtype}")
+        return
+    if not isinstance(scales, Tensor):
+        _fail("scales", f"an FP8 cache ({blocks.dtype}) needs its scales tensor, got {type(scales).__name__}")
+    if scales.dtype != torch.float32:
+        _fail("scales", f"expected dtype float32, got {scales.dtype}")
+    if scales.device != blocks.device:
+        _fail("scales", f"expected device {blocks.device} (that of blocks), got {scales.device}")
+    if not scales.is_contiguous():
+        _fail("scales", "expected a contiguous tensor (kernels address it as rows)")
+    _check_inference("scales", scales)
+    per_tensor = (blocks.shape[1],)
+    per_granule = scales.dim() == 6 and scales.shape[:5] == blocks.shape[:5]
+    if not (per_granule and blocks.shape[5] % scales.shape[5] == 0) and tuple(scales.shape) != per_tensor:
+        _fail(
+            "scales",
+            f"expected [{', '.join(map(str, blocks.shape[:5]))}, head_dim / granularity] (per granule) or "
+            f"{list(per_tensor)} (per tensor), got {list(scales.shape)}",
+        )
+
+
+def _check_step(blocks: Tensor, cache_lengths: Tensor, lookup_table: Tensor, input_row_offsets: Tensor) -> None:
     device = blocks.device
     _check_index("cache_lengths", cache_lengths, (1,), device)
     _check_index("lookup_table", lookup_table, (1, 2), device)
@@ -98,10 +126,14 @@ def _check_step(
     )
 
 
-def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | None = None) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 3:
+def _check_rows(name: str, t: Tensor, blocks: Tensor, heads: int | None = None) -> None:
+    """New rows `[total_new, heads, head_dim]` in `blocks`' dtype (an FP8 cache: fp32/fp16/bf16)."""
+    if not isinstance(t, Tensor) or t.dim() != 3:
         _fail(name, "expected a 3-D tensor [total_new, heads, head_dim]")
-    if t.dtype != blocks.dtype:
+    if blocks.dtype in FP8_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
+            _fail(name, f"expected float32/float16/bfloat16 for an FP8 cache ({blocks.dtype}), got {t.dtype}")
+    elif t.dtype != blocks.dtype:
         _fail(name, f"expected dtype {blocks.dtype} (that of blocks), got {t.dtype}")
     if t.device != blocks.device:
         _fail(name, f"expected device {blocks.device} (that of blocks), got {t.device}")
@@ -112,8 +144,18 @@ def _check_rows(name: str, t: torch.Tensor, blocks: torch.Tensor, heads: int | N
     _check_inference(name, t)
 
 
-def check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx) -> None:
+def check_store_kv_meta(
+    key: Tensor,
+    value: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    scales: Tensor | None = None,
+) -> None:
     _check_blocks(blocks, layer_idx)
+    _check_scales(blocks, scales)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     check_store_kv_rows(key, value, blocks)
 
@@ -123,15 +165,28 @@ def check_store_kv_rows(key, value, blocks) -> None:
     later layer of a step, whose pool and step tensors the first layer checked)."""
     _check_rows("key", key, blocks, blocks.shape[4])
     _check_rows("value", value, blocks, blocks.shape[4])
+    if value.dtype != key.dtype:
+        _fail("value", f"expected dtype {key.dtype} like key, got {value.dtype}")
     _require(
         value.shape[0] == key.shape[0], "value", lambda: f"expected {key.shape[0]} rows like key, got {value.shape[0]}"
     )
 
 
 def check_flash_attention_meta(
-    q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window, softcap
+    q: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool,
+    sliding_window: int,
+    softcap: float,
+    scales: Tensor | None = None,
 ) -> None:
     _check_blocks(blocks, layer_idx)
+    _check_scales(blocks, scales)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     check_flash_attention_rows(q, blocks, softmax_scale, softcap)
 
@@ -148,15 +203,35 @@ def check_flash_attention_rows(q, blocks, softmax_scale, softcap) -> None:
         _fail("softcap", f"expected a finite float >= 0 (0 disables it), got {softcap!r}")
 
 
-def check_gather_kv_meta(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len) -> None:
+def gather_dtype(blocks: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """What `gather_kv` returns: `out_dtype`, else `blocks`' dtype (float32 for an FP8 cache)."""
+    if out_dtype is not None:
+        return out_dtype
+    return torch.float32 if blocks.dtype in FP8_DTYPES else blocks.dtype
+
+
+def check_gather_kv_meta(
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+    scales: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> None:
     _check_blocks(blocks, layer_idx)
+    _check_scales(blocks, scales)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     _require(max_kv_len >= 0, "max_kv_len", lambda: f"expected >= 0, got {max_kv_len}")
+    if out_dtype is not None and out_dtype not in (torch.float64, *FLOAT_DTYPES) and out_dtype != blocks.dtype:
+        _fail("out_dtype", f"expected float64/float32/float16/bfloat16 (or blocks' dtype), got {out_dtype}")
 
 
-def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
-    if not isinstance(blocks, torch.Tensor) or blocks.dim() != 6 or not blocks.is_contiguous():
+def check_copy_pages_meta(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
+    if not isinstance(blocks, Tensor) or blocks.dim() != 6 or not blocks.is_contiguous():
         _fail("blocks", "expected a contiguous 6-D tensor")
+    _check_scales(blocks, scales)
     _check_index("src_pages", src_pages, (1,), blocks.device)
     _check_index("dst_pages", dst_pages, (1,), blocks.device)
     _require(
@@ -172,12 +247,17 @@ def check_copy_pages_meta(blocks, src_pages, dst_pages) -> None:
 # on other devices (the sync the module docstring mentions).
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
+def _host(t: Tensor) -> np.ndarray:
     return (t if t.device.type == "cpu" else t.cpu()).numpy().astype(np.int64, copy=False)
 
 
 def _check_lengths(
-    blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None, rows_name: str
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    total_rows: int | None,
+    rows_name: str,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Checks offsets and lengths; returns (cache_lengths, kv_len) as int64 host arrays."""
     offsets, lengths = _host(input_row_offsets), _host(cache_lengths)
@@ -202,7 +282,7 @@ def _check_lengths(
     return lengths, kv_len
 
 
-def _check_pages(blocks, lookup_table, first_tok: np.ndarray, end_tok: np.ndarray) -> None:
+def _check_pages(blocks: Tensor, lookup_table: Tensor, first_tok: np.ndarray, end_tok: np.ndarray) -> None:
     """Every page holding tokens [first_tok[b], end_tok[b]) of each sequence is a real page of
     `blocks`: inside it and not the null page (which pads tables and holds no sequence's tokens)."""
     live = end_tok > first_tok
@@ -245,7 +325,9 @@ def _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_r
     )
 
 
-def check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets) -> None:
+def check_store_kv_data(
+    key: Tensor, blocks: Tensor, cache_lengths: Tensor, lookup_table: Tensor, input_row_offsets: Tensor
+) -> None:
     if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], False):
         return
     lengths, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], "key")
@@ -253,7 +335,12 @@ def check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offs
 
 
 def check_read_data(
-    blocks, cache_lengths, lookup_table, input_row_offsets, total_rows: int | None, max_kv_len: int | None = None
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    total_rows: int | None,
+    max_kv_len: int | None = None,
 ) -> None:
     """Checks for the ops that read every cached token (flash_attention, gather_kv)."""
     if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, True, max_kv_len):
@@ -265,7 +352,7 @@ def check_read_data(
     _check_pages(blocks, lookup_table, np.zeros_like(kv_len), kv_len)
 
 
-def check_copy_pages_data(blocks, src_pages, dst_pages) -> None:
+def check_copy_pages_data(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
     num_pages = blocks.shape[0]
     dst = _host(dst_pages)
     for name, pages in (("src_pages", _host(src_pages)), ("dst_pages", dst)):

@@ -7,6 +7,9 @@ CPU calls fall back to `reference` (a forced `cpu` raises instead). See docs/cpu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from . import build, kernels
@@ -29,4 +32,20 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-KERNELS = {op: (getattr(kernels, op), None) for op in _OPS}
+UNQUANTIZED_ARITY = {"store_kv": 7, "flash_attention": 10, "gather_kv": 6, "copy_pages": 3}
+"""Arguments of each op before its FP8 ones (`scales`, and `out_dtype` for gather_kv)."""
+
+
+def _supports(op: str) -> Callable[..., bool]:
+    """The kernels cover unquantized caches (an FP8 call, or a gather to another dtype, runs on the
+    reference backend); they would dequantize in `load_row`'s place (kernels.cpp)."""
+    arity = UNQUANTIZED_ARITY[op]
+    return lambda *args: all(a is None for a in args[arity:])
+
+
+def _declines(params: Any) -> str | None:
+    return "FP8 caches run on the reference backend until the CPU kernels dequantize" if params.quantized else None
+
+
+KERNELS = {op: (getattr(kernels, op), _supports(op), _declines) for op in _OPS}
+"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "cpu"."""

@@ -15,8 +15,10 @@
 // pages, no copy); per block, scores = Q K^T with fp32 accumulation, softcap, the contract's mask
 // (causal / window / lengths), an online softmax, and O += P V. Long key ranges are split across
 // items when there are too few items for the threads, and the splits merged after. Storage
-// dtypes: fp32, bf16, fp16, converted to fp32 on load (an FP8 cache would add a dequantizing
-// load here: `load_row` is the one place that reads K/V elements).
+// dtypes: fp32, bf16, fp16, converted to fp32 as they are loaded (`load`, `load2`, `load_part`
+// are the only reads of K/V elements: an FP8 cache would add a storage type there that
+// dequantizes with its per token/head or per granule scale; until then FP8 calls go to the
+// reference backend).
 
 #include <algorithm>
 #include <cmath>

@@ -77,6 +77,7 @@ def store_kv(
     lookup_table: torch.Tensor,
     input_row_offsets: torch.Tensor,
     layer_idx: int,
+    scales: None = None,  # FP8 only: declined (see __init__._supports)
 ) -> None:
     # (a decode step calls this once per layer: each tensor attribute is read once)
     ks, vs = key.stride(), value.stride()
@@ -109,6 +110,7 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: None = None,
 ) -> torch.Tensor:
     qs = q.stride()
     if qs[2] != 1:
@@ -137,6 +139,8 @@ def gather_kv(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: None = None,
+    out_dtype: None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     batch = cache_lengths.shape[0]
@@ -154,7 +158,7 @@ def gather_kv(
     return key, value
 
 
-def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
+def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: None = None) -> None:
     if src_pages.shape[0] == 0:
         return
     (_lib or load()).pkv_copy_pages(

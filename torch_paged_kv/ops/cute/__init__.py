@@ -69,5 +69,14 @@ def _flash_attention_supports(*args: Any) -> bool:
     return supports(*args)
 
 
-KERNELS = {"flash_attention": (_flash_attention, _flash_attention_supports)}
+def _flash_attention_declines(params: Any) -> str | None:
+    if params.quantized:
+        return (
+            "its decode kernels read 16-bit pages; FP8 pages with scales would need a dequantizing "
+            "consumer and a TMA load of the scale rows, not built (Triton runs FP8 decode)"
+        )
+    return None
+
+
+KERNELS = {"flash_attention": (_flash_attention, _flash_attention_supports, _flash_attention_declines)}
 """op -> (kernel, supports): what `ops/backends.py` registers as backend "cute"."""

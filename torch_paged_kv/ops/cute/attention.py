@@ -43,9 +43,16 @@ def supports(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> bool:
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
-    if q.device.type != "cuda" or softcap > 0 or q.dtype not in _DTYPES or blocks.dtype != q.dtype:
+    if (
+        q.device.type != "cuda"
+        or softcap > 0
+        or q.dtype not in _DTYPES
+        or blocks.dtype != q.dtype
+        or scales is not None
+    ):
         return False
     arch = device_arch(device_index(q.device))
     if arch is None or blocks.dim() != 6 or blocks.shape[1] != 2 or not blocks.is_contiguous():
@@ -73,6 +80,7 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_kv::flash_attention` for calls `supports` accepts."""
     operand = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, lookup_table, layer_idx)

@@ -71,11 +71,36 @@ def _lazy(op: str) -> Callable[..., Any]:
     return run
 
 
-def _flash_attention_supports(*args: Any) -> bool:
-    """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it); others go to the reference."""
-    head_dim = args[1].shape[5]
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+UNQUANTIZED_ARITY = {"store_kv": 7, "flash_attention": 10, "gather_kv": 6, "copy_pages": 3}
+"""Arguments of each op before its FP8 ones (`scales`, and `out_dtype` for gather_kv)."""
 
 
-KERNELS = {op: (_lazy(op), _flash_attention_supports if op == "flash_attention" else None) for op in _OPS}
+def _unquantized(op: str, args: tuple[Any, ...]) -> bool:
+    """The Triton kernels cover unquantized caches (an FP8 call runs on the reference backend)."""
+    return all(a is None for a in args[UNQUANTIZED_ARITY[op] :])
+
+
+def _supports(op: str) -> Callable[..., bool]:
+    def supports(*args: Any) -> bool:
+        if not _unquantized(op, args):
+            return False
+        if op == "flash_attention":  # power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it)
+            head_dim = args[1].shape[5]
+            return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+        return True
+
+    return supports
+
+
+def _unquantized_kernel(op: str) -> Callable[..., Any]:
+    """`op`'s kernel, called with the unquantized arguments (`supports` declined any other call)."""
+    kernel = _lazy(op)
+    return lambda *args: kernel(*args[: UNQUANTIZED_ARITY[op]])
+
+
+def _declines(params: Any) -> str | None:
+    return "FP8 caches run on the reference backend until the Triton kernels dequantize" if params.quantized else None
+
+
+KERNELS = {op: (_unquantized_kernel(op), _supports(op), _declines) for op in _OPS}
 """op -> (kernel, supports): what `ops/backends.py` registers as backend "triton"."""

@@ -1,16 +1,18 @@
-"""Page ownership for the manager: refcounts, free pages, and the prefix cache of full pages.
+"""`PagePool`: the physical pages of one KV pool: refcounts, free pages, and the prefix cache.
 
 A full page is keyed by `sha256(parent_key + token ids as little-endian int64)`, chained from
 `root_key(salt)`, so a key names the whole token prefix up to the end of that page. A cached page
 nobody references stays cached ("evictable") until an allocation needs it; evictable pages leave
-in the order they became unreferenced (least recently used first).
+in the order they became unreferenced (least recently used first). This is vLLM's block pool:
+it knows page ids and keys, never which sequence holds a page (`page_table.PageTable` does).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -68,6 +70,38 @@ class PagePool:
             refcounts[page] = 1
         return pages
 
+    def peek(self, count: int, keep: Collection[int] = ()) -> list[int]:
+        """The pages `allocate(count)` would hand out, without taking them: free pages first, then
+        evictable cached pages least recently used first, skipping those in `keep`. The caller checks
+        there are enough (`available()`, less the evictable pages in `keep`)."""
+        take = min(count, len(self.free))
+        pages = self.free[len(self.free) - take :][::-1]
+        if count > take:
+            pages += itertools.islice((p for p in self.evictable if p not in keep), count - take)
+        return pages
+
+    def take(self, pages: Sequence[int]) -> None:
+        """Allocate exactly `pages`, as `peek` returned them with the pool unchanged since: refcount 1;
+        the cached ones among them leave the prefix cache."""
+        take = min(len(pages), len(self.free))
+        if self.free[len(self.free) - take :][::-1] != list(pages[:take]):
+            raise RuntimeError("PagePool.take: the pool changed since peek")
+        del self.free[len(self.free) - take :]
+        for page in pages[take:]:
+            del self.evictable[page]
+            del self.page_of[self.key_of.pop(page)]
+        for page in pages:
+            self.refcounts[page] = 1
+
+    def forget(self, pages: Iterable[int]) -> None:
+        """Drop the cache entries of unreferenced cached `pages` whose contents are no longer what their
+        keys say (they become free pages); other pages are left alone."""
+        for page in pages:
+            if self.refcounts[page] == 0 and page in self.key_of:
+                del self.evictable[page]
+                del self.page_of[self.key_of.pop(page)]
+                self.free.append(page)
+
     def ref(self, page: int) -> None:
         """One more owner of `page` (a cached page stops being evictable)."""
         if self.refcounts[page] == 0:
@@ -94,3 +128,28 @@ class PagePool:
         if key not in self.page_of and page not in self.key_of:
             self.page_of[key] = page
             self.key_of[page] = key
+
+    def match_prefix(
+        self, root: bytes, tokens: np.ndarray, page_size: int, max_pages: int
+    ) -> tuple[list[int], list[bytes]]:
+        """The cached pages holding the longest prefix of `tokens` in whole pages (at most `max_pages`),
+        and their keys, chained from `root`. Nothing is referenced: the caller `ref`s what it keeps."""
+        pages: list[int] = []
+        keys: list[bytes] = []
+        parent = root
+        for i in range(max_pages):
+            key = page_key(parent, tokens[i * page_size : (i + 1) * page_size])
+            page = self.page_of.get(key)
+            if page is None:
+                break
+            pages.append(page)
+            keys.append(key)
+            parent = key
+        return pages, keys
+
+    def cache_full_page(self, parent: bytes, page: int, token_bytes: bytes) -> bytes:
+        """Key the full `page` by its tokens (`TOKEN_DTYPE` bytes) chained over `parent`, cache it
+        (`register`), and return the key (vLLM's `cache_full_blocks`, one page)."""
+        key = page_key_of_bytes(parent, token_bytes)
+        self.register(page, key)
+        return key
