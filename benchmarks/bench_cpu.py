@@ -20,8 +20,9 @@ each checked against fp32 SDPA on the same K/V made contiguous before it is time
 `GB/s` = bytes that must be read (K and V of every cached token once, q) plus out written, / time;
 `of read` divides by the machine's read bandwidth measured first (a 1 GiB `tensor.sum()`, all
 threads); `x cpu` is a row's time over the `cpu` row's. Prefill rows give GFLOP/s (causal: half
-the score matrix). Times: median of `--repeats` after warm-up, with the fastest and slowest; the
-load average before and after is recorded (the figures move with other work on the machine).
+the score matrix). Times: median of `--repeats` rounds after two warm-up rounds, with the fastest
+and slowest; a round calls every contender of a case once, so load from other work on the
+machine drifts over all of them alike; the load average before and after is recorded.
 """
 
 from __future__ import annotations
@@ -273,9 +274,13 @@ def _vllm(args: argparse.Namespace, make: Callable[[], Callable[[], torch.Tensor
 
 
 def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> list[dict]:
-    rows = []
+    """Build and check every contender of `case`, then time them round-robin (one call each per
+    round, `repeats` rounds after two warm-up rounds), so that load from other work on the machine
+    drifts over all of them alike."""
+    rows, timed_fns = [], {}
     for name, make in case["contenders"].items():
         row: dict[str, Any] = {"case": case["case"], "dtype": str(dtype).removeprefix("torch."), "kernel": name}
+        rows.append(row)
         try:
             fn = make()
             start = time.perf_counter()
@@ -289,25 +294,32 @@ def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> l
                 # an anchor off by a rounding step (bf16 SDPA rounds probabilities) is still timed
                 error = (out.double() - case["expected"].double()).abs().max().item()
                 row["check"] = f"off: max error {error:.2g} ({str(exc).split('Mismatched elements: ')[-1][:20]})"
-            median, fastest, slowest = timed(fn, repeats)
+            timed_fns[name] = fn
         except WrongOutputError as exc:
             row["ms"] = f"WRONG: {str(exc)[:120]}"
-            rows.append(row)
-            continue
         except Exception as exc:
             row["ms"] = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-            rows.append(row)
+    samples: dict[str, list[float]] = {name: [] for name in timed_fns}
+    for round_ in range(repeats + 2):
+        for name, fn in timed_fns.items():
+            start = time.perf_counter()
+            fn()
+            if round_ >= 2:
+                samples[name].append((time.perf_counter() - start) * 1e3)
+    for row in rows:
+        if row["kernel"] not in samples:
             continue
-        row.update({"ms": median, "ms min..max": f"{fastest:.3g}..{slowest:.3g}"})
+        ms = samples[row["kernel"]]
+        median = statistics.median(ms)
+        row.update({"ms": median, "ms min..max": f"{min(ms):.3g}..{max(ms):.3g}"})
         if case["flops"] is None:
             row["GB/s"] = case["moved"] / median / 1e6
             row["of read"] = row["GB/s"] / read_gbps
         else:
             row["GFLOP/s"] = case["flops"] / median / 1e6
-        rows.append(row)
-    cpu_ms = next((r["ms"] for r in rows if r["kernel"] == "cpu" and isinstance(r["ms"], float)), None)
+    cpu_ms = next((r["ms"] for r in rows if r["kernel"] == "cpu" and isinstance(r.get("ms"), float)), None)
     for row in rows:
-        if cpu_ms is not None and isinstance(row["ms"], float):
+        if cpu_ms is not None and isinstance(row.get("ms"), float):
             row["x cpu"] = row["ms"] / cpu_ms
     for row in rows:
         print(

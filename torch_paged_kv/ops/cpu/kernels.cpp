@@ -762,7 +762,7 @@ void parallel_for(int64_t n, int threads, const F& f) {
 
 struct Tuning {        // set by kernels.py (module constants, so tests can force each path)
   int64_t min_split;   // fewest key positions in one split of a key range
-  int64_t want_items;  // split key ranges until there are this many items (0: 4 per thread)
+  int64_t want_items;  // split key ranges until there are this many items (0: 8 per thread)
   int64_t min_work;    // fewest multiply-adds per thread before a call uses more threads
 };
 
@@ -794,7 +794,9 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   const int threads = thread_count(nthreads, work * a.geo.head_dim, static_cast<double>(tune.min_work));
   // Split long key ranges when there are too few items to keep every thread busy.
   const int64_t min_split = std::max<int64_t>(tune.min_split, 1);
-  const int64_t want = tune.want_items > 0 ? tune.want_items : threads > 1 ? 4 * threads : 1;
+  // Several items per thread: a thread the OS takes away mid-call (other work on the machine) then
+  // holds up only a small share, which the others pick up (dynamic schedule).
+  const int64_t want = tune.want_items > 0 ? tune.want_items : threads > 1 ? 8 * threads : 1;
   const int64_t n_spans = static_cast<int64_t>(spans.size());
   std::vector<Item>& items = tls_items;
   std::vector<Task>& tasks = tls_tasks;

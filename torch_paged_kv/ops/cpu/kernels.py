@@ -24,7 +24,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MIN_SPLIT_KEYS = 256
 """Fewest key positions in one split of a sequence's key range (split-KV when items are too few)."""
 WANT_ITEMS = 0
-"""Split key ranges until a call has this many work items; 0: four per thread."""
+"""Split key ranges until a call has this many work items; 0: eight per thread."""
 MIN_WORK_PER_THREAD = 1 << 17
 """Fewest multiply-adds (of Q K^T) per thread before a call uses another thread."""
 
