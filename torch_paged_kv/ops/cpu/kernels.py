@@ -116,7 +116,8 @@ def flash_attention(
     if qs[2] != 1:
         q = q.contiguous()
         qs = q.stride()
-    out = torch.empty_like(q)  # q's strides (q is dense: validated 3-D, unit stride inside a row)
+    # contiguous, as the fake says (empty_like is the cheaper call, where q is contiguous itself)
+    out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     os_ = out.stride()
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     table_shape = lookup_table.shape
