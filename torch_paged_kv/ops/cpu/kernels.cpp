@@ -21,6 +21,7 @@
 // reference backend).
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -474,6 +475,7 @@ struct Item {
   int32_t b, h0, h1, q0, nq;  // sequence, kv heads [h0, h1), first new token and count
   int64_t k0, k1;             // key positions [k0, k1) this item covers
   int64_t part;               // slot of its partial result when the key range is split, else -1
+  int64_t task;               // then: the task that merges the parts
 };
 
 struct Task {  // the rows of an Item whose key range is split over `parts` items, from slot `first_part`
@@ -508,6 +510,7 @@ thread_local Scratch tls_scratch;
 thread_local std::vector<float> tls_partials;
 thread_local std::vector<Item> tls_spans, tls_items;
 thread_local std::vector<Task> tls_tasks;
+thread_local std::vector<std::atomic<int64_t>> tls_remaining;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -714,7 +717,7 @@ void merge_task(const AttnArgs& a, const Task& task, const float* partials, int6
   const int64_t D = a.geo.head_dim, group = a.q_heads / a.geo.kv_heads;
   const int64_t per_head = static_cast<int64_t>(task.nq) * group, rows = (task.h1 - task.h0) * per_head;
   const RowMap map{group, per_head};
-  const Item it{task.b, task.h0, task.h1, task.q0, task.nq, 0, 0, -1};
+  const Item it{task.b, task.h0, task.h1, task.q0, task.nq, 0, 0, -1, -1};
   std::vector<float> acc(D);
   T* obase = static_cast<T*>(a.out);
   const int64_t row0 = a.offsets[task.b] + task.q0;
@@ -787,7 +790,7 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
       for (int64_t h = 0; h < H; h += heads_per_item) {
         spans.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
                          static_cast<int32_t>(std::min(H, h + heads_per_item)), static_cast<int32_t>(q0),
-                         static_cast<int32_t>(nq), lo_first, hi_last, -1});
+                         static_cast<int32_t>(nq), lo_first, hi_last, -1, -1});
       }
     }
   }
@@ -816,8 +819,9 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
     }
     const int64_t chunk = round_up((keys + splits - 1) / splits, 16);
     Task task{sp.b, sp.h0, sp.h1, sp.q0, sp.nq, parts, 0};
+    const int64_t task_index = static_cast<int64_t>(tasks.size());
     for (int64_t k = sp.k0; k < sp.k1; k += chunk) {
-      items.push_back({sp.b, sp.h0, sp.h1, sp.q0, sp.nq, k, std::min(sp.k1, k + chunk), parts++});
+      items.push_back({sp.b, sp.h0, sp.h1, sp.q0, sp.nq, k, std::min(sp.k1, k + chunk), parts++, task_index});
       task.parts++;
     }
     tasks.push_back(task);
@@ -827,9 +831,18 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   if (parts > 0 && static_cast<int64_t>(partials.size()) < parts * part_stride) partials.resize(parts * part_stride);
   float* pp = partials.data();
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
-  parallel_for<true>(n_items, threads, [&](int64_t i) { attend_item<DT>(a, items[i], pp, part_stride); });
-  parallel_for<true>(n_tasks, threads, [&](int64_t i) { merge_task<DT>(a, tasks[i], pp, part_stride); });
+  // A split task is merged by the thread that finishes its last part: one parallel loop, no
+  // barrier between the parts and the merges (each barrier waits for the slowest thread).
+  std::vector<std::atomic<int64_t>>& remaining = tls_remaining;
+  if (remaining.size() < tasks.size()) remaining = std::vector<std::atomic<int64_t>>(tasks.size());
+  for (size_t t = 0; t < tasks.size(); ++t) remaining[t].store(tasks[t].parts, std::memory_order_relaxed);
+  parallel_for<true>(n_items, threads, [&](int64_t i) {
+    const Item& it = items[i];
+    attend_item<DT>(a, it, pp, part_stride);
+    if (it.part >= 0 && remaining[it.task].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      merge_task<DT>(a, tasks[it.task], pp, part_stride);
+    }
+  });
 }
 
 }  // namespace
