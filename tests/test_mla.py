@@ -11,6 +11,14 @@ import torch_paged_kv as pk
 from torch_paged_kv import layout
 from torch_paged_kv.ops import quant
 from torch_paged_kv.ops.cute.operand import KVCacheMHAOperand
+from torch_paged_kv.testing import (
+    ATTENTION_TOLERANCE,
+    _held_fp32,
+    absorb_query,
+    make_mla_batch,
+    mla_attention_fp64,
+    mla_nonabsorbed_fp64,
+)
 
 # -- params and layout ---------------------------------------------------------------------------
 
@@ -126,3 +134,264 @@ def test_mha_views_have_no_latent_rows():
         c.get_key_cache(0).rope_row_view()
     with pytest.raises(ValueError, match="only an MLA cache"):
         c.get_latent_cache(0)
+
+
+# -- store_latent ----------------------------------------------------------------------------------
+
+QUANT = {
+    "bf16": (torch.bfloat16, {}),
+    "fp32": (torch.float32, {}),
+    "fp8-per-token": (torch.float8_e4m3fn, {}),
+    "fp8-granule8": (torch.float8_e4m3fn, dict(quantization_granularity=8)),
+    "e5m2-static": (torch.float8_e5m2, dict(static_scales=(0.01,))),
+}
+
+
+def _raw(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("kind", QUANT)
+@pytest.mark.parametrize("page_size, continuous", [(1, False), (5, False), (24, True)])
+def test_store_latent_writes_exactly_the_new_rows(kind, page_size, continuous):
+    dtype, quantization = QUANT[kind]
+    b = make_mla_batch(
+        [3, 0, 9], [2, 4, 1], page_size=page_size, dtype=dtype, continuous=continuous, seed=2, **quantization
+    )
+    expected_blocks, expected_scales = b.blocks.clone(), None if b.scales is None else b.scales.clone()
+    # the expected pool, by plain indexing: each new row at its slot, as the FP8 rule stores it
+    params = pk.KVCacheParams.mla(dtype, 2, page_size, 32, 16, **quantization)
+    stored, row_scales, _, rope = _held_fp32(b.new_latent, b.new_rope, params)
+    row = 0
+    for s, (cached, new) in enumerate(zip([3, 0, 9], [2, 4, 1], strict=True)):
+        for t in range(cached, cached + new):
+            page = int(b.lookup_table[s]) if continuous else int(b.lookup_table[s, t // page_size])
+            slot = (page, 0, b.layer_idx, t % page_size, 0)
+            packed = torch.cat(
+                (_raw(stored[row]), _raw(rope[row]).view(torch.uint8) if params.quantized else rope[row])
+            )
+            _raw(expected_blocks)[slot] = packed
+            if row_scales is not None:
+                expected_scales[slot] = row_scales[row]
+            row += 1
+    pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    assert torch.equal(_raw(b.blocks), _raw(expected_blocks))
+    assert b.scales is None or torch.equal(b.scales, expected_scales)
+
+
+# -- mla_attention (reference backend) against the fp64 oracle --------------------------------------
+
+ATTENTION_CASES = {
+    # name: (cached, new, page_size, continuous, heads, rank, rope, dtype, causal)
+    "prefill-page1": ([0, 0, 0], [5, 1, 9], 1, False, 4, 32, 16, torch.float32, True),
+    "chunked-page3": ([7, 0, 12], [6, 3, 5], 3, False, 2, 32, 16, torch.bfloat16, True),
+    "chunked-page16-noncausal": ([20, 33], [17, 2], 16, False, 4, 16, 8, torch.float32, False),
+    "decode-ragged-page4": ([45, 3, 60, 0], [1, 1, 1, 1], 4, False, 8, 32, 16, torch.float16, True),
+    "decode-equal-slots": ([9, 9], [1, 1], 16, True, 3, 32, 16, torch.float32, True),
+    "slots-mixed-no-rope": ([10, 0, 31], [1, 6, 1], 40, True, 4, 32, 0, torch.bfloat16, True),
+}
+
+
+def _check_attention(b, scale: float, causal: bool = True) -> torch.Tensor:
+    pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    got = pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, scale, causal, b.scales)
+    assert got.shape == b.q_nope.shape and got.dtype == b.q_nope.dtype
+    expected = mla_attention_fp64(b.q_nope, b.q_rope, b.latents, b.ropes, b.cache_lengths.tolist(), scale, causal)
+    torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
+    return got
+
+
+@pytest.mark.parametrize("name", ATTENTION_CASES)
+def test_mla_attention_matches_fp64(name):
+    cached, new, page_size, continuous, heads, rank, rope, dtype, causal = ATTENTION_CASES[name]
+    b = make_mla_batch(
+        cached,
+        new,
+        page_size=page_size,
+        continuous=continuous,
+        num_heads=heads,
+        kv_lora_rank=rank,
+        rope_dim=rope,
+        dtype=dtype,
+        seed=len(name),
+    )
+    _check_attention(b, (rank + rope) ** -0.5, causal)
+
+
+DEEPSEEK_CASES = {  # kv_lora_rank 512, rope 64: (cached, new, page_size, heads)
+    "decode-page1-h128": ([37, 5], [1, 1], 1, 128),
+    "chunked-page16-h16": ([19, 0], [3, 6], 16, 16),
+    "decode-page64-h16": ([70, 130, 1], [1, 1, 1], 64, 16),
+}
+
+
+@pytest.mark.parametrize("name", DEEPSEEK_CASES)
+def test_mla_attention_deepseek_shapes_match_fp64(name):
+    cached, new, page_size, heads = DEEPSEEK_CASES[name]
+    b = make_mla_batch(
+        cached, new, page_size=page_size, num_heads=heads, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16, seed=5
+    )
+    _check_attention(b, 192**-0.5)  # DeepSeek-V2's scale: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("kind", [k for k in QUANT if k.startswith(("fp8", "e5m2"))])
+@pytest.mark.parametrize("cached, new", [([12, 0, 30], [1, 5, 2]), ([40, 7], [1, 1])])
+def test_mla_attention_on_fp8_rows_matches_fp64_over_what_the_cache_holds(kind, cached, new):
+    dtype, quantization = QUANT[kind]
+    b = make_mla_batch(cached, new, page_size=8, dtype=dtype, seed=7, **quantization)
+    _check_attention(b, 0.15)
+
+
+def test_absorbed_mla_is_the_non_absorbed_formula():
+    """The oracle's absorbed formula equals MLA with decompressed K and V (fp64, to rounding), and the
+    op's fp32 output, projected through W_UV, matches the non-absorbed formula within fp32 tolerance."""
+    gen = torch.Generator().manual_seed(11)
+    heads, nope, v_dim, rank, rope = 4, 24, 20, 32, 16
+    b = make_mla_batch([9, 0, 17], [3, 5, 1], page_size=4, num_heads=heads, kv_lora_rank=rank, rope_dim=rope, seed=4)
+    w_uk = torch.randn(heads, nope, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    w_uv = torch.randn(heads, v_dim, rank, generator=gen, dtype=torch.float64) / rank**0.5
+    q_nope_full = torch.randn(b.q_nope.shape[0], heads, nope, generator=gen, dtype=torch.float64)
+    b.q_nope = absorb_query(q_nope_full, w_uk).float()
+    scale = (nope + rope) ** -0.5
+    lengths = b.cache_lengths.tolist()
+    exact = mla_nonabsorbed_fp64(q_nope_full, b.q_rope, b.latents, b.ropes, w_uk, w_uv, lengths, scale)
+    absorbed = mla_attention_fp64(absorb_query(q_nope_full, w_uk), b.q_rope, b.latents, b.ropes, lengths, scale)
+    torch.testing.assert_close(torch.einsum("thr,hvr->thv", absorbed, w_uv), exact, rtol=1e-12, atol=1e-12)
+    got = _check_attention(b, scale)
+    projected = torch.einsum("thr,hvr->thv", got.double(), w_uv)
+    torch.testing.assert_close(projected.float(), exact.float(), **ATTENTION_TOLERANCE[torch.float32])
+
+
+# -- validation: a rejected call names the argument and leaves blocks and scales bit-identical --------
+
+
+def _fp8_batch():
+    return make_mla_batch([5, 9, 0], [2, 1, 3], page_size=4, dtype=torch.float8_e4m3fn, seed=3)
+
+
+def _args(b, **over) -> tuple[dict, dict]:
+    store = dict(
+        latent=b.new_latent,
+        k_rope=b.new_rope,
+        blocks=b.blocks,
+        cache_lengths=b.cache_lengths,
+        lookup_table=b.lookup_table,
+        input_row_offsets=b.input_row_offsets,
+        layer_idx=b.layer_idx,
+        scales=b.scales,
+    )
+    attend = dict(q_nope=b.q_nope, q_rope=b.q_rope, **{k: v for k, v in store.items() if k not in ("latent", "k_rope")})
+    attend = dict(list(attend.items())[:7]) | dict(softmax_scale=0.1, causal=True, scales=b.scales)
+    return {**store, **{k: v for k, v in over.items() if k in store}}, {
+        **attend,
+        **{k: v for k, v in over.items() if k in attend},
+    }
+
+
+def _mha_pool(b):
+    return torch.zeros(b.blocks.shape[0], 2, *b.blocks.shape[2:], dtype=torch.bfloat16)
+
+
+MLA_CASES = {
+    # case: (ops it applies to, argument named, override)
+    "latent dtype": ("store", "latent", lambda b: dict(latent=b.new_latent.to(torch.int32))),
+    "latent 3-D": ("store", "latent", lambda b: dict(latent=b.new_latent[:, None])),
+    "rank and rope do not fill the row": ("store", "latent", lambda b: dict(latent=b.new_latent[:, :16])),
+    "rope width": ("store", "latent", lambda b: dict(k_rope=b.new_rope[:, :8])),
+    "rope rows": ("store", "k_rope", lambda b: dict(k_rope=b.new_rope[:-1])),
+    "rope dtype": ("store", "k_rope", lambda b: dict(k_rope=b.new_rope.half())),
+    "latent requires grad": ("store", "latent", lambda b: dict(latent=b.new_latent.float().requires_grad_())),
+    "rows vs offsets": ("store", "input_row_offsets", lambda b: dict(latent=b.new_latent[:-1], k_rope=b.new_rope[:-1])),
+    "q_nope 2-D": ("attend", "q_nope", lambda b: dict(q_nope=b.q_nope[:, 0])),
+    "q_nope rank": ("attend", "q_nope", lambda b: dict(q_nope=b.q_nope[..., :16])),
+    "q_rope heads": ("attend", "q_rope", lambda b: dict(q_rope=b.q_rope[:, :2])),
+    "q_rope rows": ("attend", "q_rope", lambda b: dict(q_rope=b.q_rope[:-1])),
+    "q_rope dtype": ("attend", "q_rope", lambda b: dict(q_rope=b.q_rope.float())),
+    "q rows vs offsets": ("attend", "input_row_offsets", lambda b: dict(q_nope=b.q_nope[:-1], q_rope=b.q_rope[:-1])),
+    "scale": ("attend", "softmax_scale", lambda b: dict(softmax_scale=float("nan"))),
+    "no scales": ("both", "scales", lambda b: dict(scales=None)),
+    "scales granules do not divide the rank": (
+        "both",
+        "scales",
+        lambda b: dict(scales=b.scales.expand(-1, -1, -1, -1, -1, 3).contiguous()),
+    ),
+    "scales dtype": ("both", "scales", lambda b: dict(scales=b.scales.double())),
+    "null page": ("both", "lookup_table", lambda b: dict(lookup_table=_null_page(b))),
+    "layer": ("both", "layer_idx", lambda b: dict(layer_idx=2)),
+    "a K/V pool": ("both", "blocks", lambda b: dict(blocks=_mha_pool(b), scales=None)),
+    "two heads": ("both", "blocks", lambda b: dict(blocks=b.blocks.expand(-1, -1, -1, -1, 2, -1).contiguous())),
+}
+
+
+def _null_page(b):
+    table = b.lookup_table.clone()
+    table[0, 1] = pk.NULL_PAGE  # holds tokens 4..7 of sequence 0: read, and 5..6 written, this step
+    return table
+
+
+@pytest.mark.parametrize(
+    "op, case", [(op, case) for case, c in MLA_CASES.items() for op in ("store", "attend") if c[0] in (op, "both")]
+)
+def test_mla_ops_reject_and_write_nothing(op, case):
+    _, name, override = MLA_CASES[case]
+    b = _fp8_batch()
+    store, attend = _args(b, **override(b))
+    before = (b.blocks.view(torch.uint8).clone(), b.scales.clone())
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        if op == "store":
+            pk.store_latent(*store.values())
+        else:
+            pk.mla_attention(*attend.values())
+    assert torch.equal(b.blocks.view(torch.uint8), before[0]) and torch.equal(b.scales, before[1])
+
+
+def test_kv_ops_refuse_an_mla_pool_with_a_clear_message():
+    b = make_mla_batch([3], [1], page_size=4, dtype=torch.float32)
+    rows = torch.zeros(1, 1, b.blocks.shape[-1])
+    with pytest.raises(ValueError, match="blocks: an MLA latent cache .* store_latent / mla_attention"):
+        pk.store_kv(rows, rows, b.blocks, *b.step, 0)
+    with pytest.raises(ValueError, match="blocks: an MLA latent cache"):
+        pk.flash_attention(rows, b.blocks, *b.step, 0, 0.1)
+    with pytest.raises(ValueError, match="blocks: an MLA latent cache"):
+        pk.gather_kv(b.blocks, *b.step, 0, 8)
+    info = pk.backend_info("cpu", pk.KVCacheParams.mla(torch.bfloat16, 2, 16))
+    assert info == {"copy_pages": "reference", "store_latent": "reference", "mla_attention": "reference"}
+    assert "mla_attention" not in pk.backend_info("cpu", pk.KVCacheParams(torch.bfloat16, 2, 2, 64, 16))
+    assert pk.backend_info("cpu")["mla_attention"] == "reference"
+
+
+# -- opcheck ------------------------------------------------------------------------------------------
+
+
+# opcheck's test_schema compares tensors with torch.allclose, which torch lacks for FP8 (as in
+# test_fp8.py); the mutations of an FP8 call are checked bit for bit by the next test instead.
+OPCHECK_FP8 = ("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration")
+
+
+@pytest.mark.parametrize("overload", ["default", "unchecked"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])
+def test_opcheck_mla_ops(overload, kind):
+    dtype, quantization = QUANT[kind]
+    b = make_mla_batch([3, 0, 6], [2, 4, 1], page_size=4, dtype=dtype, seed=1, **quantization)
+    utils = OPCHECK_FP8 if b.scales is not None else torch.library._OPCHECK_DEFAULT_UTILS
+    torch.library.opcheck(
+        getattr(torch.ops.paged_kv.store_latent, overload),
+        (b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales),
+        test_utils=utils,
+    )
+    torch.library.opcheck(
+        getattr(torch.ops.paged_kv.mla_attention, overload),
+        (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.3),
+        {"causal": True, "scales": b.scales},
+        test_utils=utils,
+    )
+
+
+def test_fp8_mla_ops_mutate_exactly_what_their_schemas_declare():
+    b = _fp8_batch()
+    before = b.blocks.view(torch.uint8).clone(), b.scales.clone(), b.q_nope.clone(), b.new_latent.clone()
+    pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
+    assert torch.equal(b.blocks.view(torch.uint8), before[0]) and torch.equal(b.scales, before[1])
+    pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    assert not torch.equal(b.blocks.view(torch.uint8), before[0]) and not torch.equal(b.scales, before[1])
+    assert torch.equal(b.q_nope, before[2]) and torch.equal(b.new_latent, before[3])

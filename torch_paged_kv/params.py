@@ -121,6 +121,8 @@ class KVCacheParams:
                 "kv_lora_rank + 2 * rope_dim (FP8 latent, bf16 rope)" if self.quantized else "kv_lora_rank + rope_dim"
             )
             raise ValueError(f"head_dim: an MLA row is {layout} = {rank + rope_width} elements, got {self.head_dim}")
+        if self.quantized and rope_dim and rank % 2:
+            raise ValueError(f"kv_lora_rank: an FP8 row's bf16 rope must start 2-byte aligned; got odd {rank}")
         object.__setattr__(self, "kv_lora_rank", rank)  # normalised: equal params compare equal
         object.__setattr__(self, "rope_dim", rope_dim)
 
