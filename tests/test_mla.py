@@ -195,7 +195,7 @@ ATTENTION_CASES = {
 def _check_attention(b, scale: float, causal: bool = True) -> torch.Tensor:
     pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
     got = pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, scale, causal, b.scales)
-    assert got.shape == b.q_nope.shape and got.dtype == b.q_nope.dtype
+    assert got.shape == b.q_nope.shape and got.dtype == b.q_nope.dtype and got.is_contiguous()  # as the fake says
     expected = mla_attention_fp64(b.q_nope, b.q_rope, b.latents, b.ropes, b.cache_lengths.tolist(), scale, causal)
     torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
     return got
@@ -395,3 +395,56 @@ def test_fp8_mla_ops_mutate_exactly_what_their_schemas_declare():
     pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
     assert not torch.equal(b.blocks.view(torch.uint8), before[0]) and not torch.equal(b.scales, before[1])
     assert torch.equal(b.q_nope, before[2]) and torch.equal(b.new_latent, before[3])
+
+
+# -- torch.compile: a decode step, fullgraph, no recompiles across batch sizes ------------------------
+
+LAYERS, HEADS, RANK, ROPE = 2, 4, 32, 16
+
+
+def _mla_decode_step(q_nope, q_rope, latent, k_rope, plan: pk.StepPlan):
+    out = q_nope
+    for layer in range(LAYERS):
+        plan.store_latent(latent, k_rope, layer)
+        out = plan.mla_attention(out, q_rope, layer, 0.2)
+    return out * 2
+
+
+@pytest.mark.parametrize("kind", ["fp32", "fp8-per-token"])
+def test_mla_decode_step_compiles_fullgraph_without_recompiling(kind):
+    torch._dynamo.reset()
+    dtype, quantization = QUANT[kind]
+    q_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    params = pk.KVCacheParams.mla(dtype, LAYERS, page_size=4, kv_lora_rank=RANK, rope_dim=ROPE, **quantization)
+    collection = pk.PagedKVCacheCollection(params, num_pages=64, max_batch_size=8, max_seq_len=24)
+    if params.quantized:  # random codes below every NaN pattern, and random bf16 rope bytes of small exponent
+        collection.blocks.view(torch.uint8).copy_(torch.randint(0, 100, collection.blocks.view(torch.uint8).shape))
+    else:
+        collection.blocks.copy_(torch.randn(collection.blocks.shape, generator=gen))
+    if collection.scales is not None:
+        collection.scales.uniform_(0.01, 0.02, generator=gen)
+    collection.lookup_table[:, :6] = (torch.randperm(64, generator=gen)[:48] + 1).view(8, 6).int()
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def compiled(q_nope, q_rope, latent, k_rope, blocks, scales, *step):
+        return _mla_decode_step(q_nope, q_rope, latent, k_rope, pk.StepPlan(blocks, pk.StepTensors(*step), scales))
+
+    for i, batch in enumerate([1, 3, 5, 8, 2, 1]):
+        step = collection.step_tensors(batch)
+        step.cache_lengths.copy_(torch.randint(0, 20, (batch,), generator=gen, dtype=torch.int32))
+        step.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32))
+        rows = [torch.randn(batch, *shape, generator=gen).to(q_dtype) for shape in ((HEADS, RANK), (HEADS, ROPE))]
+        rows += [torch.randn(batch, n, generator=gen).to(q_dtype) for n in (RANK, ROPE)]
+        pk.mark_step_dynamic(step, *rows)
+        eager = [t.clone() for t in (collection.blocks, collection.scales) if t is not None]
+        expected = _mla_decode_step(*rows, pk.StepPlan(eager[0], step, *eager[1:]))
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            out = compiled(*rows, collection.blocks, collection.scales, *step)
+        finally:
+            torch.compiler.set_stance("default")
+        assert torch.equal(out, expected)
+        assert torch.equal(collection.blocks.view(torch.uint8), eager[0].view(torch.uint8))
+        assert collection.scales is None or torch.equal(collection.scales, eager[1])
