@@ -13,11 +13,11 @@ from torch_paged_kv.ops import quant
 from torch_paged_kv.ops.cute.operand import KVCacheMHAOperand
 from torch_paged_kv.testing import (
     ATTENTION_TOLERANCE,
-    _held_fp32,
     absorb_query,
     make_mla_batch,
     mla_attention_fp64,
     mla_nonabsorbed_fp64,
+    mla_row_contents,
 )
 
 # -- params and layout ---------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def test_store_latent_writes_exactly_the_new_rows(kind, page_size, continuous):
     expected_blocks, expected_scales = b.blocks.clone(), None if b.scales is None else b.scales.clone()
     # the expected pool, by plain indexing: each new row at its slot, as the FP8 rule stores it
     params = pk.KVCacheParams.mla(dtype, 2, page_size, 32, 16, **quantization)
-    stored, row_scales, _, rope = _held_fp32(b.new_latent, b.new_rope, params)
+    stored, row_scales, _, rope = mla_row_contents(b.new_latent, b.new_rope, params)
     row = 0
     for s, (cached, new) in enumerate(zip([3, 0, 9], [2, 4, 1], strict=True)):
         for t in range(cached, cached + new):
@@ -448,3 +448,86 @@ def test_mla_decode_step_compiles_fullgraph_without_recompiling(kind):
         assert torch.equal(out, expected)
         assert torch.equal(collection.blocks.view(torch.uint8), eager[0].view(torch.uint8))
         assert collection.scales is None or torch.equal(collection.scales, eager[1])
+
+
+# -- manager, offload, checkpoints ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8-granule8"])
+def test_mla_pages_move_through_fork_offload_restore_and_save_load(tmp_path, kind):
+    """An MLA row (and an FP8 row's scales) is page content like K/V: forking copies a partial page,
+    offload/restore and save/load bring it back bit for bit, so MLA attention is unchanged."""
+    dtype, quantization = QUANT[kind]
+    params = pk.KVCacheParams.mla(dtype, num_layers=2, page_size=4, kv_lora_rank=RANK, rope_dim=ROPE, **quantization)
+
+    def manager():
+        return pk.KVCacheManager(pk.PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=40))
+
+    m = manager()
+    c = m.collection
+    gen = torch.Generator().manual_seed(3)
+
+    def step(ids, counts):
+        plan = pk.StepPlan.of(c, m.prepare_step(ids, counts))
+        for layer in range(params.num_layers):
+            plan.store_latent(
+                torch.randn(sum(counts), RANK, generator=gen).bfloat16(),
+                torch.randn(sum(counts), ROPE, generator=gen).bfloat16(),
+                layer,
+            )
+        m.commit_step()
+
+    def attention(manager_, seq_id):
+        coll = manager_.collection
+        lengths = torch.tensor([manager_.cache_length(seq_id) - 1], dtype=torch.int32)
+        table = torch.zeros(1, coll.lookup_table.shape[1], dtype=torch.int32)
+        table[0, : len(manager_.pages(seq_id))] = torch.tensor(manager_.pages(seq_id), dtype=torch.int32)
+        q = torch.randn(1, HEADS, RANK + ROPE, generator=torch.Generator().manual_seed(0)).bfloat16()
+        step_ = (lengths, table, torch.tensor([0, 1], dtype=torch.int32))
+        plan = pk.StepPlan(coll.blocks, pk.StepTensors(*step_), coll.scales)
+        return torch.cat([plan.mla_attention(q[..., :RANK], q[..., RANK:], layer, 0.2) for layer in range(2)])
+
+    m.claim("a", list(range(10)))
+    step(["a"], [10])
+    m.fork("a", "b")  # 10 tokens: two full pages shared, the third (2 tokens) copied
+    assert m.pages("a")[:2] == m.pages("b")[:2] and m.pages("a")[2] != m.pages("b")[2]
+    for t in c.page_tensors():
+        assert torch.equal(_raw(t[m.pages("a")[2]]), _raw(t[m.pages("b")[2]]))
+    step(["a", "b"], [3, 1])
+    before = {i: attention(m, i) for i in ("a", "b")}
+    m.offload(["a"])
+    m.release("b")
+    m.claim("x", [9] * 30)
+    step(["x"], [30])  # takes the freed pages and writes new rows there
+    m.restore(["a"])
+    assert torch.equal(attention(m, "a"), before["a"])
+    m.save(tmp_path / "a.safetensors", ["a"])
+    other = manager()
+    (loaded,) = other.load(tmp_path / "a.safetensors")
+    assert torch.equal(attention(other, loaded), before["a"])
+
+
+def test_mla_checkpoint_round_trip_and_inspect(tmp_path, capsys):
+    from torch_paged_kv.__main__ import main
+
+    b = make_mla_batch([5, 9], [0, 0], page_size=4, dtype=torch.float8_e4m3fn, num_layers=2)
+    params = pk.KVCacheParams.mla(torch.float8_e4m3fn, num_layers=2, page_size=4, kv_lora_rank=32, rope_dim=16)
+    c = pk.PagedKVCacheCollection(params, num_pages=b.blocks.shape[0] - 1, max_batch_size=2, max_seq_len=16)
+    c.blocks.copy_(b.blocks)
+    c.scales.copy_(b.scales)
+    c.cache_lengths.copy_(b.cache_lengths)
+    c.lookup_table[:, : b.lookup_table.shape[1]] = b.lookup_table
+    pk.save_cache(c, tmp_path / "mla.safetensors")
+    loaded = pk.load_cache(tmp_path / "mla.safetensors")
+    assert loaded.params == params
+    for coll in (c, loaded):
+        view = coll.get_latent_cache(1)
+        rows = [(view.load_latent(s, t), view.load_rope(s, t)) for s, n in enumerate((5, 9)) for t in range(n)]
+        if coll is c:
+            expected = rows
+    for (latent, rope), (want_latent, want_rope) in zip(rows, expected, strict=True):
+        assert torch.equal(latent, want_latent) and torch.equal(rope, want_rope)
+    assert main(["inspect", str(tmp_path / "mla.safetensors")]) == 0
+    out = capsys.readouterr().out
+    assert "mla:        latent 32 (float8_e4m3fn, one float32 scale per token) + rope 16 (bfloat16)" in out
+    assert "kv_lora_rank=32, rope_dim=16" in out

@@ -202,9 +202,10 @@ class MLABatch:
         return self.cache_lengths, self.lookup_table, self.input_row_offsets
 
 
-def _held_fp32(latent: torch.Tensor, rope: torch.Tensor, params: KVCacheParams) -> tuple[torch.Tensor, ...]:
-    """What an MLA cache of `params` holds for these rows: (stored latent bytes/elements, their scales
-    or None, the fp32 latent it reads back, the rope as stored)."""
+def mla_row_contents(latent: torch.Tensor, rope: torch.Tensor, params: KVCacheParams) -> tuple[torch.Tensor, ...]:
+    """What an MLA cache of `params` holds for the rows `latent` `[n, kv_lora_rank]`, `rope` `[n, rope_dim]`:
+    (stored latent elements, FP8 codes for an FP8 cache; their per-granule scales or None; the latent
+    it reads back, fp32 for an FP8 cache; the rope as stored, bf16 in an FP8 cache)."""
     from .ops import quant
 
     if not params.quantized:
@@ -273,7 +274,7 @@ def make_mla_batch(
     for b in range(batch):
         latent = torch.randn(kv_lens[b], kv_lora_rank, generator=gen).to(q_dtype)
         rope = torch.randn(kv_lens[b], rope_dim, generator=gen).to(q_dtype)
-        stored, row_scales, held, held_rope = _held_fp32(latent, rope, params)
+        stored, row_scales, held, held_rope = mla_row_contents(latent, rope, params)
         cached = cache_lengths[b]
         pos = torch.arange(cached)
         pages = table[b].long().expand(cached) if continuous else table[b, pos // page_size].long()
