@@ -21,3 +21,8 @@ def test_compiled_decode_serves_requests_without_recompiling():
 def test_checkpoint_resume_continues_identically_in_a_new_process():
     out = _run("checkpoint_resume.py", "--device", "cpu")
     assert out.strip().splitlines()[-1].startswith("identical")
+
+
+def test_mla_decode_serves_requests_from_a_latent_cache_without_recompiling():
+    out = _run("mla_decode.py", "--requests", "3", "--new-tokens", "6", "--device", "cpu")
+    assert "all 3 requests match an uncached non-absorbed recomputation" in out
