@@ -233,6 +233,7 @@ def make_mla_batch(
     continuous: bool = False,
     spare_pages: int = 3,
     seed: int = 0,
+    device: str | torch.device = "cpu",
     **quantization,
 ) -> MLABatch:
     """A random MLA batch: shuffled physical pages, cached prefixes written (by indexing, through the FP8
@@ -295,19 +296,20 @@ def make_mla_batch(
     total = int(offsets[-1])
     q_nope = torch.randn(total, num_heads, kv_lora_rank, generator=gen).to(q_dtype)
     q_rope = torch.randn(total, num_heads, rope_dim, generator=gen).to(q_dtype)
+    device = torch.device(device)
     return MLABatch(
-        blocks,
-        scales,
-        torch.tensor(list(cache_lengths), dtype=torch.int32),
-        table,
-        offsets,
+        blocks.to(device),
+        None if scales is None else scales.to(device),
+        torch.tensor(list(cache_lengths), dtype=torch.int32, device=device),
+        table.to(device),
+        offsets.to(device),
         layer_idx,
-        latents,
-        ropes,
-        torch.cat(new_latent),
-        torch.cat(new_rope),
-        q_nope,
-        q_rope,
+        [t.to(device) for t in latents],
+        [t.to(device) for t in ropes],
+        torch.cat(new_latent).to(device),
+        torch.cat(new_rope).to(device),
+        q_nope.to(device),
+        q_rope.to(device),
     )
 
 
