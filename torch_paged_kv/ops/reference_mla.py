@@ -55,6 +55,21 @@ def store_latent(
     rows.view(torch.uint8).index_put_(index, packed)
 
 
+_fp8_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _fp8_to_fp32(codes: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """`out[...] = codes.view(dtype).float()` through a 256-entry table: torch's FP8 conversion runs
+    element by element on CPU (about 4x slower here than an int32 index_select from the table)."""
+    key = (dtype, codes.device)
+    if key not in _fp8_tables:
+        _fp8_tables[key] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(codes.device)
+    index = _scratch("fp8_index", tuple(codes.shape), torch.int32, codes.device).copy_(codes)
+    flat = _scratch("fp8_values", tuple(codes.shape), torch.float32, codes.device)
+    torch.index_select(_fp8_tables[key], 0, index.view(-1), out=flat.view(-1))
+    out.copy_(flat)
+
+
 def _gather_rows_fp32(
     blocks: torch.Tensor,
     layer_idx: int,
@@ -71,7 +86,7 @@ def _gather_rows_fp32(
     out = _scratch("mla_fp32", (tokens.shape[0], tokens.shape[1], rank + rope_dim), torch.float32, blocks.device)
     if scales is None:
         return out.copy_(tokens)
-    out[..., :rank].copy_(tokens[..., :rank].view(blocks.dtype))
+    _fp8_to_fp32(tokens[..., :rank], blocks.dtype, out[..., :rank])
     out[..., rank:].copy_(tokens[..., rank:].view(ROPE_DTYPE))
     latent = out[..., :rank]
     if scales.dim() == 1:
