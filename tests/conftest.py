@@ -27,3 +27,14 @@ def force_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], Non
             monkeypatch.setenv(dispatch.ENV_VAR, name)
 
     return force
+
+
+@pytest.fixture(scope="session")
+def rank_groups():
+    """Worker processes in gloo groups for multi-process tests (`distributed_ranks.RankGroups`),
+    started on first use and shared by the session."""
+    from distributed_ranks import RankGroups
+
+    groups = RankGroups()
+    yield groups
+    groups.close_all()

@@ -59,6 +59,7 @@ CPU_RUNS = {
         "--accuracy-heads",
         "2",
     ],
+    "bench_transfer.py": ["--size-mb", "8", "--chunk-mb", "4", "--repeats", "1", "--tp-steps", "5", "--tp-batch", "4"],
     "bench_hf.py": [
         "--layers",
         "1",

@@ -39,6 +39,44 @@ def test_params_from_dict_rejects_unknown():
         )
 
 
+def test_params_tensor_parallel_fields_round_trip_and_default_away():
+    full = pk.KVCacheParams(torch.float16, num_layers=2, num_kv_heads=8, head_dim=16, page_size=4)
+    assert full.total_kv_heads == 8 and full.kv_head_range == range(8)
+    # an unsharded cache's dict is exactly the pre-TP one, and a pre-TP dict loads with the defaults
+    old = dict(dtype="float16", num_layers=2, num_kv_heads=8, head_dim=16, page_size=4, is_mla=False)
+    assert full.to_dict() == old and pk.KVCacheParams.from_dict(old) == full
+    assert pk.KVCacheParams(torch.float16, 2, 8, 16, 4, total_kv_heads=8) == full
+    shard = pk.KVCacheParams(torch.float16, 2, 2, 16, 4, tp_size=4, tp_rank=3, kv_head_start=6, total_kv_heads=8)
+    assert shard.kv_head_range == range(6, 8)
+    assert shard.to_dict() == {
+        **old,
+        "num_kv_heads": 2,
+        "tp_size": 4,
+        "tp_rank": 3,
+        "kv_head_start": 6,
+        "total_kv_heads": 8,
+    }
+    assert pk.KVCacheParams.from_dict(shard.to_dict()) == shard and shard != full
+    assert shard.bytes_per_token == 2 * 2 * 2 * 16 * 2  # the heads it holds
+
+
+@pytest.mark.parametrize(
+    "fields, name",
+    [
+        (dict(tp_size=0), "tp_size"),
+        (dict(tp_size=2, tp_rank=2), "tp_rank"),
+        (dict(tp_rank=-1), "tp_rank"),
+        (dict(kv_head_start=7, total_kv_heads=8), "num_kv_heads"),
+        (dict(kv_head_start=8, total_kv_heads=8), "kv_head_start"),
+        (dict(total_kv_heads=1), "num_kv_heads"),
+        (dict(total_kv_heads=2.0), "total_kv_heads"),
+    ],
+)
+def test_params_reject_bad_tensor_parallel_fields(fields, name):
+    with pytest.raises(ValueError, match=f"^{name}"):
+        pk.KVCacheParams(torch.float16, num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, **fields)
+
+
 def test_paged_collection_layout():
     p = pk.KVCacheParams(torch.float16, num_layers=3, num_kv_heads=2, head_dim=8, page_size=5)
     c = pk.PagedKVCacheCollection(p, num_pages=10, max_batch_size=4, max_seq_len=23)

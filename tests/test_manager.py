@@ -638,3 +638,165 @@ def test_fp8_scales_move_with_their_pages_through_fork_offload_restore_and_save_
     c_a = attention("a")
     m, c = other, other.collection
     assert torch.equal(attention(loaded), c_a)
+
+
+# -- adopt: sequences whose pages were filled from elsewhere --------------------------------------
+
+
+def export(m: KVCacheManager, ids: list) -> tuple[list[int], list[list[int]], list, list, list[int]]:
+    """What a sender ships: lengths, rows as indices into its distinct used pages, token ids, keys, the pages."""
+    source: dict[int, int] = {}
+    rows = []
+    for i in ids:
+        used = m.pages(i)[: -(-m.cache_length(i) // PS)]
+        rows.append([source.setdefault(page, len(source)) for page in used])
+    lengths = [m.cache_length(i) for i in ids]
+    return lengths, rows, [m.token_ids(i) for i in ids], [m.prefix_keys(i) for i in ids], list(source)
+
+
+def copier(src: KVCacheManager, source_pages: list[int], dst: KVCacheManager, calls: list | None = None):
+    def fill(incoming: list[int], pages: list[int]) -> None:
+        if calls is not None:
+            calls.append((list(incoming), list(pages)))
+        from_pages = torch.tensor([source_pages[i] for i in incoming], dtype=torch.long)
+        dst.collection.blocks[torch.tensor(pages, dtype=torch.long)] = src.collection.blocks[from_pages]
+
+    return fill
+
+
+def forked_source() -> tuple[KVCacheManager, dict]:
+    src = make()
+    model = {"a": [], "b": []}
+    src.claim("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    src.claim("b")
+    run_step(src, ["a", "b"], [[1, 2, 3, 4, 5, 6, 7, 8, 9], [4, 4, 4]], model)
+    src.fork("a", "c")  # shares a's two full pages
+    model["c"] = list(model["a"])
+    run_step(src, ["c"], [[0, 0]], model)
+    return src, model
+
+
+def test_adopt_registers_filled_sequences_with_sharing_and_prefix_keys():
+    src, model = forked_source()
+    dst = make(num_pages=20)
+    live = {"x": []}
+    dst.claim("x")
+    run_step(dst, ["x"], [[9] * 5], live)
+    lengths, rows, tokens, keys, source_pages = export(src, ["c", "b", "a"])
+    assert len(source_pages) == 5 and rows[0][:2] == rows[2][:2]  # a and c share two pages
+    calls: list = []
+    filled = dst.adopt(
+        ["C", "B", "A"], lengths, rows, copier(src, source_pages, dst, calls), token_ids=tokens, prefix_keys=keys
+    )
+    assert filled == [0, 1, 2, 3, 4] and len(calls) == 1
+    assert calls[0][1] == sorted(calls[0][1]) and not set(calls[0][1]) & set(dst.pages("x"))
+    adopted = {"C": model["c"], "B": model["b"], "A": model["a"], **live}
+    check_contents(dst, adopted, list(adopted))
+    check_ownership(dst, adopted, set(adopted))
+    assert dst.prefix_keys("A") == src.prefix_keys("a")
+    assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8  # the adopted prefix is in the cache
+    run_step(dst, ["A", "C"], [[5], [6, 7]], adopted)  # and the sequences go on
+    check_contents(dst, adopted, ["A", "C", "B"])
+
+
+def test_adopt_shares_pages_already_cached_instead_of_filling_them():
+    src, model = forked_source()
+    dst = make(num_pages=20)
+    dst.claim("p", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run_step(dst, ["p"], [[1, 2, 3, 4, 5, 6, 7, 8, 9]], {"p": []})
+    dst.release("p")  # its two full pages stay cached, evictable
+    cached = dst.page_pool.page_of.copy()
+    lengths, rows, tokens, keys, source_pages = export(src, ["a", "c"])
+    calls: list = []
+    filled = dst.adopt(
+        ["A", "C"], lengths, rows, copier(src, source_pages, dst, calls), token_ids=tokens, prefix_keys=keys
+    )
+    assert filled == [2, 3]  # the two shared prompt pages came from the cache
+    assert dst.pages("A")[:2] == [cached[k] for k in keys[0]] == dst.pages("C")[:2]
+    adopted = {"A": model["a"], "C": model["c"]}
+    check_contents(dst, adopted, ["A", "C"])
+    check_ownership(dst, adopted, {"A", "C"})
+    # without keys (or with prefix caching off) nothing is shared, and nothing is cached
+    other = make(num_pages=20, enable_prefix_caching=False)
+    assert other.adopt(["A"], lengths[:1], rows[:1], copier(src, source_pages, other), prefix_keys=keys[:1]) == [
+        0,
+        1,
+        2,
+    ]
+    assert other.prefix_keys("A") == [] and other.num_cached_pages() == 0
+
+
+def test_failed_adopt_leaves_the_manager_unchanged():
+    src, _ = forked_source()
+    lengths, rows, tokens, keys, source_pages = export(src, ["c", "b", "a"])
+    dst = make(num_pages=8)
+    live = {"x": []}
+    dst.claim("x", [7] * 9)
+    run_step(dst, ["x"], [[7] * 9], live)  # 3 pages, 2 cached
+    held = dst.pages("x")
+
+    def fail_after_writing(incoming, pages):
+        copier(src, source_pages, dst)(incoming, pages)
+        raise RuntimeError("connection lost")
+
+    def failed(state):  # pages nobody holds or caches may have been written: compare the rest
+        c_lengths, c_table, c_offsets, blocks = state["device"]
+        return {**state, "device": [c_lengths, c_table, c_offsets, blocks[held]]}
+
+    before = snapshot(dst)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        dst.adopt(["C", "B", "A"], lengths, rows, fail_after_writing, token_ids=tokens, prefix_keys=keys)
+    assert_same(failed(before), failed(snapshot(dst)))
+    with pytest.raises(OutOfPagesError, match="6 needed, 5 free, 0 evictable"):
+        dst.adopt(["C", "B", "A", "D"], [*lengths, 1], [*rows, [5]], fail_after_writing)
+    for bad, name in [
+        (dict(seq_ids=["x", "B", "A"]), "seq_ids"),
+        (dict(seq_ids=["C", "C", "A"]), "seq_ids"),
+        (dict(cache_lengths=lengths[:2]), "cache_lengths"),
+        (dict(cache_lengths=[9999, *lengths[1:]]), "cache_lengths"),
+        (dict(page_rows=[rows[0], rows[1], rows[2][:-1]]), "page_rows"),
+        (dict(page_rows=[[r + 1 for r in row] for row in rows]), "page_rows"),
+        (dict(page_rows=[rows[0], rows[1], [*rows[2][:-1], rows[1][-1]]]), "page_rows"),  # partial page shared
+        (dict(token_ids=tokens[:1]), "token_ids"),
+        (dict(prefix_keys=[[b"short"], [], []]), "prefix_keys"),
+        (dict(prefix_keys=[keys[0], [], keys[0][::-1]]), "prefix_keys"),  # one page, two keys
+    ]:
+        args = dict(seq_ids=["C", "B", "A"], cache_lengths=lengths, page_rows=rows, token_ids=tokens, prefix_keys=keys)
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            dst.adopt(fill=fail_after_writing, **{**args, **bad})
+    assert_same(failed(before), failed(snapshot(dst)))
+
+
+def test_failed_adopt_that_had_to_evict_drops_only_the_cache_entries_it_overwrote():
+    src, model = forked_source()
+    lengths, rows, tokens, keys, source_pages = export(src, ["a"])  # 3 pages
+    dst = make(num_pages=5)
+    dst.claim("x", [7] * 9)
+    run_step(dst, ["x"], [[7] * 9], {"x": []})
+    dst.release("x")  # 2 cached pages (evictable) + 3 free
+    dst.claim("y")
+    run_step(dst, ["y"], [[5] * 8], {"y": []})  # takes 2 free pages: 1 free, 2 evictable left
+
+    class Lost(RuntimeError):
+        pages_written = 0  # nothing written yet: every cache entry survives
+
+    def fail(incoming, pages):
+        raise Lost("sender gone")
+
+    before = snapshot(dst)
+    with pytest.raises(Lost):
+        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    assert_same(before, snapshot(dst))
+    oldest = next(iter(dst.page_pool.evictable))
+    Lost.pages_written = 2  # the free page and the least recently used cached one
+    with pytest.raises(Lost):
+        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    assert oldest not in dst.page_pool.key_of and oldest in dst.page_pool.free
+    assert dst.num_cached_pages() == 3 and dst.num_free_pages() == 3  # y holds two cached pages
+    check_ownership(dst, {"y": [5] * 8}, {"y"})
+    del Lost.pages_written  # unknown progress: every page it was going to evict is dropped
+    with pytest.raises(Lost):
+        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    assert dst.num_cached_pages() == 2 and dst.num_free_pages() == 3
+    dst.adopt(["A"], lengths, rows, copier(src, source_pages, dst), token_ids=tokens, prefix_keys=keys)
+    check_contents(dst, {"A": model["a"], "y": [5] * 8}, ["A", "y"])

@@ -34,6 +34,24 @@ def test_cached_pages_become_evictable_and_leave_least_recently_released_first()
     assert pool.lookup(bytes([1]) * 32) == pages[1]
 
 
+def test_peek_names_what_allocate_would_take_and_take_takes_exactly_that():
+    pool = PagePool(5)
+    pages = pool.allocate(5)
+    for i, page in enumerate(pages[:3]):
+        pool.register(page, bytes([i]) * 32)
+    pool.unref([pages[0], pages[3], pages[1], pages[2]])  # free: [4]; evictable oldest first: 1, 2, 3
+    state = (list(pool.free), list(pool.evictable), dict(pool.key_of))
+    assert pool.peek(3) == [pages[3], pages[0], pages[1]]
+    assert pool.peek(3, keep={pages[0]}) == [pages[3], pages[1], pages[2]]
+    assert (list(pool.free), list(pool.evictable), dict(pool.key_of)) == state  # peek changes nothing
+    pool.take(pool.peek(2, keep={pages[0]}))
+    assert pool.refcounts[pages[3]] == pool.refcounts[pages[1]] == 1 and pages[1] not in pool.key_of
+    assert list(pool.evictable) == [pages[0], pages[2]]
+    pool.forget([pages[2], pages[3]])  # an overwritten cached page leaves the cache; a held page is left alone
+    assert list(pool.evictable) == [pages[0]] and pool.free[-1] == pages[2] and pool.lookup(bytes([2]) * 32) is None
+    assert pool.refcounts[pages[3]] == 1
+
+
 def test_register_keeps_the_first_page_of_a_key_and_the_first_key_of_a_page():
     pool = PagePool(3)
     a, b, _ = pool.allocate(3)

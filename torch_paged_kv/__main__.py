@@ -54,6 +54,16 @@ def _mla(params: KVCacheParams) -> str:
     )
 
 
+def _heads(params: KVCacheParams) -> str:
+    heads = params.kv_head_range
+    if len(heads) == params.total_kv_heads:
+        return f"all {params.total_kv_heads}"
+    return (
+        f"{heads.start}..{heads.stop - 1} of {params.total_kv_heads} (tensor-parallel rank {params.tp_rank} of "
+        f"{params.tp_size}: one shard; torch_paged_kv.distributed.reshard loads the shards at any size)"
+    )
+
+
 def _describe(info: CheckpointInfo) -> str:
     meta = info.metadata
     sizes = sum(f.stat().st_size for f in info.files)
@@ -66,6 +76,7 @@ def _describe(info: CheckpointInfo) -> str:
         f"params:     {', '.join(f'{k}={v}' for k, v in p.to_dict().items())}",
         f"quantized:  {_quantization(p)}",
         *([f"mla:        {_mla(p)}"] if p.is_mla else []),
+        f"kv heads:   {_heads(p)}",
         f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
         f"({info.page_tokens} tokens each, {_size(info.num_pages * page_bytes)})",
     ]

@@ -15,7 +15,8 @@ import itertools
 import json
 import os
 from array import array
-from collections.abc import Hashable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -132,6 +133,11 @@ class KVCacheManager:
         """Ids of the rows of the prepared step not yet committed (empty when there is none)."""
         return [] if self._pending is None else [s.seq_id for s in self._pending.seqs]
 
+    @property
+    def prefix_root(self) -> bytes:
+        """Parent key of every sequence's first page (from `hash_salt`): keys chain from it."""
+        return self._root
+
     def num_free_pages(self) -> int:
         """Pages an allocation can use now: unused pages plus evictable cached pages."""
         return self.page_pool.available()
@@ -203,6 +209,70 @@ class KVCacheManager:
         known = int(table.known[src.slot])
         tokens = table.tokens[src.slot, : min(known, length)] if known >= 0 else None
         self._add(child, pages, length, tokens, src.keys[:full])
+
+    def adopt(
+        self,
+        seq_ids: Sequence,
+        cache_lengths: Sequence[int],
+        page_rows: Sequence[Sequence[int]],
+        fill: Callable[[list[int], list[int]], None],
+        *,
+        token_ids: Sequence[Sequence[int] | None] | None = None,
+        prefix_keys: Sequence[Sequence[bytes]] | None = None,
+    ) -> list[int]:
+        """Add sequences whose pages come from elsewhere (another process, a file), all or nothing.
+
+        Sequence `seq_ids[i]` holds `cache_lengths[i]` tokens in the incoming pages `page_rows[i]`
+        (`ceil(length / page_size)` indices into the incoming pages `0..n-1`, each used; rows may
+        share full pages). `token_ids[i]` are its known ids from position 0 (or None), for prefix
+        caching; `prefix_keys[i]` the keys of its leading full pages, computed with this manager's
+        salt: an incoming page whose key is cached here is shared, not filled. Then
+        `fill(incoming, pages)` must write incoming page `incoming[j]` into physical page `pages[j]`
+        (the pages: free ones first, then cached ones to evict, least recently used first) and
+        must not use the manager. Only after it returns are pages taken and the sequences
+        registered; returns the incoming pages that were filled.
+
+        On any error nothing changed, except when `fill` raises after writing into cached pages
+        this allocation was going to evict: their cache entries are dropped (they are free pages
+        now). An exception with an int `pages_written` limits that to the first pages it wrote.
+        """
+        ids, lengths, rows, tokens, keys = self._check_adopt(seq_ids, cache_lengths, page_rows, token_ids, prefix_keys)
+        pool = self.page_pool
+        num_incoming = 1 + max((i for row in rows for i in row), default=-1)
+        key_of_incoming: dict[int, bytes] = {}
+        for row, row_keys in zip(rows, keys, strict=True):
+            for i, key in zip(row, row_keys, strict=False):
+                if key_of_incoming.setdefault(i, key) != key:
+                    raise ValueError(f"prefix_keys: incoming page {i} has two different keys")
+        hits = {i: page for i, key in key_of_incoming.items() if (page := pool.lookup(key)) is not None}
+        incoming = [i for i in range(num_incoming) if i not in hits]
+        revived = sum(1 for page in hits.values() if pool.refcounts[page] == 0)
+        self._require_pages(len(incoming) + revived)  # a revived cached page leaves the evictable ones
+        pages = pool.peek(len(incoming), keep=set(hits.values()))
+        try:
+            fill(list(incoming), list(pages))
+        except BaseException as exc:
+            evicting = pages[min(len(pages), len(pool.free)) :]
+            written = getattr(exc, "pages_written", None)
+            pool.forget(evicting if not isinstance(written, int) else evicting[: max(0, written - len(pool.free))])
+            raise
+        pool.take(pages)
+        physical = {**hits, **dict(zip(incoming, pages, strict=True))}
+        taken = set(pages)
+        for seq_id, length, row, seq_tokens, row_keys in zip(ids, lengths, rows, tokens, keys, strict=True):
+            row_pages = [physical[i] for i in row]
+            for page in row_pages:
+                if page in taken:
+                    taken.discard(page)  # the first owner holds the refcount `take` gave it
+                else:
+                    pool.ref(page)
+            for page, key in zip(row_pages, row_keys, strict=False):
+                pool.register(page, key)
+            self._add(seq_id, row_pages, length, seq_tokens, list(row_keys))
+        seqs = [self._seqs[i] for i in ids]
+        known = [min(n, int(self.page_table.known[s.slot])) for s, n in zip(seqs, lengths, strict=True)]
+        self._cache_full_pages(seqs, [n // self.page_size for n in known])
+        return incoming
 
     # -- steps ---------------------------------------------------------------------------------
     def prepare_step(
@@ -340,8 +410,11 @@ class KVCacheManager:
         info = checkpoint.read_info(path)
         params, c = self.collection.params, self.collection
         if info.kind != checkpoint.PAGED or info.params != params:
+            heads = ("num_kv_heads", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+            other_heads = dataclasses.replace(info.params, **{f: getattr(params, f) for f in heads}) == params
+            hint = " (a shard of other KV heads: see torch_paged_kv.distributed.reshard.load_sharded)" * other_heads
             raise checkpoint.CheckpointError(
-                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}"
+                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}{hint}"
             )
         if max(info.cache_lengths) > c.max_seq_len:
             raise checkpoint.CheckpointError(
@@ -470,6 +543,55 @@ class KVCacheManager:
         if counts != num_new.tolist():
             raise ValueError(f"token_ids: expected {num_new.tolist()} ids per row, got {counts}")
         return _int64s("token_ids", itertools.chain.from_iterable(token_ids))
+
+    def _check_adopt(
+        self,
+        seq_ids: Sequence,
+        cache_lengths: Sequence[int],
+        page_rows: Sequence[Sequence[int]],
+        token_ids: Sequence[Sequence[int] | None] | None,
+        prefix_keys: Sequence[Sequence[bytes]] | None,
+    ) -> tuple[list, list[int], list[list[int]], list[np.ndarray | None], list[list[bytes]]]:
+        """`adopt`'s arguments, checked (ValueError naming the argument) and normalised."""
+        ids = list(seq_ids)
+        self._check_unique(ids, "seq_ids")
+        for i in ids:
+            self._check_new_id(i, "seq_ids")
+        batch = len(ids)
+        for name, value in (("cache_lengths", cache_lengths), ("page_rows", page_rows)):
+            if len(value) != batch:
+                raise ValueError(f"{name}: expected {batch} entries (one per sequence), got {len(value)}")
+        lengths = [int(n) for n in cache_lengths]
+        if any(not 0 <= n <= self.collection.max_seq_len for n in lengths):
+            raise ValueError(f"cache_lengths: expected 0..{self.collection.max_seq_len}, got {lengths}")
+        rows = [list(map(int, row)) for row in page_rows]
+        used = sorted({i for row in rows for i in row})
+        if used != list(range(len(used))) or any(
+            len(row) != self.page_table.pages_for(n) for row, n in zip(rows, lengths, strict=True)
+        ):
+            raise ValueError("page_rows: expected ceil(length / page_size) incoming pages per row, using all of 0..n-1")
+        uses = Counter(i for row in rows for i in row)
+        if any(uses[row[-1]] > 1 for row, n in zip(rows, lengths, strict=True) if n % self.page_size):
+            raise ValueError("page_rows: only full pages may be shared (a partially filled page is in two places)")
+        tokens: list[np.ndarray | None] = [None] * batch
+        if token_ids is not None:
+            if len(token_ids) != batch:
+                raise ValueError(f"token_ids: expected {batch} entries (one per sequence), got {len(token_ids)}")
+            tokens = [None if t is None else _int64s("token_ids", t) for t in token_ids]
+            if any(t is not None and len(t) > self.collection.max_seq_len for t in tokens):
+                raise ValueError(f"token_ids: more than max_seq_len={self.collection.max_seq_len} ids")
+        keys: list[list[bytes]] = [[] for _ in ids]
+        if prefix_keys is not None:
+            if len(prefix_keys) != batch:
+                raise ValueError(f"prefix_keys: expected {batch} entries (one per sequence), got {len(prefix_keys)}")
+            keys = [list(k) for k in prefix_keys]
+            for row_keys, n in zip(keys, lengths, strict=True):
+                well_formed = all(isinstance(k, bytes) and len(k) == 32 for k in row_keys)
+                if len(row_keys) > n // self.page_size or not well_formed:
+                    raise ValueError("prefix_keys: expected 32-byte keys of at most the full pages of each row")
+        if not self.enable_prefix_caching:
+            tokens, keys = [None] * batch, [[] for _ in ids]
+        return ids, lengths, rows, tokens, keys
 
     def _require_pages(self, needed: int) -> None:
         """`OutOfPagesError` unless an allocation of `needed` pages can succeed now."""

@@ -10,8 +10,9 @@ it knows page ids and keys, never which sequence holds a page (`page_table.PageT
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -68,6 +69,38 @@ class PagePool:
         for page in pages:
             refcounts[page] = 1
         return pages
+
+    def peek(self, count: int, keep: Collection[int] = ()) -> list[int]:
+        """The pages `allocate(count)` would hand out, without taking them: free pages first, then
+        evictable cached pages least recently used first, skipping those in `keep`. The caller checks
+        there are enough (`available()`, less the evictable pages in `keep`)."""
+        take = min(count, len(self.free))
+        pages = self.free[len(self.free) - take :][::-1]
+        if count > take:
+            pages += itertools.islice((p for p in self.evictable if p not in keep), count - take)
+        return pages
+
+    def take(self, pages: Sequence[int]) -> None:
+        """Allocate exactly `pages`, as `peek` returned them with the pool unchanged since: refcount 1;
+        the cached ones among them leave the prefix cache."""
+        take = min(len(pages), len(self.free))
+        if self.free[len(self.free) - take :][::-1] != list(pages[:take]):
+            raise RuntimeError("PagePool.take: the pool changed since peek")
+        del self.free[len(self.free) - take :]
+        for page in pages[take:]:
+            del self.evictable[page]
+            del self.page_of[self.key_of.pop(page)]
+        for page in pages:
+            self.refcounts[page] = 1
+
+    def forget(self, pages: Iterable[int]) -> None:
+        """Drop the cache entries of unreferenced cached `pages` whose contents are no longer what their
+        keys say (they become free pages); other pages are left alone."""
+        for page in pages:
+            if self.refcounts[page] == 0 and page in self.key_of:
+                del self.evictable[page]
+                del self.page_of[self.key_of.pop(page)]
+                self.free.append(page)
 
     def ref(self, page: int) -> None:
         """One more owner of `page` (a cached page stops being evictable)."""

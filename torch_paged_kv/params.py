@@ -47,6 +47,12 @@ class KVCacheParams:
     - per tensor: `static_scales=(k_scale, v_scale)` (one value for MLA), fixed, no `scales` tensor.
 
     Instances are immutable, hashable, comparable and round-trip through `to_dict`/`from_dict`.
+
+    Tensor parallelism: a cache may hold a slice of the model's KV heads. `num_kv_heads` is what
+    this cache holds, the global heads `kv_head_start .. kv_head_start + num_kv_heads - 1` of
+    `total_kv_heads` (None: `num_kv_heads`, the whole model), as rank `tp_rank` of a group of
+    `tp_size` (see `torch_paged_kv.distributed.tensor_parallel.shard_params`). The defaults describe
+    an unsharded cache, and `to_dict` leaves out fields at their defaults.
     """
 
     dtype: torch.dtype
@@ -58,6 +64,10 @@ class KVCacheParams:
     quantization_granularity: int | None = None
     scale_dtype: torch.dtype | None = None
     static_scales: tuple[float, ...] | None = None
+    tp_size: int = 1
+    tp_rank: int = 0
+    kv_head_start: int = 0
+    total_kv_heads: int | None = None
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
 
@@ -101,6 +111,7 @@ class KVCacheParams:
             raise ValueError(f"num_kv_heads: an MLA cache has one latent head, got {self.num_kv_heads}")
         self._check_mla()
         self._check_quantization()
+        self._check_tensor_parallel()
 
     def _check_mla(self) -> None:
         given = {k: getattr(self, k) for k in ("kv_lora_rank", "rope_dim")}
@@ -163,6 +174,28 @@ class KVCacheParams:
         object.__setattr__(self, "quantization_granularity", granularity)  # normalised: equal params compare equal
         object.__setattr__(self, "scale_dtype", scale_dtype)
 
+    def _check_tensor_parallel(self) -> None:
+        if self.total_kv_heads is None:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)  # normalised: equal params compare equal
+        for name in ("tp_size", "total_kv_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        for name, bound in (("tp_rank", self.tp_size), ("kv_head_start", self.total_kv_heads)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
+                raise ValueError(f"{name}: expected an int in 0..{bound - 1}, got {value!r}")
+        if self.kv_head_start + self.num_kv_heads > self.total_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: heads {self.kv_head_start}..{self.kv_head_start + self.num_kv_heads - 1} "
+                f"do not fit total_kv_heads={self.total_kv_heads}"
+            )
+
+    @property
+    def kv_head_range(self) -> range:
+        """The global KV heads this cache holds, in order."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
     @property
     def num_planes(self) -> int:
         """2 (K and V) for MHA caches, 1 for MLA latent caches."""
@@ -216,7 +249,8 @@ class KVCacheParams:
         return self.num_planes * self.num_layers * self.num_kv_heads * self.scales_per_head * itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe description (dtypes by name; the quantization fields only for FP8 caches)."""
+        """JSON-safe description (dtypes by name; the quantization fields only for FP8 caches, the
+        tensor-parallel fields only where they differ from their defaults)."""
         out = dataclasses.asdict(self)
         out["dtype"] = _dtype_name(self.dtype)
         for name in ("quantization_granularity", "scale_dtype", "static_scales", "kv_lora_rank", "rope_dim"):
@@ -226,6 +260,10 @@ class KVCacheParams:
             out["scale_dtype"] = _dtype_name(self.scale_dtype)
         if self.static_scales is not None:
             out["static_scales"] = list(self.static_scales)
+        defaults = {"tp_size": 1, "tp_rank": 0, "kv_head_start": 0, "total_kv_heads": self.num_kv_heads}
+        for name, default in defaults.items():  # an unsharded cache's dict is what it was before these fields
+            if out[name] == default:
+                del out[name]
         return out
 
     @classmethod

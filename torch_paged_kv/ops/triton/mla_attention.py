@@ -8,9 +8,9 @@ serves all its rows: scores `q_nope . latent + q_rope . rope`, then `p . latent`
 kv_lora_rank]` fp32 accumulator (the latent is both key and value). Heads beyond `BLOCK_H` are
 other programs over the same rows (served from L2). Tiles and the causal key range are those of
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
-`mla_merge`. FP8 rows (uint8 codes, `mla_fp8`) are decoded to the query dtype: with one scale per
-token the scale multiplies the scores and the probabilities instead of every element (exact:
-every FP8 value is a bf16/fp16 value); with finer granules each element is scaled.
+`mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
+one scale per token the scale multiplies the scores and the probabilities instead of every element
+(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .common import Launch, is_interpreted, owning_sequence, search_steps
 from .flash_attention import num_splits
-from .mla_fp8 import fp8_decode
+from .fp8 import fp8_bits_to_float
 from .mla_merge import plan_mla_merge
 from .mla_store import mla_views, quant_mode, view_strides
 
@@ -73,6 +73,9 @@ def _mla_attention_kernel(
     ROPE_P: tl.constexpr,
     GROUPS: tl.constexpr,
     FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
     SCALES: tl.constexpr,
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -135,8 +138,8 @@ def _mla_attention_kernel(
         latent = tl.load(latent_cache + slot[:, None] + dim[None, :], mask=key_ok[:, None], other=0)
         rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
         rope = tl.load(rope_cache + rope_slot[:, None] + rd[None, :], mask=key_ok[:, None] & (rd[None, :] < ROPE))
-        if FP8 != 0:
-            latent = fp8_decode(latent, FP8)  # fp32, exact
+        if FP8:
+            latent = fp8_bits_to_float(latent, MANT, BIAS)  # exact
             if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
                 scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
                 granule = tl.load(
@@ -150,7 +153,7 @@ def _mla_attention_kernel(
             latent = latent.to(tl.float32)
             rope = rope.to(tl.float32)
         s = tl.dot(qn, tl.trans(latent), input_precision=PRECISION)
-        if FP8 != 0 and (SCALES == 2 or GROUPS == 1):  # one scale per token (or tensor): scale the scores
+        if FP8 and (SCALES == 2 or GROUPS == 1):  # one scale per token (or tensor): scale the scores
             if SCALES == 2:
                 token_scale = tl.load(scales + tl.zeros([BLOCK_N], tl.int32))
             else:
@@ -168,7 +171,7 @@ def _mla_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8 != 0 and (SCALES == 2 or GROUPS == 1):
+        if FP8 and (SCALES == 2 or GROUPS == 1):
             p = p * token_scale[None, :]  # the value rows' scale, folded into the probabilities
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
         m_i = m_new
@@ -239,7 +242,8 @@ def plan_mla_attention(
         part_out = torch.empty((splits, total, heads, rank), dtype=torch.float32, device=q_nope.device)
         part_lse = torch.empty((splits, total, heads), dtype=torch.float32, device=q_nope.device)
     latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
-    fp8, scales_kind = quant_mode(blocks, scales)
+    quant = quant_mode(blocks, scales)
+    scales_kind = quant["SCALES"]
     launches = [
         Launch(
             _mla_attention_kernel,
@@ -284,8 +288,7 @@ def plan_mla_attention(
                 ROPE=rope,
                 ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
                 GROUPS=scales.shape[5] if scales_kind == 1 else 1,
-                FP8=fp8,
-                SCALES=scales_kind,
+                **quant,
                 CAUSAL=bool(causal),
                 SPLIT=splits > 1,
                 UPCAST=interpret,

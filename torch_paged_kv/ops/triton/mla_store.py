@@ -14,9 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import Launch, owning_sequence, search_steps
-from .mla_fp8 import E4M3, E5M2, fp8_encode
-
-FP8_CODES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
+from .fp8 import FORMATS, float_to_fp8_bits
 
 
 def mla_views(blocks: torch.Tensor, rank: int, scales: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -38,11 +36,13 @@ def view_strides(view: torch.Tensor, per_granule: bool = True) -> tuple[int, int
     return tuple(view.stride()[:3]) if per_granule else (0, 0, 0)
 
 
-def quant_mode(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int]:
-    """(FP8 code kind, scales kind: 0 none, 1 per granule, 2 one static scale)."""
+def quant_mode(blocks: torch.Tensor, scales: torch.Tensor | None) -> dict:
+    """The FP8 constexprs of a launch: `FP8` (the rows are FP8 codes), the format (`MANT`, `BIAS`,
+    `FP8_MAX`: `fp8.FORMATS`) and `SCALES` (0 none, 1 per granule, 2 one static scale)."""
     if scales is None:
-        return 0, 0
-    return FP8_CODES[blocks.dtype], 1 if scales.dim() == 6 else 2
+        return dict(FP8=False, MANT=0, BIAS=0, FP8_MAX=0.0, SCALES=0)
+    mant, bias, top = FORMATS[blocks.dtype]
+    return dict(FP8=True, MANT=mant, BIAS=bias, FP8_MAX=top, SCALES=1 if scales.dim() == 6 else 2)
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch compiles nothing
@@ -78,8 +78,10 @@ def _store_latent_kernel(
     ROPE_P: tl.constexpr,
     GROUPS: tl.constexpr,
     FP8: tl.constexpr,
-    SCALES: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    SCALES: tl.constexpr,
     STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -94,7 +96,7 @@ def _store_latent_kernel(
     latent_ok = dim < tl.where(in_range, RANK, 0)  # (scalar & block masks break the interpreter)
     x = tl.load(latent + row.to(tl.int64) * latent_stride_row + dim)
     slot = page.to(tl.int64) * cache_stride_page + layer_idx * cache_stride_layer + offset * cache_stride_token
-    if FP8 == 0:
+    if not FP8:
         tl.store(latent_cache + slot + dim, x, mask=latent_ok)
     else:
         x = x.to(tl.float32)
@@ -110,8 +112,7 @@ def _store_latent_kernel(
             tl.store(scales + scale_slot + g, scale, mask=g < tl.where(in_range, GROUPS, 0))
         else:  # one static scale
             q = tl.math.div_rn(x, tl.load(scales))
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-        tl.store(latent_cache + slot + dim, fp8_encode(q, FP8), mask=latent_ok)
+        tl.store(latent_cache + slot + dim, float_to_fp8_bits(q, MANT, BIAS, FP8_MAX).to(tl.uint8), mask=latent_ok)
     if ROPE > 0:
         r = tl.arange(0, ROPE_P)
         rope_ok = r < tl.where(in_range, ROPE, 0)
@@ -139,7 +140,8 @@ def plan_store_latent(
     latent = latent if latent.stride(1) == 1 else latent.contiguous()
     k_rope = k_rope if k_rope.stride(1) == 1 or rope == 0 else k_rope.contiguous()
     latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
-    fp8, scales_kind = quant_mode(blocks, scales)
+    quant = quant_mode(blocks, scales)
+    scales_kind = quant["SCALES"]
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     return [
         Launch(
@@ -171,9 +173,7 @@ def plan_store_latent(
                 ROPE=rope,
                 ROPE_P=triton.next_power_of_2(max(rope, 1)),
                 GROUPS=scales.shape[5] if scales_kind == 1 else 1,
-                FP8=fp8,
-                SCALES=scales_kind,
-                FP8_MAX=torch.finfo(blocks.dtype).max if fp8 else 0.0,
+                **quant,
                 STEPS=search_steps(batch),
             ),
         )

@@ -1,0 +1,380 @@
+"""Page transfer between processes over gloo: bit-exact, all or nothing, and loud when it fails.
+
+Every rank can recompute any sequence's K/V from its tokens (`distributed_ranks.kv_rows`), and
+builds the sender's state from a seed, so the receiver checks what arrived against its own copy.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_ranks import Ranks, assert_same, check_contents, kv_rows, run_step, snapshot
+
+import torch_paged_kv as pk
+from torch_paged_kv.distributed import TransferError, TransferRejected, receive_sequences, send_sequences
+from torch_paged_kv.distributed import transfer as transfer_module
+from torch_paged_kv.manager import OutOfPagesError
+
+PARAMS = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+PS = PARAMS.page_size
+
+
+def make(num_pages: int = 96, params: pk.KVCacheParams = PARAMS, **kw) -> pk.KVCacheManager:
+    return pk.KVCacheManager(pk.PagedKVCacheCollection(params, num_pages, 16, 128), **kw)
+
+
+def sender_state(seed: int, salt: bytes | None = None) -> tuple[pk.KVCacheManager, dict, list, list[int]]:
+    """Random ragged sequences (a shared prompt, forks, decode steps), the same on every rank for a seed;
+    returns the manager, the tokens, the ids to send and the shared prompt."""
+    gen = random.Random(seed)
+    m, model = make(hash_salt=salt), {}
+    shared = [gen.randrange(50) for _ in range(gen.randrange(4, 13))]
+    ids = []
+    for j in range(gen.randint(2, 6)):
+        prompt = (shared if gen.random() < 0.6 else []) + [gen.randrange(50) for _ in range(gen.randint(1, 20))]
+        seq_id = f"s{seed}-{j}"
+        reused = m.claim(seq_id, prompt)
+        model[seq_id] = prompt[:reused]
+        run_step(m, [seq_id], [prompt[reused:]], model)
+        ids.append(seq_id)
+    for j in range(gen.randint(0, 2)):
+        parent, child = gen.choice(ids), f"s{seed}-fork{j}"
+        m.fork(parent, child)
+        model[child] = list(model[parent])
+        ids.append(child)
+    for _ in range(gen.randint(0, 6)):
+        rows = gen.sample(ids, gen.randint(1, len(ids)))
+        run_step(m, rows, [[gen.randrange(50) for _ in range(gen.randint(1, 3))] for _ in rows], model)
+    return m, model, gen.sample(ids, gen.randint(1, len(ids))), shared
+
+
+def receiver_state(seed: int, shared: list[int], salt: bytes | None = None) -> tuple[pk.KVCacheManager, dict]:
+    """A receiver already holding a sequence of its own and, released, the shared prompt (cached pages)."""
+    m, model = make(hash_salt=salt), {"live": [], "had-prompt": []}
+    m.claim("live")
+    run_step(m, ["live"], [[seed % 50] * 7], model)
+    m.claim("had-prompt", [*shared, 1])
+    run_step(m, ["had-prompt"], [[*shared, 1]], model)
+    m.release("had-prompt")
+    del model["had-prompt"]
+    return m, model
+
+
+def check_refcounts(m: pk.KVCacheManager) -> None:
+    held: dict[int, int] = {}
+    for i in m.sequences:
+        for page in m.pages(i):
+            held[page] = held.get(page, 0) + 1
+    pool = m.page_pool
+    for page in range(1, m.collection.num_pages + 1):
+        assert pool.refcounts[page] == held.get(page, 0), page
+    assert set(pool.free) | set(pool.evictable) | set(held) == set(range(1, m.collection.num_pages + 1))
+
+
+def _transfer_random(rank: int, world: int, seeds: list[int]) -> list[dict]:
+    out = []
+    for seed in seeds:
+        sender = seed % 2
+        salt_s, salt_r = (b"same", b"same") if seed % 3 else (b"one", b"other")
+        src, src_model, ids, shared = sender_state(seed, salt_s)
+        chunk_bytes = random.Random(seed).randint(1, 5) * PS * PARAMS.bytes_per_token
+        checksum = "sum64" if seed % 4 == 1 else "crc32"
+        if rank == sender:
+            before = snapshot(src)
+            stats = send_sequences(
+                src, ids, 1 - rank, metadata={"seed": seed}, chunk_bytes=chunk_bytes, checksum=checksum
+            )
+            assert_same(before, snapshot(src))  # the sender only reads
+            out.append(dict(pages=stats.pages, sent=stats.pages_sent))
+            continue
+        dst, dst_model = receiver_state(seed, shared, salt_r)
+        stats = receive_sequences(dst, 1 - rank, timeout=datetime.timedelta(seconds=20))
+        assert stats.seq_ids == ids and stats.metadata == {"seed": seed}
+        check_refcounts(dst)
+        for i in ids:  # bit-exact whole pages, tokens, lengths
+            used = -(-src.cache_length(i) // PS)
+            mine = dst.collection.blocks[torch.tensor(dst.pages(i)[:used], dtype=torch.long)]
+            theirs = src.collection.blocks[torch.tensor(src.pages(i)[:used], dtype=torch.long)]
+            assert torch.equal(mine.view(torch.int16), theirs.view(torch.int16)), i
+            assert dst.token_ids(i) == src_model[i] and dst.cache_length(i) == len(src_model[i])
+            assert len(dst.prefix_keys(i)) == len(src_model[i]) // PS  # keyed here, with this salt
+            if salt_s == salt_r:
+                assert dst.prefix_keys(i) == src.prefix_keys(i)
+        model = {**dst_model, **{i: src_model[i] for i in ids}}
+        check_contents(dst, model, list(model))
+        gen = random.Random(seed + 1000)  # the sequences go on here
+        run_step(dst, ids, [[gen.randrange(50)] for _ in ids], model)
+        check_contents(dst, model, list(model))
+        out.append(dict(pages=stats.pages, sent=stats.pages_sent, shared_salt=salt_s == salt_r))
+    return out
+
+
+def test_random_ragged_transfers_are_bit_exact_both_ways(rank_groups):
+    seeds = list(range(8))
+    results = rank_groups.get(2).run(_transfer_random, seeds)
+    received = [r for seed in seeds for r in [results[1 - seed % 2][seeds.index(seed)]]]
+    assert all(r["sent"] <= r["pages"] for r in received)
+    # with the same salt, pages of the shared prompt the receiver had cached were not sent
+    assert any(r["sent"] < r["pages"] for r in received if r["shared_salt"])
+    assert all(r["sent"] == r["pages"] for r in received if not r["shared_salt"])
+
+
+def _rejections(rank: int, world: int) -> list[str]:
+    """Refusals leave both sides unchanged and the channel usable; then transfers with odd ids work."""
+    src, model, _, _ = sender_state(7)
+    ids = src.sequences[:2]
+    other = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=2, head_dim=8, page_size=8)
+    messages = []
+    cases = [
+        ("params", lambda: make(params=other), None),
+        ("pages", lambda: make(num_pages=2), None),
+        ("clash", lambda: _with_sequence(ids[0]), None),
+        ("foreign ids", lambda: make(), None),
+    ]
+    for name, receiver, seq_ids in cases:
+        if rank == 0:
+            send_ids = ids if name != "foreign ids" else [frozenset({1}), ids[1]]
+            if name == "foreign ids":
+                src.fork(ids[0], frozenset({1}))
+            with pytest.raises(TransferRejected) as info:
+                send_sequences(src, send_ids, 1)
+            messages.append(str(info.value))
+            if name == "foreign ids":
+                src.release(frozenset({1}))
+        else:
+            dst = receiver()
+            before = snapshot(dst)
+            with pytest.raises(TransferRejected) as info:
+                receive_sequences(dst, 0, seq_ids=seq_ids)
+            assert_same(before, snapshot(dst))
+            if name == "pages":
+                assert isinstance(info.value.__cause__, OutOfPagesError)
+    # the channel is clean after refusals: ids that are tuples come back as tuples, others are renamed
+    src.fork(ids[0], ("req", 1))
+    src.fork(ids[0], frozenset({2}))
+    if rank == 0:
+        send_sequences(src, [("req", 1)], 1, metadata={"first_tokens": [3]})
+        send_sequences(src, [frozenset({2})], 1)
+        return messages
+    dst = make()
+    stats = receive_sequences(dst, 0)
+    assert stats.seq_ids == [("req", 1)] and stats.metadata == {"first_tokens": [3]}
+    stats = receive_sequences(dst, 0, seq_ids=["renamed"])
+    assert dst.sequences == [("req", 1), "renamed"]
+    check_contents(dst, {("req", 1): model[ids[0]], "renamed": model[ids[0]]}, dst.sequences)
+    return []
+
+
+def _with_sequence(seq_id) -> pk.KVCacheManager:
+    m = make()
+    m.claim(seq_id)
+    return m
+
+
+def test_refusals_leave_both_sides_unchanged_and_say_why(rank_groups):
+    messages = rank_groups.get(2).run(_rejections)[0]
+    assert "the sender's cache is" in messages[0] and "page_size=4" in messages[0]
+    assert "OutOfPagesError: out of KV pages" in messages[1]
+    assert "already exists" in messages[2]
+    assert "pass seq_ids" in messages[3]
+
+
+# -- a sender that dies or goes silent mid-transfer ---------------------------------------------------
+
+
+def _failing_sender(rank: int, world: int) -> list[str]:
+    """Rank 0 sends to rank 1 twice, each time on a fresh group: first it stalls past the receiver's
+    timeout, then it is killed after two chunks. The receiver must raise a clear error each time,
+    with its manager as before."""
+    out = []
+    for case in ("silent", "killed"):
+        group = dist.new_group([0, 1])  # a timed-out gloo pair is closed for good: a new pair per case
+        if rank == 0:
+            src, _, _, _ = sender_state(3)
+            calls = [0]
+            gather = transfer_module._PagePipe.gather
+
+            def failing_gather(self, message, pages, kind, case=case, calls=calls, gather=gather):
+                calls[0] += 1
+                if calls[0] == 3:
+                    time.sleep(0.5)  # chunks 1 and 2 are out
+                    if case == "killed":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    time.sleep(2.5)
+                gather(self, message, pages, kind)
+
+            transfer_module._PagePipe.gather = failing_gather
+            one_page = PS * PARAMS.bytes_per_token
+            try:
+                send_sequences(
+                    src, src.sequences, 1, group=group, chunk_bytes=one_page, timeout=datetime.timedelta(seconds=2)
+                )
+            except TransferError as exc:
+                out.append(f"sender: {exc}")
+            transfer_module._PagePipe.gather = gather
+            continue
+        dst, model = receiver_state(3, [1, 2, 3, 4])
+        free_pages = list(dst.page_pool.free)
+        before = snapshot(dst)
+        with pytest.raises(TransferError) as info:
+            receive_sequences(dst, 0, group=group, timeout=datetime.timedelta(seconds=1))
+        assert_same(before, snapshot(dst))
+        assert list(dst.page_pool.free) == free_pages  # every page it took is back, in order
+        assert info.value.pages_written == 2  # two verified one-page chunks were written, then given back
+        run_step(dst, ["live"], [[5, 6]], model)  # the manager works as before
+        check_contents(dst, model, ["live"])
+        out.append(str(info.value))
+    return out
+
+
+def test_a_sender_silent_or_killed_mid_transfer_leaves_the_receiver_unchanged():
+    ranks = Ranks(2)
+    try:
+        silent, killed = ranks.run(_failing_sender, expect_exit=(0,), timeout=90)[1]
+    finally:
+        ranks.close()
+    assert "receiving chunk 3 of" in silent and "Timed out" in silent, silent
+    assert "receiving chunk 3 of" in killed and "Connection closed by peer" in killed, killed
+
+
+# -- tensor-parallel receivers agree: all of them register the sequences, or none ---------------------
+
+
+def _consensus(rank: int, world: int) -> str:
+    """Prefill ranks 0, 1 (TP=2) send their head shards to decode ranks 2, 3 (TP=2): first all works,
+    then rank 3 has too few pages and rank 2, whose own transfer went through, must give it up too."""
+    full = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=4, head_dim=8, page_size=4)
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    from torch_paged_kv.distributed.tensor_parallel import shard_params
+
+    params = shard_params(full, 2, rank % 2)
+    tokens = list(range(23))
+    if rank < 2:
+        src, model = make(params=params), {"a": []}
+        src.claim("a", tokens)
+        run_step(src, ["a"], [tokens], model)
+        send_sequences(src, ["a"], rank + 2)
+        with pytest.raises(TransferError) as info:
+            send_sequences(src, ["a"], rank + 2)
+        return str(info.value)
+    dst, model = make(params=params), {"a": tokens}
+    receive_sequences(dst, rank - 2, consensus_group=groups[1])
+    check_contents(dst, model, ["a"])
+    small = make(num_pages=3 if rank == 3 else 96, params=params)
+    before = snapshot(small)
+    with pytest.raises(TransferError) as info:
+        receive_sequences(small, rank - 2, seq_ids=["b"], consensus_group=groups[1])
+    assert_same(before, snapshot(small))
+    return str(info.value)
+
+
+def test_tensor_parallel_receivers_register_all_or_nothing(rank_groups):
+    results = rank_groups.get(4).run(_consensus)
+    assert "did not take the sequences" in results[0] and "another rank" in results[0]
+    assert "refused the transfer" in results[1] and "OutOfPagesError" in results[1]
+    assert "another rank of the consensus group" in results[2]
+    assert "OutOfPagesError" in results[3]
+
+
+def test_kv_rows_is_a_function_of_the_prefix():
+    a = kv_rows(PARAMS, [1, 2, 3, 4], 0, 4)
+    assert torch.equal(kv_rows(PARAMS, [1, 2, 3, 9], 0, 3), a[:3]) and not torch.equal(
+        a[3], kv_rows(PARAMS, [1, 2, 3, 9], 3, 4)[0]
+    )
+
+
+# -- FP8 caches: per-page scales travel with the pages ----------------------------------------------
+
+FP8 = pk.KVCacheParams(
+    torch.float8_e4m3fn, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, quantization_granularity=4
+)
+
+
+def fp8_sender(seed: int) -> tuple[pk.KVCacheManager, list]:
+    """Random ragged FP8 sequences (K/V quantized by store_kv, scales per token, head and granule)."""
+    gen = random.Random(seed)
+    m, model = make(params=FP8), {}
+    for j in range(4):
+        seq_id = f"q{j}"
+        m.claim(seq_id)
+        model[seq_id] = []
+        run_step(m, [seq_id], [[gen.randrange(50) for _ in range(gen.randint(1, 14))]], model)
+    m.fork("q0", "q0-fork")
+    return m, m.sequences
+
+
+def _fp8(rank: int, world: int) -> None:
+    src, ids = fp8_sender(11)
+    if rank == 0:
+        for _ in range(2):  # refused by a bf16 cache and by a coarser granularity
+            with pytest.raises(TransferRejected, match="sender's cache is"):
+                send_sequences(src, ids, 1)
+        send_sequences(src, ids, 1, chunk_bytes=3 * PS * (FP8.bytes_per_token + FP8.scale_bytes_per_token))
+        return None
+    coarse = pk.KVCacheParams(torch.float8_e4m3fn, 2, 2, 8, 4, quantization_granularity=8)
+    for other in (make(), make(params=coarse)):
+        with pytest.raises(TransferRejected):
+            receive_sequences(other, 0)
+    dst = make(params=FP8)
+    stats = receive_sequences(dst, 0)
+    assert stats.pages_sent == stats.pages
+    for i in ids:
+        used = -(-src.cache_length(i) // PS)
+        mine, theirs = torch.tensor(dst.pages(i)[:used]), torch.tensor(src.pages(i)[:used])
+        assert torch.equal(
+            dst.collection.blocks[mine].view(torch.uint8), src.collection.blocks[theirs].view(torch.uint8)
+        )
+        assert torch.equal(dst.collection.scales[mine], src.collection.scales[theirs]), i
+        assert bool(dst.collection.scales[mine].ne(0).any())
+    return None
+
+
+def test_fp8_pages_travel_with_their_scales(rank_groups):
+    rank_groups.get(2).run(_fp8)
+
+
+def _corrupted(rank: int, world: int) -> str:
+    """A byte flipped in chunk 2 after its checksum: the receiver drains the rest, says why, and is
+    unchanged; the sender hears the reason; the next transfer on the same channel works."""
+    src, model, ids, _ = sender_state(5)
+    one_page = PS * PARAMS.bytes_per_token
+    if rank == 0:
+        calls = [0]
+        gather = transfer_module._PagePipe.gather
+
+        def corrupting_gather(self, message, pages, kind):
+            gather(self, message, pages, kind)
+            calls[0] += 1
+            if calls[0] == 2:
+                message[3] ^= 0x40
+
+        transfer_module._PagePipe.gather = corrupting_gather
+        try:
+            with pytest.raises(TransferError) as info:
+                send_sequences(src, ids, 1, chunk_bytes=one_page)
+        finally:
+            transfer_module._PagePipe.gather = gather
+        send_sequences(src, ids, 1, chunk_bytes=one_page)
+        return str(info.value)
+    dst, dst_model = receiver_state(5, [1, 2, 3, 4])
+    before = snapshot(dst)
+    with pytest.raises(TransferError, match="checksum") as info:
+        receive_sequences(dst, 0)
+    assert_same(before, snapshot(dst))
+    assert info.value.pages_written == 1  # chunk 1 went in, then was given back
+    receive_sequences(dst, 0)
+    check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
+    return str(info.value)
+
+
+def test_a_corrupted_chunk_is_refused_and_the_channel_stays_usable(rank_groups):
+    sender, receiver = rank_groups.get(2).run(_corrupted)
+    assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
+    assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender

@@ -1,0 +1,225 @@
+"""KV-state checkpoints across tensor-parallel sizes: each rank saves its heads, any size loads them.
+
+Rank r of a tensor-parallel group saves its own file (`manager.save(shard_path(path, params), ids)`):
+an ordinary checkpoint whose `params` metadata carries the head range (`tp_size`, `tp_rank`,
+`kv_head_start`, `total_kv_heads`). Every rank's file holds the same lengths, tables and token ids
+(the ranks' page decisions are identical) and its own heads of each page. Loading at another size
+reads, for the heads the target holds, the files that hold them, and copies those head columns of
+every stored page into the target's pages (each file is read whole: its checksums cover whole
+tensors). Files that are not shards of one KV state, or do not cover the target's heads, are
+refused with a `CheckpointError` saying why, before any page is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import CONTINUOUS, PAGED, CheckpointError, CheckpointInfo, read_info
+from ..collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
+from ..manager import METADATA_KEY, KVCacheManager
+from ..ops.quant import indexable
+from ..page_stream import CHUNK_BYTES
+from ..params import KVCacheParams
+from ..safetensors_stream import format_crc, read_into
+
+PathLike = str | os.PathLike[str]
+
+
+def shard_path(path: PathLike, params: KVCacheParams) -> Path:
+    """Where rank `params.tp_rank` saves its shard of a checkpoint named `path`:
+    `kv.safetensors` -> `kv.tp1-of-4.safetensors` (an unsharded cache: `path` itself)."""
+    path = Path(path)
+    if params.num_kv_heads == params.total_kv_heads and params.tp_size == 1:
+        return path
+    return path.with_name(f"{path.stem}.tp{params.tp_rank}-of-{params.tp_size}{path.suffix or '.safetensors'}")
+
+
+def _base(params: KVCacheParams) -> KVCacheParams:
+    """`params` without its head range (what every shard of one cache shares)."""
+    return dataclasses.replace(params, num_kv_heads=1, tp_size=1, tp_rank=0, kv_head_start=0, total_kv_heads=1)
+
+
+@dataclasses.dataclass
+class _Source:
+    info: CheckpointInfo
+    file_heads: slice  # columns of the file's pages to read
+    target_heads: slice  # where they go in the target's pages
+
+
+def plan_shards(paths: Sequence[PathLike], target: KVCacheParams) -> tuple[CheckpointInfo, list[_Source]]:
+    """Check that `paths` are shards of one KV state covering `target`'s heads; returns the first
+    file's info (lengths, tables, metadata) and, per file to read, which head columns go where."""
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+    if not paths:
+        raise CheckpointError("paths: no checkpoint files given")
+    infos = [read_info(p) for p in paths]
+    first = infos[0]
+    for info in infos:
+        p = info.params
+        if _base(p) != _base(target) or p.total_kv_heads != target.total_kv_heads:
+            raise CheckpointError(
+                f"{info.path}: a cache of {p} does not fit the target {target} "
+                "(only the KV heads a file holds may differ)"
+            )
+        if info.kind != first.kind:
+            raise CheckpointError(f"{info.path}: a {info.kind} cache, {first.path} is {first.kind}")
+        same = (
+            info.max_seq_len == first.max_seq_len
+            and info.num_pages == first.num_pages
+            and info.page_tokens == first.page_tokens
+            and info.cache_lengths == first.cache_lengths
+            and torch.equal(info.lookup_table, first.lookup_table)
+            and info.user_metadata == first.user_metadata
+        )
+        if not same:
+            raise CheckpointError(
+                f"{info.path} and {first.path} are not shards of one KV state "
+                "(their lengths, lookup tables or token ids differ)"
+            )
+    sources: list[_Source] = []
+    needed = set(target.kv_head_range)
+    for info in infos:
+        heads = info.params.kv_head_range
+        take = [h for h in heads if h in needed]
+        if not take:
+            continue
+        # a contiguous run of this file's heads the target still needs
+        lo, hi = take[0], take[-1] + 1
+        if hi - lo != len(take):
+            raise CheckpointError(f"{info.path}: heads {take} of it are needed, not a contiguous range")
+        needed -= set(range(lo, hi))
+        sources.append(
+            _Source(
+                info,
+                slice(lo - heads.start, hi - heads.start),
+                slice(lo - target.kv_head_start, hi - target.kv_head_start),
+            )
+        )
+    if needed:
+        held = ", ".join(f"{i.path.name}: {_describe(i.params.kv_head_range)}" for i in infos)
+        raise CheckpointError(
+            f"KV heads {sorted(needed)} of the target ({_describe(target.kv_head_range)} of "
+            f"{target.total_kv_heads}) are in none of the files ({held})"
+        )
+    return first, sources
+
+
+def _describe(heads: range) -> str:
+    return f"heads {heads.start}..{heads.stop - 1}"
+
+
+def _paged_tensors(params: KVCacheParams) -> list[tuple[str, torch.dtype, int]]:
+    """(name, dtype, last dim) of the tensors a file stores per page: `blocks`, and the per-granule
+    `scales` of an FP8 cache; both `[pages, planes, layers, page_tokens, kv_heads, last dim]`."""
+    tensors = [("blocks", params.dtype, params.head_dim)]
+    if params.has_scales_tensor:
+        tensors.append(("scales", params.scale_dtype, params.scales_per_head))
+    return tensors
+
+
+def _stream_heads(source: _Source, pools: list[torch.Tensor], pages: torch.Tensor) -> None:
+    """Copy the head columns `source.file_heads` of every stored page of one file into
+    `pool[pages[j], ..., source.target_heads, :]` of each pool (`blocks`, then `scales`; stored page
+    j + 1 -> `pages[j]`), reading whole pages in chunks and checking every tensor's CRC-32 (a
+    mismatch raises after some pages were written: only pages in `pages` are touched)."""
+    info = source.info
+    p = info.params
+    for (name, dtype, last), pool in zip(_paged_tensors(p), pools, strict=True):
+        unit = (p.num_planes, p.num_layers, info.page_tokens, p.num_kv_heads, last)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        page_bytes = math.prod(unit) * itemsize
+        per_chunk = max(1, CHUNK_BYTES // max(page_bytes, 1))
+        host = torch.empty(min(info.num_pages, per_chunk) * math.prod(unit), dtype=dtype)  # one chunk, reused
+        target = indexable(pool)  # FP8 as bytes: torch has no FP8 index_put
+        first = 0
+        for piece in sorted(n for n in info.tensor_files if n.startswith(name + ".")):
+            start, end = info.tensor_offsets[piece]
+            count = (end - start) // page_bytes
+            crc = 0
+            with open(info.tensor_files[piece], "rb") as f:
+                for a in range(0, count, per_chunk):
+                    n = min(per_chunk, count - a)
+                    chunk = host[: n * math.prod(unit)].view(n, *unit)
+                    read_into(f, start + a * page_bytes, chunk)
+                    crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy()).cast("B"), crc)
+                    index = pages[first + a : first + a + n].to(pool.device)
+                    columns = indexable(chunk)[:, :, :, :, source.file_heads].to(pool.device)
+                    target[index, :, :, : info.page_tokens, source.target_heads] = columns
+            if format_crc(crc) != info.checksums[piece]:
+                raise CheckpointError(
+                    f"{info.tensor_files[piece]}: checksum mismatch in tensor {piece!r} "
+                    f"(stored {info.checksums[piece]}, computed {format_crc(crc)})"
+                )
+            first += count
+
+
+def _fill(sources: list[_Source], pools: list[torch.Tensor], pages: torch.Tensor) -> None:
+    for source in sources:
+        _stream_heads(source, pools, pages)
+
+
+def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Sequence | None = None) -> list:
+    """Add the sequences of a checkpoint saved as shards (any tensor-parallel size) to `manager`,
+    reading the KV heads its cache holds; returns their ids (`seq_ids`, else `("loaded", n)`).
+
+    All or nothing, through `KVCacheManager.adopt`: mismatched or incomplete files raise
+    `CheckpointError` before anything is allocated, too few pages `OutOfPagesError`, a checksum
+    error while streaming `CheckpointError` with the manager as before."""
+    c = manager.collection
+    info, sources = plan_shards(paths, c.params)
+    if info.kind != PAGED:
+        raise CheckpointError(f"{info.path}: a {info.kind} cache does not load into a paged manager")
+    if max(info.cache_lengths) > c.max_seq_len:
+        raise CheckpointError(f"{info.path}: a sequence of {max(info.cache_lengths)} tokens exceeds {c.max_seq_len}")
+    batch = len(info.cache_lengths)
+    if seq_ids is None:
+        ids, n = [], 0
+        while len(ids) < batch:
+            if ("loaded", n) not in manager.sequences:
+                ids.append(("loaded", n))
+            n += 1
+    else:
+        ids = list(seq_ids)
+    tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
+    rows = [[j - 1 for j in info.lookup_table[b, :per_row].tolist()] for b, per_row in enumerate(info.pages_per_row())]
+
+    def fill(incoming: list[int], pages: list[int]) -> None:
+        order = torch.empty(info.num_pages, dtype=torch.long)
+        order[torch.tensor(incoming, dtype=torch.long)] = torch.tensor(pages, dtype=torch.long)
+        _fill(sources, c.page_tensors(), order)
+
+    manager.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
+    return ids
+
+
+def load_cache_sharded(
+    paths: Sequence[PathLike],
+    *,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    device: torch.device | str | None = None,
+) -> PagedKVCacheCollection | ContinuousBatchingKVCacheCollection:
+    """`checkpoint.load_cache` for shards: a new collection holding rank `tp_rank`'s heads of a
+    group of `tp_size` (default: every head), read from the shard files `paths`."""
+    from .tensor_parallel import shard_params, unshard_params
+
+    params = read_info(Path(paths[0]) if not isinstance(paths, (str, os.PathLike)) else Path(paths)).params
+    target = shard_params(unshard_params(params), tp_size, tp_rank)
+    info, sources = plan_shards(paths, target)
+    batch = len(info.cache_lengths)
+    if info.kind == CONTINUOUS:
+        collection = ContinuousBatchingKVCacheCollection(target, batch, info.max_seq_len, device)
+    else:
+        collection = PagedKVCacheCollection(target, max(1, info.num_pages), batch, info.max_seq_len, device)
+    _fill(sources, collection.page_tensors(), torch.arange(1, info.num_pages + 1))
+    collection.cache_lengths.copy_(torch.tensor(info.cache_lengths, dtype=torch.int32))
+    collection.lookup_table.copy_(info.lookup_table)
+    return collection

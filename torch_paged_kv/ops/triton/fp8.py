@@ -1,0 +1,57 @@
+"""FP8 <-> fp32 in Triton, for the kernels that store into and read from FP8 caches.
+
+Exact integer arithmetic on the raw bytes, so the same code runs on every GPU (sm_80 has no FP8
+conversion instructions) and in Triton's interpreter (which has no FP8 type): round to nearest
+even, saturating at the format's largest finite value, the rule of `ops/quant.py`. Tested bit for
+bit against torch's own conversion for every byte and for fp32 values of every binade. (On sm_89+
+the hardware `cvt` instructions would save a few integer operations per element: a change to
+measure on a GPU first.)
+
+A format is described by its mantissa bits, exponent bias and largest finite value:
+e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57344.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FORMATS = {torch.float8_e4m3fn: (3, 7, 448.0), torch.float8_e5m2: (2, 15, 57344.0)}
+"""FP8 dtype -> (mantissa bits, exponent bias, largest finite value)."""
+
+
+@triton.jit
+def fp8_bits_to_float(byte, MANT: tl.constexpr, BIAS: tl.constexpr):
+    """fp32 values of raw FP8 bytes (an int tensor of 0..255): subnormals are `mantissa * 2^(1 -
+    BIAS - MANT)`, normals are rebuilt as fp32 bit patterns (exact)."""
+    b = byte.to(tl.int32) & 0xFF
+    exponent = (b >> MANT) & ((1 << (7 - MANT)) - 1)
+    mantissa = b & ((1 << MANT) - 1)
+    sign = (b >> 7) << 31
+    normal = sign | ((exponent - BIAS + 127) << 23) | (mantissa << (23 - MANT))
+    subnormal = mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))
+    subnormal = tl.where(sign != 0, -subnormal, subnormal)
+    return tl.where(exponent == 0, subnormal, normal.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def float_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
+    """Raw FP8 bytes (int32 0..255) of fp32 `x`: clamped to ±MAX, rounded to nearest even."""
+    x = tl.minimum(tl.maximum(x, -MAX), MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    exponent = (magnitude >> 23) - 127
+    significand = (magnitude & 0x7FFFFF) | 0x800000  # fp32 subnormals are far below FP8's range
+    lowest = 1 - BIAS  # exponent of the smallest FP8 normal
+    shift = (23 - MANT) + tl.maximum(lowest - exponent, 0)
+    shift = tl.minimum(shift, 25)  # from 25 on everything rounds to 0
+    kept = significand >> shift
+    rest = significand & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    kept += ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
+    # a normal's significand keeps its leading 1 (kept in 2^MANT .. 2^(MANT+1), the top one carrying
+    # into the exponent); a subnormal's is the mantissa field itself (2^MANT: the smallest normal)
+    byte = tl.where(exponent >= lowest, ((exponent + BIAS) << MANT) + kept - (1 << MANT), kept)
+    return tl.where(magnitude == 0, 0, byte) | sign
