@@ -218,20 +218,35 @@ def test_mla_attention_matches_fp64(name):
     _check_attention(b, (rank + rope) ** -0.5, causal)
 
 
-DEEPSEEK_CASES = {  # kv_lora_rank 512, rope 64: (cached, new, page_size, heads)
-    "decode-page1-h128": ([37, 5], [1, 1], 1, 128),
-    "chunked-page16-h16": ([19, 0], [3, 6], 16, 16),
-    "decode-page64-h16": ([70, 130, 1], [1, 1, 1], 64, 16),
+DEEPSEEK_CASES = {  # kv_lora_rank 512, rope 64, qk_nope 128, v 128: (cached, new, page_size, heads, dtype)
+    "decode-page1-h128": ([37, 5], [1, 1], 1, 128, torch.bfloat16),
+    "chunked-page16-h16": ([19, 0], [3, 6], 16, 16, torch.bfloat16),
+    "decode-page64-h16-fp32": ([70, 130, 1], [1, 1, 1], 64, 16, torch.float32),
+    "prefill-page64-h128": ([0, 5], [7, 3], 64, 128, torch.bfloat16),
 }
 
 
 @pytest.mark.parametrize("name", DEEPSEEK_CASES)
-def test_mla_attention_deepseek_shapes_match_fp64(name):
-    cached, new, page_size, heads = DEEPSEEK_CASES[name]
+def test_mla_attention_deepseek_shapes_match_the_non_absorbed_formula(name):
+    """At DeepSeek's shapes with random W_UK / W_UV: the op against the fp64 absorbed oracle on the
+    queries it is given, that oracle (with exact queries) against MLA with decompressed K and V, and,
+    for fp32, the op's output through W_UV against the non-absorbed formula directly."""
+    cached, new, page_size, heads, dtype = DEEPSEEK_CASES[name]
     b = make_mla_batch(
-        cached, new, page_size=page_size, num_heads=heads, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16, seed=5
+        cached, new, page_size=page_size, num_heads=heads, kv_lora_rank=512, rope_dim=64, dtype=dtype, seed=5
     )
-    _check_attention(b, 192**-0.5)  # DeepSeek-V2's scale: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    gen = torch.Generator().manual_seed(6)
+    w_uk, w_uv = torch.randn(2, heads, 128, 512, generator=gen, dtype=torch.float64) / 512**0.5
+    q_nope_full = torch.randn(b.q_nope.shape[0], heads, 128, generator=gen, dtype=torch.float64)
+    b.q_nope = absorb_query(q_nope_full, w_uk).to(dtype)
+    scale = 192**-0.5  # DeepSeek-V2: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    got = _check_attention(b, scale)
+    exact = mla_nonabsorbed_fp64(q_nope_full, b.q_rope, b.latents, b.ropes, w_uk, w_uv, cached, scale)
+    absorbed = mla_attention_fp64(absorb_query(q_nope_full, w_uk), b.q_rope, b.latents, b.ropes, cached, scale)
+    torch.testing.assert_close(torch.einsum("thr,hvr->thv", absorbed, w_uv), exact, rtol=1e-10, atol=1e-12)
+    if dtype == torch.float32:
+        projected = torch.einsum("thr,hvr->thv", got.double(), w_uv).float()
+        torch.testing.assert_close(projected, exact.float(), **ATTENTION_TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("kind", [k for k in QUANT if k.startswith(("fp8", "e5m2"))])

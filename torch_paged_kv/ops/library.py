@@ -142,7 +142,7 @@ def _mla_attention_fake(
     validate.check_mla_attention_meta(
         q_nope, q_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, scales
     )
-    return torch.empty_like(q_nope)
+    return q_nope.new_empty(q_nope.shape)  # contiguous whatever q_nope's strides (as every backend returns it)
 
 
 # -- implementations: validate, then the selected backend's kernel ----------------------------

@@ -124,7 +124,7 @@ def mla_attention(
     if total == batch and max_new == 1:  # decode: each sequence's one query (at its last position) sees all its keys
         allowed = None if min_kv == max_kv else _decode_allowed(kv_len, key_pos, -1)
         out = _attend(q.view(batch, 1, heads, -1), rows, allowed, softmax_scale)
-        return torch.empty_like(q_nope).copy_(out[..., :rank].view(q_nope.shape))  # contiguous, like the fake
+        return q_nope.new_empty(q_nope.shape).copy_(out[..., :rank].view(q_nope.shape))  # contiguous, like the fake
 
     seq, tok = _row_coordinates(input_row_offsets, total)
     q_padded = q.new_zeros(batch, max_new, heads, rank + rope_dim)
