@@ -55,6 +55,10 @@ CONTRACT = {  # docs/design.md's op contract; the registered schemas are derived
     "gather_kv": "(Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
     "int layer_idx, int max_kv_len, Tensor? scales=None, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
     "copy_pages": "(Tensor(a!) blocks, Tensor src_pages, Tensor dst_pages, Tensor(a!)? scales=None) -> ()",
+    "store_latent": "(Tensor latent, Tensor k_rope, Tensor(a!) blocks, Tensor cache_lengths, Tensor lookup_table, "
+    "Tensor input_row_offsets, int layer_idx, Tensor(a!)? scales=None) -> ()",
+    "mla_attention": "(Tensor q_nope, Tensor q_rope, Tensor blocks, Tensor cache_lengths, Tensor lookup_table, "
+    "Tensor input_row_offsets, int layer_idx, float softmax_scale, bool causal=True, Tensor? scales=None) -> Tensor",
 }
 
 

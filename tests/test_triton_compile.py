@@ -39,7 +39,16 @@ def test_every_kernel_compiles_for_both_targets(compiled):
     rows, _ = compiled
     for arch in (80, 90):
         kernels = {name.split()[0] for a, name in rows if a == arch}
-        assert kernels == {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}, arch
+        assert kernels == {
+            "attention_kernel",
+            "merge_kernel",
+            "store_kv",
+            "gather_kv",
+            "copy_pages",
+            "mla_attention_kernel",
+            "mla_merge_kernel",
+            "store_latent",
+        }, arch
 
 
 def test_no_variant_spills_more_than_a_few_registers(compiled):
@@ -54,6 +63,9 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     """sm_80 and decode tiles (16 rows) emit mma.sync; sm_90 prefill tiles (64 rows) emit wgmma."""
     rows, keep = compiled
     attention = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("attention_kernel")}
+    mla = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("mla_attention_kernel")}
+    for (arch, name), (_, _, cores) in mla.items():  # 16-row tiles: mma.sync on both
+        assert cores == ("-" if " fp32 " in name else "mma"), (arch, name)
     for (arch, name), (_, _, cores) in attention.items():
         expected = "-" if " fp32 " in name else "wgmma" if arch == 90 and " prefill " in name else "mma"
         assert cores == expected, (arch, name)
@@ -68,6 +80,8 @@ import torch
 from torch_paged_kv.ops.triton import aot
 from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
 from torch_paged_kv.ops.triton.store_kv import plan_store_kv
+from torch_paged_kv.ops.triton.mla_attention import plan_mla_attention
+from torch_paged_kv.ops.triton.mla_store import plan_store_latent
 keys = {}
 for batch in (1, 2, 15, 16, 17, 300):
     for layer in (0, 1, 2, 16):
@@ -75,6 +89,11 @@ for batch in (1, 2, 15, 16, 17, 300):
         q = torch.empty(batch, 32, 128, dtype=torch.bfloat16, device="meta")
         launches = plan_flash_attention(q, blocks, lengths, table, offsets, layer, 0.1)[1]
         launches += plan_store_kv(rows, rows, blocks, lengths, table, offsets, layer)
+        blocks, scales, lengths, table, offsets, latent, rope = aot._mla_paged(torch.bfloat16, "fp8", batch, 1, 128)
+        q_nope = torch.empty(batch, 16, 512, dtype=torch.bfloat16, device="meta")
+        q_rope = torch.empty(batch, 16, 64, dtype=torch.bfloat16, device="meta")
+        launches += plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, layer, 0.1, True, scales)[1][:1]
+        launches += plan_store_latent(latent, rope, blocks, lengths, table, offsets, layer, scales)
         for launch in launches:
             keys.setdefault(launch.kernel.__name__, set()).add(aot.compile_key(launch, 90))
 print(sorted((name, len(found)) for name, found in keys.items()))
@@ -87,4 +106,6 @@ def test_growing_batch_and_other_layers_compile_nothing_new():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, "-c", GROWING_STEPS], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == "[('_attention_kernel', 1), ('_store_kv_kernel', 1)]"
+    assert run.stdout.strip() == (
+        "[('_attention_kernel', 1), ('_mla_attention_kernel', 1), ('_store_kv_kernel', 1), ('_store_latent_kernel', 1)]"
+    )

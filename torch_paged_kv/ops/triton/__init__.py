@@ -104,3 +104,42 @@ def _declines(params: Any) -> str | None:
 
 KERNELS = {op: (_unquantized_kernel(op), _supports(op), _declines) for op in _OPS}
 """op -> (kernel, supports): what `ops/backends.py` registers as backend "triton"."""
+
+
+# -- MLA ops (mla_*.py): FP8 rope-aware rows included ------------------------------------------------
+
+
+def _mla_kernel(module: str, name: str) -> Callable[..., Any]:
+    """`name` from `mla_<module>.py`, imported on first call."""
+    kernel: list[Callable[..., Any]] = []
+
+    def run(*args: Any) -> Any:
+        if not kernel:
+            kernel.append(getattr(importlib.import_module(f"{__name__}.{module}"), name))
+        return kernel[0](*args)
+
+    run.__name__ = name
+    return run
+
+
+def _power_of_two(n: int, low: int, high: int) -> bool:
+    return low <= n <= high and n & (n - 1) == 0
+
+
+def _store_latent_supports(latent: torch.Tensor, *args: Any) -> bool:
+    """kv_lora_rank a power of two (tl.arange, per-granule reshape); any rope_dim."""
+    return _power_of_two(latent.shape[1], 16, 4096)
+
+
+def _mla_attention_supports(q_nope: torch.Tensor, q_rope: torch.Tensor, *args: Any) -> bool:
+    """kv_lora_rank a power of two from 16 (tl.dot) to 512 (the fp32 accumulator's registers); rope_dim
+    <= 256; not fp32 queries over FP8 rows (its FMA tiles spill kilobytes at rank 512: the reference runs
+    them; FP8 caches serve 16-bit models)."""
+    fp8_rows = args[-1] is not None  # scales
+    if fp8_rows and q_nope.dtype == torch.float32:
+        return False
+    return _power_of_two(q_nope.shape[2], 16, 512) and q_rope.shape[2] <= 256
+
+
+KERNELS["store_latent"] = (_mla_kernel("mla_store", "store_latent"), _store_latent_supports)
+KERNELS["mla_attention"] = (_mla_kernel("mla_attention", "mla_attention"), _mla_attention_supports)

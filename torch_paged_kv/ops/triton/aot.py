@@ -33,6 +33,8 @@ from .common import Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
 from .gather_kv import plan_gather_kv
+from .mla_attention import plan_mla_attention
+from .mla_store import plan_store_latent
 from .store_kv import plan_store_kv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -101,6 +103,66 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
         yield dtype, 128, 4, mode, option
 
 
+MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static")
+    "unquantized": (None, None),
+    "fp8": (torch.float8_e4m3fn, 1),  # one scale per token (MAX's rope-aware row)
+    "fp8-g128": (torch.float8_e4m3fn, 4),
+    "e5m2-static": (torch.float8_e5m2, "static"),
+}
+MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V2/V3
+
+
+def _mla_paged(dtype: torch.dtype, cache: str, batch: int, new: int, context: int) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of an MLA step (page size 64): blocks, scales (or None), the step tensors, new rows."""
+    pool_dtype, granules = MLA_CACHES[cache]
+    pool_dtype = pool_dtype or dtype
+    row = MLA_RANK + MLA_ROPE * (2 if pool_dtype.itemsize == 1 else 1)
+    width = triton.cdiv(context, 64) + 8
+    blocks = torch.empty(batch * width + 1, 1, 4, 64, 1, row, dtype=pool_dtype, device="meta")
+    scales = None
+    if granules == "static":
+        scales = torch.empty(1, device="meta")
+    elif granules is not None:
+        scales = torch.empty(*blocks.shape[:5], granules, device="meta")
+    index = [torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))]
+    rows = [torch.empty(batch * new, n, dtype=dtype, device="meta") for n in (MLA_RANK, MLA_ROPE)]
+    return blocks, scales, *index, *rows
+
+
+def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
+    """(dtype, cache, heads, mode) of the MLA attention variants."""
+    if quick:
+        yield from [  # each dtype, cache kind and mode, 16 and 128 heads, the merge
+            ("bf16", "fp8", 16, "decode-split"),
+            ("bf16", "unquantized", 128, "prefill"),
+            ("fp16", "fp8-g128", 16, "prefill"),
+            ("bf16", "e5m2-static", 16, "decode"),
+            ("fp32", "unquantized", 16, "decode"),
+        ]
+        return
+    for dtype, heads, mode in itertools.product(DTYPES, (16, 128), MODES):
+        yield dtype, "unquantized", heads, mode
+    for dtype, cache, mode in itertools.product(("bf16", "fp16"), list(MLA_CACHES)[1:], MODES):
+        yield dtype, cache, 16, mode  # (fp32 queries over FP8 rows run on the reference backend)
+
+
+def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
+    for dtype, cache, heads, mode in _mla_cases(quick):
+        batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
+        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context)
+        q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
+        q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
+        launches = plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        for launch in launches[1]:
+            yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
+    for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
+        if quick and cache == "fp8-g128":
+            continue
+        blocks, scales, lengths, table, offsets, latent, rope = _mla_paged(DTYPES[dtype], cache, 64, 1, 1024)
+        for launch in plan_store_latent(latent, rope, blocks, lengths, table, offsets, LAYER, scales):
+            yield f"store_latent {dtype} {cache}", launch
+
+
 def variants(quick: bool = False) -> list[tuple[str, Launch]]:
     """(name, launch) for every distinct kernel variant; `quick` keeps a representative subset."""
     found: list[tuple[str, Launch]] = []
@@ -118,6 +180,7 @@ def variants(quick: bool = False) -> list[tuple[str, Launch]]:
         pages = torch.empty(7, dtype=torch.int32, device="meta")
         for i, launch in enumerate(plan_copy_pages(blocks, pages, pages)):
             found.append((f"copy_pages {dtype} d{head_dim} pass{i + 1}", launch))
+    found.extend(_mla_variants(quick))
     return found
 
 
