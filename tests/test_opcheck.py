@@ -68,3 +68,14 @@ def test_schemas_are_the_contract(name, overload):
     (alias set names aside), so deriving schemas from the typed functions changed nothing."""
     schema = str(getattr(getattr(torch.ops.paged_kv, name), overload)._schema)
     assert re.sub(r"\(a\d+!\)", "(a!)", schema.split(name, 1)[1].removeprefix(".unchecked")) == CONTRACT[name]
+
+
+def test_attention_output_is_contiguous_in_fake_and_real(batch):
+    """A strided `q` (heads-major storage) gives a contiguous output in the fake as in every backend,
+    so inductor's stride checks hold."""
+    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.library.opcheck(
+        torch.ops.paged_kv.flash_attention.default, (q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
+    )
+    out = torch.ops.paged_kv.flash_attention(q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
+    assert out.is_contiguous()

@@ -83,7 +83,7 @@ def _flash_attention_fake(
         q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
         softcap, scales,
     )  # fmt: skip
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as every backend returns it (empty_like would keep q's strides)
 
 
 @_register_fake("gather_kv")
