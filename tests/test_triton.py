@@ -103,6 +103,87 @@ def test_copy_pages_reads_every_source_first(src, dst):
         assert torch.equal(blocks[d], original[s])
 
 
+@pytest.mark.parametrize("op", ["gather_kv", "copy_pages"])
+def test_programs_loop_over_what_grid_y_cannot_hold(monkeypatch, op):
+    """Sequences (gather_kv) and pages (copy_pages) past grid y's 65,535 are taken by the programs
+    in a grid-stride loop; here grid y is capped at 2 so that every program loops."""
+    from torch_paged_kv.ops.triton import copy_pages, gather_kv
+
+    monkeypatch.setattr(gather_kv if op == "gather_kv" else copy_pages, "MAX_GRID", (2**31 - 1, 2, 65535))
+    batch = make_paged_batch([5, 0, 17, 2, 9], [3, 4, 1, 1, 2], page_size=4, head_dim=16, seed=11)
+    if op == "gather_kv":
+        args = (batch.blocks, *batch.step, 1, 19)
+        _, _, launches = gather_kv.plan_gather_kv(*args)
+        assert launches[0].grid[1] == 2
+        for got, want in zip(ops.gather_kv(*args), reference.gather_kv(*args), strict=True):
+            assert torch.equal(got, want)
+        return
+    src, dst = (torch.tensor(pages, dtype=torch.int32) for pages in ([1, 2, 3, 4, 5], [6, 7, 8, 9, 2]))
+    assert copy_pages.plan_copy_pages(batch.blocks, src, dst)[0].grid[1] == 2
+    expected = batch.blocks.clone()
+    reference.copy_pages(expected, src, dst)
+    ops.copy_pages(batch.blocks, src, dst)
+    assert torch.equal(batch.blocks, expected)
+
+
+# -- int64 offsets ---------------------------------------------------------------------------------
+
+WIDE_LAYER = 3
+WIDE_STRIDE_LAYER = -(-(2**32) // WIDE_LAYER)  # below 2**31, so Triton passes it as i32
+
+
+@pytest.fixture
+def wide_blocks(tmp_path) -> torch.Tensor:
+    """`[2 pages, 2, 4 layers, 4 tokens, 1 head, 16]` float16 blocks whose layer stride puts layer 3
+    at 2**32 + 2 elements: an i32 `layer_idx * stride_layer` wraps to 2, inside page 0's layer 0.
+
+    Writing a contiguous pool that large would take 8 GB; instead the view's storage is a sparse
+    file (`torch.from_file(shared=True)`): address space only, and only the few pages the kernels
+    touch take memory or disk. The kernels take `blocks`' strides, so they address it as they
+    would a real continuous-batching pool whose page spans gigabytes; the ops' validation wants a
+    contiguous pool, so the tests call the Triton kernels directly."""
+    strides = (128, 64, WIDE_STRIDE_LAYER, 16, 16, 1)
+    numel = 1 + sum(stride * (size - 1) for stride, size in zip(strides, (2, 2, 4, 4, 1, 16), strict=True))
+    storage = torch.from_file(str(tmp_path / "pool.bin"), shared=True, size=numel, dtype=torch.float16)
+    return storage.as_strided((2, 2, 4, 4, 1, 16), strides)
+
+
+def _one_sequence(new: int) -> tuple[torch.Tensor, ...]:
+    """cache_lengths, lookup_table (page 1), input_row_offsets of one sequence with 4 - new cached tokens."""
+    return (
+        torch.tensor([4 - new], dtype=torch.int32),
+        torch.full((1, 8), 1, dtype=torch.int32),
+        torch.tensor([0, new], dtype=torch.int32),
+    )
+
+
+def test_layer_offsets_past_int32_store_kv(wide_blocks):
+    """Fails with an i32 layer offset: the keys land in layer 0 instead of layer 3."""
+    from torch_paged_kv.ops.triton.store_kv import store_kv
+
+    key, value = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    store_kv(key, value, wide_blocks, *_one_sequence(4), WIDE_LAYER)
+    assert torch.equal(wide_blocks[1, 0, WIDE_LAYER], key) and torch.equal(wide_blocks[1, 1, WIDE_LAYER], value)
+    assert not wide_blocks[:, :, :WIDE_LAYER].any()
+
+
+def test_layer_offsets_past_int32_gather_kv_and_flash_attention(wide_blocks):
+    """Fails with an i32 layer offset: the kernels read layer 0 (zeros) instead of layer 3."""
+    from torch_paged_kv.ops.triton.flash_attention import flash_attention
+    from torch_paged_kv.ops.triton.gather_kv import gather_kv
+
+    generator = torch.Generator().manual_seed(1)
+    key, value = torch.randn(2, 4, 1, 16, generator=generator).to(torch.float16)
+    wide_blocks[1, 0, WIDE_LAYER], wide_blocks[1, 1, WIDE_LAYER] = key, value
+    got_key, got_value = gather_kv(wide_blocks, *_one_sequence(4), WIDE_LAYER, 4)
+    assert torch.equal(got_key[0], key) and torch.equal(got_value[0], value)
+
+    q = torch.randn(1, 4, 16, generator=generator).to(torch.float16)  # decode: 3 cached tokens + 1 new
+    out = flash_attention(q, wide_blocks, *_one_sequence(1), WIDE_LAYER, 0.25)
+    expected = attention_fp64(q, [key], [value], [3], 0.25)
+    torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
+
+
 # -- flash_attention -------------------------------------------------------------------------------
 
 ATTENTION_CASES = {

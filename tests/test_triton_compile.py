@@ -63,6 +63,28 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
 
 
+def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
+    """Triton passes ints below 2**31 as i32: `layer_idx * stride_layer` wrapped at layer 16 of a
+    128k-slot continuous-batching pool. `aot` fails a variant with such a multiply (the run above
+    exited 0); here the kept TTIR of every variant is read again, and the checker is shown to
+    catch the old store_kv line."""
+    from torch_paged_kv.ops.triton.aot import narrow_offset_products
+
+    _, keep = compiled
+    ttirs = sorted(keep.glob("sm*/*.ttir"))
+    assert {path.name.split("_")[0] for path in ttirs} >= {"attention", "merge", "store", "gather", "copy"}
+    for path in ttirs:
+        assert narrow_offset_products(path.read_text()) == [], path.name
+    old = (
+        "tt.func public @k(%layer_idx: i32 loc(#loc1), %stride_layer: i32 loc(#loc2)) {\n"
+        "    %slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)\n"
+        "    %slot_183 = arith.extsi %slot_182 : i32 to i64 loc(#loc110)\n"
+        "    %wide = arith.extsi %layer_idx : i32 to i64 loc(#loc3)\n"
+        "    %ok = arith.muli %wide, %wide : i64 loc(#loc4)\n"
+    )
+    assert narrow_offset_products(old) == ["%slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)"]
+
+
 GROWING_STEPS = """
 import torch
 from torch_paged_kv.ops.triton import aot

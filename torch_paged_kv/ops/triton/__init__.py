@@ -58,24 +58,20 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"no Triton kernels for device type {device.type!r}"
 
 
-def _lazy(op: str) -> Callable[..., Any]:
-    """`op`'s kernel entry point, importing its module on first call."""
-    kernel: list[Callable[..., Any]] = []
+def _lazy(op: str, name: str) -> Callable[..., Any]:
+    """`name` (the kernel entry point `op`, or `supports`) of module `op`, imported on first call."""
+    found: list[Callable[..., Any]] = []
 
     def run(*args: Any) -> Any:
-        if not kernel:
-            kernel.append(getattr(importlib.import_module(f"{__name__}.{op}"), op))
-        return kernel[0](*args)
+        if not found:
+            found.append(getattr(importlib.import_module(f"{__name__}.{op}"), name))
+        return found[0](*args)
 
-    run.__name__ = op
+    run.__name__ = name if name == op else f"{op}_{name}"
     return run
 
 
-def _flash_attention_supports(*args: Any) -> bool:
-    """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it); others go to the reference."""
-    head_dim = args[1].shape[5]
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-
-
-KERNELS = {op: (_lazy(op), _flash_attention_supports if op == "flash_attention" else None) for op in _OPS}
-"""op -> (kernel, supports): what `ops/backends.py` registers as backend "triton"."""
+KERNELS = {op: (_lazy(op, op), _lazy(op, "supports")) for op in _OPS}
+"""op -> (kernel, supports): what `ops/backends.py` registers as backend "triton". Each module's
+`supports` refuses, from shapes alone, the calls its kernels cannot launch (CUDA's grid limits) or
+compute (attention's head_dim)."""

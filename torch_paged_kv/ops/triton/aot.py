@@ -44,6 +44,35 @@ KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
 
 
+OFFSET_ARGS = ("layer_idx", "stride_page", "stride_plane", "stride_layer", "stride_token", "page_numel")
+"""Kernel arguments that scale a layer, page or token-in-page offset into `blocks`: every multiply
+they feed must be int64 (a continuous-batching pool's page spans more than 2**31 elements)."""
+_SSA = re.compile(r"%([\w.$-]+)")
+
+
+def narrow_offset_products(ttir: str) -> list[str]:
+    """The i32 `arith.muli` lines of `ttir` fed, through any chain of ops, by an `OFFSET_ARGS`
+    argument. Triton passes an int below 2**31 as i32 and multiplies before any widening, so
+    `layer_idx * stride_layer` wraps; `layer_idx.to(tl.int64) * stride_layer` does not."""
+    tainted = set(OFFSET_ARGS)
+    found = []
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        if "=" not in code or code.lstrip().startswith(("tt.func", "#")):
+            continue
+        results, _, op = code.partition(" = ")
+        used = {name.split("#")[0] for name in _SSA.findall(op)}
+        if "iter_args(" in op:  # loop-carried values start from their initial values
+            for carried, initial in re.findall(r"%([\w.$-]+) = %([\w.$-]+)", op):
+                if initial in tainted:
+                    tainted.add(carried)
+        if used & tainted:
+            tainted.update(name.split(":")[0] for name in _SSA.findall(results))
+            if re.search(r"arith\.muli\b.*:\s*(tensor<[^>]*xi32>|i32)\s*$", op):
+                found.append(line.strip())
+    return found
+
+
 class Compiled(NamedTuple):
     regs: int
     spills: int  # bytes of spill stores
@@ -203,6 +232,9 @@ def _report(arch: int, name: str, launch: Launch, keep: Path | None) -> bool:
     print(f"sm{arch:<3} {name:<58} {c.regs:>4} {c.spills:>6} {c.tensor_cores or '-':>5} {c.seconds:>6.2f}", flush=True)
     if keep:
         _keep(keep, arch, name, c.asm)
+    if narrow := narrow_offset_products(c.asm["ttir"]):
+        print(f"sm{arch:<3} {name:<58} FAILED: i32 multiply of a layer/page offset: {narrow[0][:120]}", flush=True)
+        return False
     return True
 
 
