@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch_paged_kv
+
 pytest.importorskip("triton")
 
 from torch_paged_kv.ops.triton import copy_pages, flash_attention, gather_kv, store_kv
@@ -143,7 +145,7 @@ def test_cute_launch_grids_fit_at_the_largest_decode_batch():
     assert not attention.covers("sm_90a", meta(1, 65536, 64), blocks, 1)  # KV heads past grid y
 
 
-def test_cute_refuses_sm100_until_a_blackwell_run(monkeypatch):
+def test_cute_refuses_sm100_until_a_blackwell_run(monkeypatch, force_backend):
     """The sm_100a kernels compile and pass the PTX/SASS checks, but have never run: both
     `supports` and the backend's availability (what `backend_info` and a forced call report) say so."""
     from torch_paged_kv.ops import cute
@@ -158,5 +160,7 @@ def test_cute_refuses_sm100_until_a_blackwell_run(monkeypatch):
     monkeypatch.setattr(cute.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cute, "device_arch", lambda index: "sm_100a")
     assert "never run on a Blackwell GPU" in cute.unavailable_reason(torch.device("cuda", 0))
+    force_backend("cute")  # what a forced call reports (BackendUnavailableError) and backend_info says
+    assert "never run on a Blackwell GPU" in torch_paged_kv.backend_info("cuda:0")["flash_attention"]
     monkeypatch.setenv(cute.UNVERIFIED_ARCH_ENV, "1")  # the Blackwell session that verifies them
     assert attention.covers("sm_100a", q, blocks, 4)

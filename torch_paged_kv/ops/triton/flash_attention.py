@@ -71,6 +71,7 @@ def _attention_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     STEPS: tl.constexpr,
+    WIDE_PAGE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -122,7 +123,10 @@ def _attention_kernel(
         key_ok = (j < stop) & (col < table_width)
         page = tl.load(table_row + col, mask=key_ok, other=0)
         key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
-        kv_off = (page.to(tl.int64) * stride_page + (j % page_size).to(tl.int64) * stride_token)[:, None] + dim[None, :]
+        in_page = j % page_size
+        if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
+            in_page = in_page.to(tl.int64)
+        kv_off = (page.to(tl.int64) * stride_page + in_page * stride_token)[:, None] + dim[None, :]
         k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0.0)
         v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0.0)
         if UPCAST:
@@ -188,6 +192,13 @@ def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, devi
     """Decode splits, from shapes alone: enough programs to fill the device, >= MIN_SPLIT_TOKENS keys each."""
     wanted = triton.cdiv(_target_programs(device), max(1, batch * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
+
+
+def wide_page(blocks: torch.Tensor) -> bool:
+    """Whether offsets inside one page, `(page_size - 1) * stride_token`, pass int32. Only then does
+    the attention kernel widen each key's in-page offset to int64 (an i32 product is cheaper in its
+    inner loop, and the wider one moved ptxas's spill choices in a few fp32 variants)."""
+    return (blocks.shape[3] - 1) * blocks.stride(3) >= 2**31
 
 
 def supports(
@@ -294,6 +305,7 @@ def plan_flash_attention(
                 UPCAST=interpret,
                 PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
                 STEPS=search_steps(batch),
+                WIDE_PAGE=wide_page(blocks),
                 num_warps=num_warps,
             ),
         )
