@@ -103,6 +103,110 @@ def test_copy_pages_reads_every_source_first(src, dst):
         assert torch.equal(blocks[d], original[s])
 
 
+@pytest.mark.parametrize("op", ["gather_kv", "copy_pages"])
+def test_programs_loop_over_what_grid_y_cannot_hold(monkeypatch, op):
+    """Sequences (gather_kv) and pages (copy_pages) past grid y's 65,535 are taken by the programs
+    in a grid-stride loop; here grid y is capped at 2 so that every program loops."""
+    from torch_paged_kv.ops.triton import copy_pages, gather_kv
+
+    monkeypatch.setattr(gather_kv if op == "gather_kv" else copy_pages, "MAX_GRID", (2**31 - 1, 2, 65535))
+    batch = make_paged_batch([5, 0, 17, 2, 9], [3, 4, 1, 1, 2], page_size=4, head_dim=16, seed=11)
+    if op == "gather_kv":
+        args = (batch.blocks, *batch.step, 1, 19)
+        _, _, launches = gather_kv.plan_gather_kv(*args)
+        assert launches[0].grid[1] == 2
+        for got, want in zip(ops.gather_kv(*args), reference.gather_kv(*args), strict=True):
+            assert torch.equal(got, want)
+        return
+    src, dst = (torch.tensor(pages, dtype=torch.int32) for pages in ([1, 2, 3, 4, 5], [6, 7, 8, 9, 2]))
+    assert copy_pages.plan_copy_pages(batch.blocks, src, dst)[0].grid[1] == 2
+    expected = batch.blocks.clone()
+    reference.copy_pages(expected, src, dst)
+    ops.copy_pages(batch.blocks, src, dst)
+    assert torch.equal(batch.blocks, expected)
+
+
+# -- int64 offsets ---------------------------------------------------------------------------------
+
+SLOT = 2**26 + 2  # tokens in a slot whose last token sits 2**31 + 32 elements into it (token stride 32)
+WIDE_POOLS = {
+    # name: (shape, strides, layer_idx, position of the first of the 4 tokens used)
+    # layer 3 starts at 3 * ceil(2**32 / 3) = 2**32 + 2 elements: an i32 `layer_idx * stride_layer`
+    # (the stride is below 2**31, so Triton passes it as i32) wraps to 2, into page 0.
+    "layer": ((2, 2, 4, 4, 1, 16), (128, 64, -(-(2**32) // 3), 16, 16, 1), 3, 0),
+    # one layer of slots of 2**26 + 2 tokens, K and V interleaved per token: an i32
+    # `(pos % page_size) * stride_token` wraps for the last tokens, into page 0.
+    "token": ((2, 2, 1, SLOT, 1, 16), (SLOT * 32, 16, SLOT * 32, 32, 16, 1), 0, SLOT - 4),
+}
+
+
+def make_wide_pool(name: str, tmp_path) -> tuple[torch.Tensor, int, int]:
+    """(blocks, layer_idx, first position) of `WIDE_POOLS[name]`: float16 blocks whose sequence in page 1 lies more than
+    2**31 elements into the page, where an int32 offset wraps into page 0.
+
+    Such a pool would take 8 GB; here the view's storage is a sparse file (`torch.from_file(shared=True)`):
+    address space only, and only the few pages the kernels touch take memory or disk. The kernels take
+    `blocks`' strides, so they address it as they would a continuous-batching pool whose page spans
+    gigabytes; the ops' validation wants a contiguous pool, so the tests call the Triton kernels."""
+    shape, strides, layer, first = WIDE_POOLS[name]
+    numel = 1 + sum(stride * (size - 1) for stride, size in zip(strides, shape, strict=True))
+    storage = torch.from_file(str(tmp_path / "pool.bin"), shared=True, size=numel, dtype=torch.float16)
+    return storage.as_strided(shape, strides), layer, first
+
+
+@pytest.fixture(params=list(WIDE_POOLS))
+def wide_pool(request, tmp_path) -> tuple[torch.Tensor, int, int]:
+    return make_wide_pool(request.param, tmp_path)
+
+
+def _one_sequence(first: int, new: int) -> tuple[torch.Tensor, ...]:
+    """cache_lengths, lookup_table (page 1), input_row_offsets of one sequence whose step ends at first + 4."""
+    return (
+        torch.tensor([first + 4 - new], dtype=torch.int32),
+        torch.full((1, 8), 1, dtype=torch.int32),
+        torch.tensor([0, new], dtype=torch.int32),
+    )
+
+
+def test_offsets_past_int32_store_kv(wide_pool):
+    """With an i32 layer or in-page offset the keys land in page 0 instead."""
+    from torch_paged_kv.ops.triton.store_kv import store_kv
+
+    blocks, layer, first = wide_pool
+    key, value = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    store_kv(key, value, blocks, *_one_sequence(first, 4), layer)
+    assert torch.equal(blocks[1, 0, layer, first:], key) and torch.equal(blocks[1, 1, layer, first:], value)
+    assert not blocks[:, :, :layer].any() and not blocks[0, :, :, :4].any()  # where the wrapped offsets point
+
+
+def test_offsets_past_int32_flash_attention(wide_pool):
+    """With an i32 layer or in-page offset the kernel reads page 0 (zeros) instead. The sliding
+    window keeps the interpreter to the last key tile of the 2**26-token slot."""
+    from torch_paged_kv.ops.triton.flash_attention import flash_attention, wide_page
+
+    blocks, layer, first = wide_pool
+    assert wide_page(blocks) == (first > 0)  # in-page offsets past int32 take the kernel's int64 variant
+    generator = torch.Generator().manual_seed(1)
+    key, value = torch.randn(2, 4, 1, 16, generator=generator).to(torch.float16)
+    blocks[1, 0, layer, first:], blocks[1, 1, layer, first:] = key, value
+    q = torch.randn(1, 4, 16, generator=generator).to(torch.float16)  # decode: the 4th token is new
+    out = flash_attention(q, blocks, *_one_sequence(first, 1), layer, 0.25, True, 4)
+    expected = attention_fp64(q, [key], [value], [3], 0.25)
+    torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
+
+
+def test_offsets_past_int32_gather_kv(tmp_path):
+    """With an i32 layer offset the kernel reads layer 0 (zeros) instead. (The in-page case would
+    gather all 2**26 tokens, too many for the interpreter; the kernel widens it the same way.)"""
+    from torch_paged_kv.ops.triton.gather_kv import gather_kv
+
+    blocks, layer, _ = make_wide_pool("layer", tmp_path)
+    key, value = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    blocks[1, 0, layer], blocks[1, 1, layer] = key, value
+    got_key, got_value = gather_kv(blocks, *_one_sequence(0, 4), layer, 4)
+    assert torch.equal(got_key[0], key) and torch.equal(got_value[0], value)
+
+
 # -- flash_attention -------------------------------------------------------------------------------
 
 ATTENTION_CASES = {

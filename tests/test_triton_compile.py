@@ -75,6 +75,36 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
 
 
+def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
+    """Triton passes ints below 2**31 as i32: `layer_idx * stride_layer` wrapped at layer 16 of a
+    128k-slot continuous-batching pool. `aot` fails a variant with such a multiply (the run above
+    exited 0); here the kept TTIR of every variant is read again (attention with in-page offsets
+    that fit int32 may keep that product i32: `aot.offset_args`), and the checker is shown to catch
+    the old store_kv line."""
+    from torch_paged_kv.ops.triton import aot
+
+    _, keep = compiled
+    checked = set()
+    for name, launch in aot.variants(quick=True):
+        stem = re.sub(r"[^\w.+-]+", "_", name)
+        for path in keep.glob(f"sm*/{stem}.ttir"):  # the distinct variants were kept
+            args = aot.offset_args(launch)
+            assert aot.narrow_offset_products(path.read_text(), args) == [], path
+            checked.add((name.split()[0], "stride_token" in args))
+    assert checked >= {("attention_kernel", True), ("attention_kernel", False), ("store_kv", True)}
+    kernels = {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}
+    kernels |= {"mla_attention_kernel", "mla_merge_kernel", "store_latent"}
+    assert {kernel for kernel, _ in checked} == kernels
+    old = (
+        "tt.func public @k(%layer_idx: i32 loc(#loc1), %stride_layer: i32 loc(#loc2)) {\n"
+        "    %slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)\n"
+        "    %slot_183 = arith.extsi %slot_182 : i32 to i64 loc(#loc110)\n"
+        "    %wide = arith.extsi %layer_idx : i32 to i64 loc(#loc3)\n"
+        "    %ok = arith.muli %wide, %wide : i64 loc(#loc4)\n"
+    )
+    assert aot.narrow_offset_products(old) == ["%slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)"]
+
+
 GROWING_STEPS = """
 import torch
 from torch_paged_kv.ops.triton import aot

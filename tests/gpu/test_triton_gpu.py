@@ -78,6 +78,44 @@ def test_store_gather_copy_bit_exact(page_size, slots):
     assert torch.equal(batch.blocks, expected)
 
 
+def test_one_sequence_continuous_batching_pool_of_65536_slots():
+    """Issue 14 at full size: a continuous-batching pool of 65,536-token slots x 33 layers x 8 x 128
+    (bf16: 8.9 GB per slot, 3 slots with the null one, plus a slot of copy scratch). Layer 32 starts
+    2**31 elements into its slot, where an int32 `layer_idx * stride_layer` wrapped (store_kv wrote
+    into layer 0); a slot is 4.4e9 elements, 4.3 million copy_pages chunks, which were on grid y
+    (limit 65,535). One sequence decodes its last token at layer 32."""
+    import torch_paged_kv as pk
+
+    slot, layers, layer = 65536, 33, 32
+    if torch.cuda.mem_get_info()[0] < 48 * 2**30:
+        pytest.skip("needs 48 GB of free GPU memory")
+    params = pk.KVCacheParams(torch.bfloat16, num_layers=layers, num_kv_heads=8, head_dim=128, page_size=slot)
+    pool = pk.ContinuousBatchingKVCacheCollection(params, max_batch_size=2, max_seq_len=slot, device=CUDA)
+    blocks = pool.blocks
+    assert layer * blocks.stride(2) >= 2**31 and blocks[0].numel() // 1024 > 65535
+    gen = torch.Generator(device=CUDA).manual_seed(14)
+    blocks[1, :, layer] = torch.randn(2, slot, 8, 128, generator=gen, device=CUDA).to(torch.bfloat16)
+    blocks[1, :, layer, -1] = 0  # the new token's slot
+    q, key, value = (torch.randn(1, h, 128, generator=gen, device=CUDA).to(torch.bfloat16) for h in (32, 8, 8))
+    cache_lengths = torch.tensor([slot - 1], dtype=torch.int32, device=CUDA)
+    table = pool.lookup_table[:1]  # slot 1
+    offsets = torch.tensor([0, 1], dtype=torch.int32, device=CUDA)
+    step = (cache_lengths, table, offsets, layer)
+
+    ops.store_kv(key, value, blocks, *step)
+    assert torch.equal(blocks[1, 0, layer, -1], key[0]) and torch.equal(blocks[1, 1, layer, -1], value[0])
+    assert not blocks[1, :, :layer].any() and not blocks[2].any()
+
+    args = (q, blocks, *step, 128**-0.5)
+    torch.testing.assert_close(ops.flash_attention(*args), reference.flash_attention(*args), **TOLERANCE[q.dtype])
+    for got, want in zip(ops.gather_kv(blocks, *step, slot), reference.gather_kv(blocks, *step, slot), strict=True):
+        assert torch.equal(got, want)
+
+    pages = (torch.tensor([page], dtype=torch.int32, device=CUDA) for page in (1, 2))
+    ops.copy_pages(blocks, *pages)
+    assert torch.equal(blocks[2, :, layer], blocks[1, :, layer]) and not blocks[2, :, :layer].any()
+
+
 # -- flash_attention -------------------------------------------------------------------------
 
 CASES = {

@@ -58,16 +58,16 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"no Triton kernels for device type {device.type!r}"
 
 
-def _lazy(op: str) -> Callable[..., Any]:
-    """`op`'s kernel entry point, importing its module on first call."""
-    kernel: list[Callable[..., Any]] = []
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """`name` (a kernel entry point, or `supports`) of submodule `module`, imported on first call."""
+    found: list[Callable[..., Any]] = []
 
     def run(*args: Any) -> Any:
-        if not kernel:
-            kernel.append(getattr(importlib.import_module(f"{__name__}.{op}"), op))
-        return kernel[0](*args)
+        if not found:
+            found.append(getattr(importlib.import_module(f"{__name__}.{module}"), name))
+        return found[0](*args)
 
-    run.__name__ = op
+    run.__name__ = name if name == module else f"{module}_{name}"
     return run
 
 
@@ -81,20 +81,15 @@ def _unquantized(op: str, args: tuple[Any, ...]) -> bool:
 
 
 def _supports(op: str) -> Callable[..., bool]:
-    def supports(*args: Any) -> bool:
-        if not _unquantized(op, args):
-            return False
-        if op == "flash_attention":  # power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it)
-            head_dim = args[1].shape[5]
-            return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-        return True
-
-    return supports
+    """Unquantized calls that `op`'s module `supports` (from shapes alone: CUDA's grid limits,
+    attention's head_dim)."""
+    module_supports = _lazy(op, "supports")
+    return lambda *args: _unquantized(op, args) and module_supports(*args[: UNQUANTIZED_ARITY[op]])
 
 
 def _unquantized_kernel(op: str) -> Callable[..., Any]:
     """`op`'s kernel, called with the unquantized arguments (`supports` declined any other call)."""
-    kernel = _lazy(op)
+    kernel = _lazy(op, op)
     return lambda *args: kernel(*args[: UNQUANTIZED_ARITY[op]])
 
 
@@ -103,23 +98,10 @@ def _declines(params: Any) -> str | None:
 
 
 KERNELS = {op: (_unquantized_kernel(op), _supports(op), _declines) for op in _OPS}
-"""op -> (kernel, supports): what `ops/backends.py` registers as backend "triton"."""
+"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "triton"."""
 
 
 # -- MLA ops (mla_*.py): FP8 rope-aware rows included ------------------------------------------------
-
-
-def _mla_kernel(module: str, name: str) -> Callable[..., Any]:
-    """`name` from `mla_<module>.py`, imported on first call."""
-    kernel: list[Callable[..., Any]] = []
-
-    def run(*args: Any) -> Any:
-        if not kernel:
-            kernel.append(getattr(importlib.import_module(f"{__name__}.{module}"), name))
-        return kernel[0](*args)
-
-    run.__name__ = name
-    return run
 
 
 def _power_of_two(n: int, low: int, high: int) -> bool:
@@ -141,5 +123,5 @@ def _mla_attention_supports(q_nope: torch.Tensor, q_rope: torch.Tensor, *args: A
     return _power_of_two(q_nope.shape[2], 16, 512) and q_rope.shape[2] <= 256
 
 
-KERNELS["store_latent"] = (_mla_kernel("mla_store", "store_latent"), _store_latent_supports)
-KERNELS["mla_attention"] = (_mla_kernel("mla_attention", "mla_attention"), _mla_attention_supports)
+KERNELS["store_latent"] = (_lazy("mla_store", "store_latent"), _store_latent_supports)
+KERNELS["mla_attention"] = (_lazy("mla_attention", "mla_attention"), _mla_attention_supports)

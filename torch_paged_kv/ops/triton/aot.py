@@ -41,9 +41,50 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8, 16)
 MODES = ("decode-split", "decode", "prefill")
+WIDE_SLOT = 2**23  # "decode-slot": continuous-batching slots whose in-page offsets pass int32 (WIDE_PAGE)
 OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap")
 KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
+
+
+OFFSET_ARGS = ("layer_idx", "stride_page", "stride_plane", "stride_layer", "stride_token", "page_numel")
+"""Kernel arguments that scale a layer, page or token-in-page offset into `blocks`: every multiply
+they feed must be int64 (a continuous-batching pool's page spans more than 2**31 elements). The one
+exception: attention launches planned with `WIDE_PAGE=False`, whose plan checked that in-page
+offsets, `(page_size - 1) * stride_token`, fit in int32 (`offset_args`)."""
+
+
+def offset_args(launch: Launch) -> tuple[str, ...]:
+    """The `OFFSET_ARGS` whose products must be int64 in `launch`'s kernel."""
+    if launch.kwargs.get("WIDE_PAGE") is False:
+        return tuple(name for name in OFFSET_ARGS if name != "stride_token")
+    return OFFSET_ARGS
+
+
+_SSA = re.compile(r"%([\w.$-]+)")
+
+
+def narrow_offset_products(ttir: str, args: tuple[str, ...] = OFFSET_ARGS) -> list[str]:
+    """The i32 `arith.muli` lines of `ttir` fed, through any chain of ops, by one of `args`.
+    Triton passes an int below 2**31 as i32 and multiplies before any widening, so
+    `layer_idx * stride_layer` wraps; `layer_idx.to(tl.int64) * stride_layer` does not."""
+    tainted = set(args)
+    found = []
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        if "=" not in code or code.lstrip().startswith(("tt.func", "#")):
+            continue
+        results, _, op = code.partition(" = ")
+        used = {name.split("#")[0] for name in _SSA.findall(op)}
+        if "iter_args(" in op:  # loop-carried values start from their initial values
+            for carried, initial in re.findall(r"%([\w.$-]+) = %([\w.$-]+)", op):
+                if initial in tainted:
+                    tainted.add(carried)
+        if used & tainted:
+            tainted.update(name.split(":")[0] for name in _SSA.findall(results))
+            if re.search(r"arith\.muli\b.*:\s*(tensor<[^>]*xi32>|i32)\s*$", op):
+                found.append(line.strip())
+    return found
 
 
 class Compiled(NamedTuple):
@@ -66,9 +107,16 @@ def _paged(
 
 
 def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) -> list[Launch]:
-    # decode-split: batch 1 over 32k keys; decode: batch 64, a 256-key table (one split); prefill: 4 x 256 new.
-    batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
-    blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context)
+    # decode-split: batch 1 over 32k keys; decode: batch 64, a 256-key table (one split); prefill: 4 x 256 new;
+    # decode-slot: batch 2 in slots of 8M tokens (page = slot).
+    batch, new, context = {
+        "decode-split": (1, 1, 32768),
+        "decode": (64, 1, 128),
+        "prefill": (4, 256, 1024),
+        "decode-slot": (2, 1, WIDE_SLOT),
+    }[mode]
+    page_size = WIDE_SLOT if mode == "decode-slot" else 16
+    blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context, page_size)
     q = torch.empty(batch * new, KV_HEADS * group, head_dim, dtype=DTYPES[dtype], device="meta")
     _, launches = plan_flash_attention(
         q,
@@ -95,12 +143,15 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
             ("fp16", 64, 1, "decode-split", "softcap"),
             ("fp32", 256, 16, "prefill", "window"),
             ("fp32", 128, 4, "decode-split", "causal"),
+            ("bf16", 64, 4, "decode-slot", "causal"),
         ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):
         yield dtype, head_dim, group, mode, "causal"
     for dtype, mode, option in itertools.product(DTYPES, MODES, OPTIONS[1:]):
         yield dtype, 128, 4, mode, option
+    for dtype in DTYPES:
+        yield dtype, 64, 4, "decode-slot", "causal"
 
 
 MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static")
@@ -266,6 +317,9 @@ def _report(arch: int, name: str, launch: Launch, keep: Path | None) -> bool:
     print(f"sm{arch:<3} {name:<58} {c.regs:>4} {c.spills:>6} {c.tensor_cores or '-':>5} {c.seconds:>6.2f}", flush=True)
     if keep:
         _keep(keep, arch, name, c.asm)
+    if narrow := narrow_offset_products(c.asm["ttir"], offset_args(launch)):
+        print(f"sm{arch:<3} {name:<58} FAILED: i32 multiply of a layer/page offset: {narrow[0][:120]}", flush=True)
+        return False
     return True
 
 

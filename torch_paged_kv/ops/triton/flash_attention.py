@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, blocks_strides, is_interpreted, owning_sequence, search_steps
+from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, search_steps
 from .flash_merge import plan_merge
 
 MIN_SPLIT_TOKENS = 256
@@ -71,6 +71,7 @@ def _attention_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     STEPS: tl.constexpr,
+    WIDE_PAGE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -115,14 +116,17 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = lookup_table + seq.to(tl.int64) * table_stride
-    plane0 = blocks + layer_idx * stride_layer + kv_head * HEAD_DIM
+    plane0 = blocks + layer_idx.to(tl.int64) * stride_layer + kv_head * HEAD_DIM  # int64: see store_kv
     for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         col = j // page_size
         key_ok = (j < stop) & (col < table_width)
         page = tl.load(table_row + col, mask=key_ok, other=0)
         key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
-        kv_off = (page.to(tl.int64) * stride_page + (j % page_size) * stride_token)[:, None] + dim[None, :]
+        in_page = j % page_size
+        if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
+            in_page = in_page.to(tl.int64)
+        kv_off = (page.to(tl.int64) * stride_page + in_page * stride_token)[:, None] + dim[None, :]
         k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0.0)
         v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0.0)
         if UPCAST:
@@ -188,6 +192,38 @@ def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, devi
     """Decode splits, from shapes alone: enough programs to fill the device, >= MIN_SPLIT_TOKENS keys each."""
     wanted = triton.cdiv(_target_programs(device), max(1, batch * num_kv_heads))
     return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
+
+
+def wide_page(blocks: torch.Tensor) -> bool:
+    """Whether offsets inside one page, `(page_size - 1) * stride_token`, pass int32. Only then does
+    the attention kernel widen each key's in-page offset to int64 (an i32 product is cheaper in its
+    inner loop, and the wider one moved ptxas's spill choices in a few fp32 variants)."""
+    return (blocks.shape[3] - 1) * blocks.stride(3) >= 2**31
+
+
+def supports(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> bool:
+    """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it), and grids CUDA can
+    launch: the largest any tile choice plans (BLOCK_Q >= 1, MAX_SPLITS splits, then the merge)."""
+    head_dim = blocks.shape[5]
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0):
+        return False
+    total, batch = q.shape[0], cache_lengths.shape[0]
+    return (
+        total == 0
+        or batch == 0
+        or (grid_fits((total + batch, blocks.shape[4], MAX_SPLITS)) and grid_fits((total, q.shape[1])))
+    )
 
 
 def plan_flash_attention(
@@ -269,6 +305,7 @@ def plan_flash_attention(
                 UPCAST=interpret,
                 PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
                 STEPS=search_steps(batch),
+                WIDE_PAGE=wide_page(blocks),
                 num_warps=num_warps,
             ),
         )

@@ -124,9 +124,9 @@ def _mla_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, RANK], tl.float32)
     table_row = lookup_table + seq.to(tl.int64) * table_stride
-    latent_cache += layer_idx * cache_stride_layer
-    rope_cache += layer_idx * rope_cache_stride_layer
-    scales += layer_idx * scales_stride_layer
+    latent_cache += layer_idx.to(tl.int64) * cache_stride_layer
+    rope_cache += layer_idx.to(tl.int64) * rope_cache_stride_layer
+    scales += layer_idx.to(tl.int64) * scales_stride_layer
     for j0 in range(start, k_hi, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         col = j // page_size

@@ -95,7 +95,11 @@ def _store_latent_kernel(
     dim = tl.arange(0, RANK)
     latent_ok = dim < tl.where(in_range, RANK, 0)  # (scalar & block masks break the interpreter)
     x = tl.load(latent + row.to(tl.int64) * latent_stride_row + dim)
-    slot = page.to(tl.int64) * cache_stride_page + layer_idx * cache_stride_layer + offset * cache_stride_token
+    slot = (
+        page.to(tl.int64) * cache_stride_page
+        + layer_idx.to(tl.int64) * cache_stride_layer
+        + offset * cache_stride_token
+    )
     if not FP8:
         tl.store(latent_cache + slot + dim, x, mask=latent_ok)
     else:
@@ -107,7 +111,7 @@ def _store_latent_kernel(
             q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, safe[:, None]), 0.0)
             q = tl.reshape(q, (RANK,))
             g = tl.arange(0, GROUPS)
-            scale_slot = page.to(tl.int64) * scales_stride_page + layer_idx * scales_stride_layer
+            scale_slot = page.to(tl.int64) * scales_stride_page + layer_idx.to(tl.int64) * scales_stride_layer
             scale_slot += offset * scales_stride_token
             tl.store(scales + scale_slot + g, scale, mask=g < tl.where(in_range, GROUPS, 0))
         else:  # one static scale
@@ -117,7 +121,7 @@ def _store_latent_kernel(
         r = tl.arange(0, ROPE_P)
         rope_ok = r < tl.where(in_range, ROPE, 0)
         kr = tl.load(k_rope + row.to(tl.int64) * rope_stride_row + r, mask=r < ROPE)
-        rope_slot = page.to(tl.int64) * rope_cache_stride_page + layer_idx * rope_cache_stride_layer
+        rope_slot = page.to(tl.int64) * rope_cache_stride_page + layer_idx.to(tl.int64) * rope_cache_stride_layer
         rope_slot += offset * rope_cache_stride_token
         tl.store(rope_cache + rope_slot + r, kr.to(rope_cache.dtype.element_ty), mask=rope_ok)
 

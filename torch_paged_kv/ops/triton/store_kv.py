@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, blocks_strides, owning_sequence, search_steps
+from .common import Launch, blocks_strides, grid_fits, owning_sequence, search_steps
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
@@ -51,9 +51,35 @@ def _store_kv_kernel(
     dim = idx % HEAD_DIM
     k = tl.load(key + row.to(tl.int64) * key_stride_row + head * key_stride_head + dim, mask=mask)
     v = tl.load(value + row.to(tl.int64) * value_stride_row + head * value_stride_head + dim, mask=mask)
-    slot = page.to(tl.int64) * stride_page + layer_idx * stride_layer + (pos % page_size) * stride_token + idx
+    # int64 before any multiply: a continuous-batching page (slot) spans gigabytes, so the layer and
+    # token offsets outgrow int32 (Triton passes small ints as i32 and would multiply in i32).
+    slot = (
+        page.to(tl.int64) * stride_page
+        + layer_idx.to(tl.int64) * stride_layer
+        + (pos % page_size).to(tl.int64) * stride_token
+        + idx
+    )
     tl.store(blocks + slot, k, mask=mask)
     tl.store(blocks + slot + stride_plane, v, mask=mask)
+
+
+def _grid(total: int, row: int) -> tuple[tuple[int, int], int]:
+    """(grid, BLOCK): one program per (new row, chunk of heads x head_dim)."""
+    block = min(triton.next_power_of_2(row), 4096)
+    return (total, triton.cdiv(row, block)), block
+
+
+def supports(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+) -> bool:
+    """Calls whose grid CUDA can launch (shapes only)."""
+    return key.shape[0] == 0 or grid_fits(_grid(key.shape[0], key.shape[1] * key.shape[2])[0])
 
 
 def plan_store_kv(
@@ -72,12 +98,12 @@ def plan_store_kv(
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()
     row = num_kv_heads * head_dim
-    block = min(triton.next_power_of_2(row), 4096)
+    grid, block = _grid(total, row)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     return [
         Launch(
             _store_kv_kernel,
-            (total, triton.cdiv(row, block)),
+            grid,
             (
                 key,
                 value,
