@@ -20,7 +20,7 @@ from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
-from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
 
 # Without a GPU these are the only Triton tests that run: if the interpreter cannot run, fail.
 # (tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.)
@@ -265,3 +265,67 @@ def test_forced_triton_explains_why_it_cannot_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
         ops.gather_kv(batch.blocks, *batch.step, 0, 3)
+
+
+# -- FP8 caches ---------------------------------------------------------------------------------
+
+FP8_CASES = [
+    (torch.float8_e4m3fn, 32, False),
+    (torch.float8_e4m3fn, 8, True),
+    (torch.float8_e5m2, 16, False),
+    (torch.float8_e5m2, None, False),  # a static pair of scales
+]
+
+
+@pytest.mark.parametrize("dtype, granularity, continuous", FP8_CASES)
+def test_fp8_store_and_gather_match_the_reference_bit_for_bit(force_backend, dtype, granularity, continuous):
+    """Quantized values and scales (IEEE division, round to nearest even: the reference's rule) and
+    dequantized reads, bit for bit; every unused slot of the pool keeps its random bytes."""
+    results = []
+    for backend in ("reference", "triton"):
+        force_backend(backend)
+        b, new_keys, new_values = make_fp8_batch(
+            [0, 21, 40, 7], [9, 5, 1, 1], dtype=dtype, granularity=granularity, continuous=continuous,
+            page_size=64 if continuous else 8,
+        )  # fmt: skip
+        ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
+        # float32 out: Triton's interpreter rounds to bf16 by truncation (see docs/design.md), a GPU does not
+        gathered = ops.gather_kv(b.blocks, *b.step, b.layer_idx, 45, b.scales, torch.float32)
+        results.append((b.blocks.view(torch.uint8), b.scales, *gathered))
+    for ref, got in zip(*results, strict=True):
+        assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("dtype, granularity, continuous", FP8_CASES)
+def test_fp8_attention_matches_fp64(dtype, granularity, continuous):
+    """Ragged prefill / chunked prefill / decode rows over FP8 pages against fp64 attention on the
+    dequantized K/V (what the cache holds), causal and windowed."""
+    b, new_keys, new_values = make_fp8_batch(
+        [0, 21, 40, 7], [9, 5, 1, 1], dtype=dtype, granularity=granularity, continuous=continuous,
+        page_size=64 if continuous else 8, seed=3,
+    )  # fmt: skip
+    ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
+    for window in (-1, 6):
+        out = ops.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, True, window, 0.0, b.scales)
+        want = attention_fp64(b.q, b.keys, b.values, [0, 21, 40, 7], 0.3, True, window)
+        torch.testing.assert_close(out.double(), want, **ATTENTION_TOLERANCE[out.dtype])
+
+
+def test_fp8_split_decode_and_copy_pages_move_scales(monkeypatch):
+    from torch_paged_kv.ops.triton import flash_attention as triton_flash
+
+    monkeypatch.setattr(triton_flash, "_target_programs", lambda device: 64)  # force several splits
+    b, new_keys, new_values = make_fp8_batch([300, 97], [1, 1], granularity=16, page_size=16, seed=4)
+    _, launches = triton_flash.plan_flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
+    assert len(launches) == 2  # split attention, then the merge
+    ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
+    out = ops.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
+    torch.testing.assert_close(out.double(), attention_fp64(b.q, b.keys, b.values, [300, 97], 0.3),
+                               **ATTENTION_TOLERANCE[out.dtype])  # fmt: skip
+    src, dst = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([3, 1, 4], dtype=torch.int32)
+    blocks, scales = b.blocks.view(torch.uint8).clone(), b.scales.clone()
+    ops.copy_pages(b.blocks, src, dst, b.scales)
+    assert torch.equal(b.blocks.view(torch.uint8)[[3, 1, 4]], blocks[[1, 2, 3]]) and torch.equal(
+        b.scales[[3, 1, 4]], scales[[1, 2, 3]]
+    )
+    assert torch.equal(b.blocks.view(torch.uint8)[2], blocks[2]) and torch.equal(b.scales[2], scales[2])

@@ -16,6 +16,7 @@ import torch
 
 from .collection import PagedKVCacheCollection
 from .layout import NULL_PAGE, table_width
+from .ops import quant
 from .params import KVCacheParams
 from .step import StepPlan
 
@@ -42,6 +43,7 @@ class PagedBatch:
     keys: list[torch.Tensor]  # per sequence [cache_len + new, kv_heads, head_dim]: cached then new
     values: list[torch.Tensor]
     q: torch.Tensor  # [total_new, q_heads, head_dim]
+    scales: torch.Tensor | None = None  # an FP8 pool's (make_fp8_batch)
 
     @property
     def new_keys(self) -> torch.Tensor:
@@ -138,6 +140,59 @@ def make_paged_batch(
         [v.to(device) for v in values],
         q.to(device),
     )
+
+
+def make_fp8_batch(
+    cache_lengths: Sequence[int],
+    new_lengths: Sequence[int],
+    *,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    granularity: int | None = 16,
+    page_size: int = 8,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    group: int = 2,
+    continuous: bool = False,
+    seed: int = 0,
+) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    """A random batch over an FP8 pool: `(batch, new_keys, new_values)`.
+
+    The cached prefixes are written quantized by the rule of `ops/quant.py` (per `granularity`
+    elements, or None: a static pair of scales), every unused slot holds random FP8 bytes and random
+    scales. `new_keys`/`new_values` are this step's bf16 rows for `store_kv`; `batch.keys`/`values`
+    are what the cache holds once they are stored (every token quantized, then dequantized to
+    fp32), ready for `attention_fp64`; `batch.q` is bf16 and `batch.scales` the pool's scales.
+    """
+    b = make_paged_batch(cache_lengths, new_lengths, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim, group=group, continuous=continuous, seed=seed)  # fmt: skip
+    gen = torch.Generator().manual_seed(seed + 1)
+    shape = b.blocks.shape
+    if granularity:
+        scales = torch.rand(*shape[:5], head_dim // granularity, generator=gen)
+    else:
+        scales = torch.tensor([0.02, 0.03])
+    blocks = torch.randn(shape, generator=gen).to(dtype)
+    page_size = shape[3]
+    stored: list[list[torch.Tensor]] = [[], []]
+    new_rows: list[list[torch.Tensor]] = [[], []]
+    for plane, full in enumerate((b.keys, b.values)):
+        for i, n in enumerate(cache_lengths):
+            rows = full[i].bfloat16()  # the model's K/V, as the model would store them
+            if granularity:
+                q, row_scales = quant.quantize(rows, dtype, granularity)
+                stored[plane].append(quant.dequantize(q, row_scales))
+            else:
+                q, row_scales = quant.quantize_static(rows, dtype, scales[plane]), None
+                stored[plane].append(q.float() * scales[plane])
+            pos = torch.arange(n)
+            pages = b.lookup_table[i].long().expand(n) if continuous else b.lookup_table[i, pos // page_size].long()
+            blocks[pages, plane, b.layer_idx, pos % page_size] = q[:n]
+            if row_scales is not None:
+                scales[pages, plane, b.layer_idx, pos % page_size] = row_scales[:n]
+            new_rows[plane].append(rows[n:])
+    b.blocks, b.scales, b.q = blocks, scales, b.q.bfloat16()
+    b.keys, b.values = stored
+    return b, torch.cat(new_rows[0]), torch.cat(new_rows[1])
 
 
 def attention_fp64(

@@ -11,7 +11,7 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE as TOLERANCE
-from torch_paged_kv.testing import PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
 
 CUDA = torch.device("cuda")
 if torch.cuda.is_available() and unavailable_reason(CUDA) is not None:
@@ -258,3 +258,28 @@ def test_decode_step_compiled_reduce_overhead():
         assert torch.equal(batch.blocks, want_blocks)
         torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
         batch.cache_lengths.add_(1)
+
+
+@pytest.mark.parametrize(
+    "dtype, granularity", [(torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 32), (torch.float8_e5m2, None)]
+)
+def test_fp8_cache_store_gather_bit_exact_and_attention(dtype, granularity):
+    """FP8 pages on the GPU: quantized bytes and scales equal the reference backend's on the CPU (IEEE
+    division, round to nearest even), dequantized reads too; attention (prefill, chunked, decode)
+    against fp64 on the dequantized K/V."""
+    cached, new = [0, 1000, 4000, 37], [300, 1, 1, 64]
+    b, new_keys, new_values = make_fp8_batch(
+        cached, new, dtype=dtype, granularity=granularity, page_size=16, num_kv_heads=8, head_dim=128, group=4
+    )
+    cpu = [t.clone() for t in (b.blocks, b.scales)]
+    reference.store_kv(new_keys, new_values, cpu[0], *b.step, b.layer_idx, cpu[1])
+    step = [t.to(CUDA) for t in b.step]
+    blocks, scales = b.blocks.to(CUDA), b.scales.to(CUDA)
+    ops.store_kv(new_keys.to(CUDA), new_values.to(CUDA), blocks, *step, b.layer_idx, scales)
+    assert torch.equal(blocks.view(torch.uint8).cpu(), cpu[0].view(torch.uint8)) and torch.equal(scales.cpu(), cpu[1])
+    got = ops.gather_kv(blocks, *step, b.layer_idx, 4001, scales, torch.float32)
+    want = reference.gather_kv(cpu[0], *b.step, b.layer_idx, 4001, cpu[1], torch.float32)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    out = ops.flash_attention(b.q.to(CUDA), blocks, *step, b.layer_idx, 128**-0.5, scales=scales)
+    expected = attention_fp64(b.q, b.keys, b.values, cached, 128**-0.5)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[out.dtype])

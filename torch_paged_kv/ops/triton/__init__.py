@@ -71,34 +71,18 @@ def _lazy(module: str, name: str) -> Callable[..., Any]:
     return run
 
 
-UNQUANTIZED_ARITY = {"store_kv": 7, "flash_attention": 10, "gather_kv": 6, "copy_pages": 3}
-"""Arguments of each op before its FP8 ones (`scales`, and `out_dtype` for gather_kv)."""
-
-
-def _unquantized(op: str, args: tuple[Any, ...]) -> bool:
-    """The Triton kernels cover unquantized caches (an FP8 call runs on the reference backend)."""
-    return all(a is None for a in args[UNQUANTIZED_ARITY[op] :])
-
-
-def _supports(op: str) -> Callable[..., bool]:
-    """Unquantized calls that `op`'s module `supports` (from shapes alone: CUDA's grid limits,
-    attention's head_dim)."""
-    module_supports = _lazy(op, "supports")
-    return lambda *args: _unquantized(op, args) and module_supports(*args[: UNQUANTIZED_ARITY[op]])
-
-
-def _unquantized_kernel(op: str) -> Callable[..., Any]:
-    """`op`'s kernel, called with the unquantized arguments (`supports` declined any other call)."""
-    kernel = _lazy(op, op)
-    return lambda *args: kernel(*args[: UNQUANTIZED_ARITY[op]])
-
-
 def _declines(params: Any) -> str | None:
-    return "FP8 caches run on the reference backend until the Triton kernels dequantize" if params.quantized else None
+    """What `backend_info(device, params)` says of caches the kernels do not cover (see `fp8.covered`)."""
+    granularity = params.quantization_granularity
+    if params.has_scales_tensor and granularity & (granularity - 1):
+        return f"its kernels tile FP8 granules of a power of two elements, not {granularity}"
+    return None
 
 
-KERNELS = {op: (_unquantized_kernel(op), _supports(op), _declines) for op in _OPS}
-"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "triton"."""
+KERNELS = {op: (_lazy(op, op), _lazy(op, "supports"), _declines) for op in _OPS}
+"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "triton". Each module's
+`supports` refuses, from shapes alone, the calls its kernels cannot launch (CUDA's grid limits) or
+compute (attention's head_dim, FP8 granules that are not a power of two)."""
 
 
 # -- MLA ops (mla_*.py): FP8 rope-aware rows included ------------------------------------------------

@@ -231,7 +231,52 @@ def variants(quick: bool = False) -> list[tuple[str, Launch]]:
         pages = torch.empty(7, dtype=torch.int32, device="meta")
         for i, launch in enumerate(plan_copy_pages(blocks, pages, pages)):
             found.append((f"copy_pages {dtype} d{head_dim} pass{i + 1}", launch))
+    found.extend(_fp8_variants(quick))
     found.extend(_mla_variants(quick))
+    return found
+
+
+FP8_CACHES = {  # name: (FP8 dtype, scales per token and head, or None for a static per-tensor pair)
+    "e4m3-token": (torch.float8_e4m3fn, 1),
+    "e4m3-g32": (torch.float8_e4m3fn, 4),
+    "e5m2-static": (torch.float8_e5m2, None),
+}
+
+
+def _fp8_paged(cache: str, batch: int, new: int, context: int) -> tuple[torch.Tensor, ...]:
+    """`_paged` over an FP8 pool of head_dim 128, bf16 new rows, and the cache's scales."""
+    dtype, groups = FP8_CACHES[cache]
+    blocks, cache_lengths, table, offsets, _ = _paged(dtype, 128, batch, new, context)
+    rows = torch.empty(batch * new, KV_HEADS, 128, dtype=torch.bfloat16, device="meta")
+    shape = (2,) if groups is None else (*blocks.shape[:5], groups)
+    return blocks, cache_lengths, table, offsets, rows, torch.empty(shape, dtype=torch.float32, device="meta")
+
+
+def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
+    """The K/V ops over FP8 caches: 16-bit rows and queries (fp16 too unless `quick`), head_dim 128, GQA 4."""
+    found = []
+    caches = ("e4m3-token", "e5m2-static") if quick else tuple(FP8_CACHES)
+    for cache in caches:
+        for mode, (batch, new, context) in {"decode": (64, 1, 128), "prefill": (4, 256, 1024)}.items():
+            blocks, lengths, table, offsets, rows, scales = _fp8_paged(cache, batch, new, context)
+            for launch in plan_store_kv(rows, rows, blocks, lengths, table, offsets, LAYER, scales):
+                found.append((f"store_kv {cache} {mode}", launch))
+        blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, 4, 1, 1024)
+        for launch in plan_gather_kv(blocks, lengths, table, offsets, LAYER, 1024, scales, torch.bfloat16)[2]:
+            found.append((f"gather_kv {cache} to bf16", launch))
+        pages = torch.empty(7, dtype=torch.int32, device="meta")
+        for i, launch in enumerate(plan_copy_pages(blocks, pages, pages, scales)):
+            found.append((f"copy_pages {cache} pass{i + 1}", launch))
+    modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
+    for cache, q_dtype, mode in itertools.product(caches, ("bf16",) if quick else ("bf16", "fp16"), modes):
+        if quick and (cache, mode) not in (("e4m3-token", "decode-split"), ("e5m2-static", "prefill")):
+            continue
+        batch, new, context = modes[mode]
+        blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, batch, new, context)
+        q = torch.empty(batch * new, KV_HEADS * 4, 128, dtype=DTYPES[q_dtype], device="meta")
+        _, launches = plan_flash_attention(q, blocks, lengths, table, offsets, LAYER, 128**-0.5, scales=scales)
+        for launch in launches:
+            found.append((f"{launch.kernel.__name__.strip('_')} {q_dtype} over {cache} {mode}", launch))
     return found
 
 

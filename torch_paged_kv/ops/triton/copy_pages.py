@@ -46,37 +46,51 @@ def _grid(count: int, page_numel: int) -> tuple[int, int]:
     return triton.cdiv(page_numel, BLOCK), min(count, MAX_GRID[1])
 
 
-def supports(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> bool:
+def supports(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> bool:
     """Calls whose grid CUDA can launch (shapes only): pages below 2**41 elements."""
     page_numel = math.prod(blocks.shape[1:])
     return src_pages.shape[0] == 0 or page_numel == 0 or grid_fits(_grid(src_pages.shape[0], page_numel))
 
 
-def plan_copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[Launch]:
-    """Two launches (sources to scratch, scratch to destinations); allocates the scratch."""
+def plan_copy_pages(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> list[Launch]:
+    """Two launches per page tensor (sources to scratch, scratch to destinations): `blocks`, as raw
+    bytes for an FP8 cache, and per-granule `scales`, which move with their pages. Allocates the scratch."""
+    pools = [blocks.view(torch.uint8) if scales is not None else blocks]
+    if scales is not None and scales.dim() == 6:
+        pools.append(scales)
+    return [launch for pool in pools for launch in _plan_pool(pool, src_pages, dst_pages)]
+
+
+def _plan_pool(pool: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[Launch]:
     count = src_pages.shape[0]
     if count == 0:
         return []
-    page_numel = blocks[0].numel()
-    scratch = torch.empty((count, page_numel), dtype=blocks.dtype, device=blocks.device)
+    page_numel = pool[0].numel()
+    scratch = torch.empty((count, page_numel), dtype=pool.dtype, device=pool.device)
     grid = _grid(count, page_numel)
-    num_pages = blocks.shape[0]
+    num_pages = pool.shape[0]
     return [
         Launch(
             _copy_kernel,
             grid,
-            (blocks, src_pages, scratch, dst_pages, count, num_pages, page_numel),
+            (pool, src_pages, scratch, dst_pages, count, num_pages, page_numel),
             dict(FROM_BLOCKS=True, BLOCK=BLOCK),
         ),
         Launch(
             _copy_kernel,
             grid,
-            (scratch, src_pages, blocks, dst_pages, count, num_pages, page_numel),
+            (scratch, src_pages, pool, dst_pages, count, num_pages, page_numel),
             dict(FROM_BLOCKS=False, BLOCK=BLOCK),
         ),
     ]
 
 
-def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-    for launch in plan_copy_pages(blocks, src_pages, dst_pages):
+def copy_pages(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> None:
+    for launch in plan_copy_pages(blocks, src_pages, dst_pages, scales):
         launch()

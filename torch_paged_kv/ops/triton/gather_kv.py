@@ -2,7 +2,8 @@
 into padded contiguous tensors, writing zeros past each sequence's kv_len.
 
 Token tiles, the one dimension that grows with context, go on grid x (up to 2**31 - 1; grid y and z
-stop at 65535); sequences on y, a program taking every `num_programs(1)`-th one past 65535."""
+stop at 65535); sequences on y, a program taking every `num_programs(1)`-th one past 65535. An FP8
+cache is read as bytes and dequantized (`fp8.py`); the outputs take their own dtype (`out_dtype`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .common import MAX_GRID, Launch, blocks_strides, grid_fits
+from .fp8 import covered, fp8_bits_to_float, quantization
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
@@ -33,9 +35,19 @@ def _gather_kv_kernel(
     stride_plane,
     stride_layer,
     stride_token,
+    scales,
+    scale_stride_page,
+    scale_stride_plane,
+    scale_stride_layer,
+    scale_stride_token,
     ROW: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    QUANT: tl.constexpr,
+    GRAN: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
 ):
     for seq in range(tl.program_id(1), batch, tl.num_programs(1)):
         kv_len = tl.load(cache_lengths + seq) + tl.load(input_row_offsets + seq + 1) - tl.load(input_row_offsets + seq)
@@ -53,12 +65,25 @@ def _gather_kv_kernel(
         )
         src = src[:, None] + idx[None, :]
         load_mask = live[:, None] & (idx < ROW)[None, :]
-        k = tl.load(blocks + src, mask=load_mask, other=0.0)
-        v = tl.load(blocks + src + stride_plane, mask=load_mask, other=0.0)
+        k = tl.load(blocks + src, mask=load_mask, other=0)
+        v = tl.load(blocks + src + stride_plane, mask=load_mask, other=0)
+        if QUANT == 1:  # per granule: row element idx has scale idx // GRAN of its token's scale row
+            scale_src = (
+                page.to(tl.int64) * scale_stride_page
+                + layer_idx.to(tl.int64) * scale_stride_layer
+                + (tok % page_size).to(tl.int64) * scale_stride_token
+            )[:, None] + (idx // GRAN)[None, :]
+            k_scale = tl.load(scales + scale_src, mask=load_mask, other=0.0)
+            v_scale = tl.load(scales + scale_stride_plane + scale_src, mask=load_mask, other=0.0)
+            k = fp8_bits_to_float(k, MANT, BIAS) * k_scale
+            v = fp8_bits_to_float(v, MANT, BIAS) * v_scale
+        elif QUANT == 2:
+            k = fp8_bits_to_float(k, MANT, BIAS) * tl.load(scales)
+            v = fp8_bits_to_float(v, MANT, BIAS) * tl.load(scales + 1)
         dst = (tl.cast(seq, tl.int64) * max_kv_len + tok)[:, None] * ROW + idx[None, :]
         store_mask = (tok < max_kv_len)[:, None] & (idx < ROW)[None, :]
-        tl.store(key_out + dst, k, mask=store_mask)
-        tl.store(value_out + dst, v, mask=store_mask)
+        tl.store(key_out + dst, k.to(key_out.dtype.element_ty), mask=store_mask)
+        tl.store(value_out + dst, v.to(value_out.dtype.element_ty), mask=store_mask)
 
 
 def _grid(batch: int, max_kv_len: int, row: int) -> tuple[tuple[int, int, int], int, int]:
@@ -75,9 +100,14 @@ def supports(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> bool:
-    """Calls whose grid CUDA can launch and whose token indices stay int32 (shapes only)."""
+    """Calls whose grid CUDA can launch, whose token indices stay int32 and whose FP8 granules the
+    kernel handles (shapes only)."""
     batch, row = cache_lengths.shape[0], blocks.shape[4] * blocks.shape[5]
+    if not covered(blocks, scales):
+        return False
     if batch == 0 or max_kv_len == 0 or row == 0:
         return True
     grid, block_t, _ = _grid(batch, max_kv_len, row)
@@ -91,15 +121,19 @@ def plan_gather_kv(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The (key, value) outputs, allocated, and the launch that fills them."""
     batch, num_kv_heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     shape = (batch, max_kv_len, num_kv_heads, head_dim)
-    key = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
-    value = torch.empty(shape, dtype=blocks.dtype, device=blocks.device)
+    dtype = out_dtype or (torch.float32 if scales is not None else blocks.dtype)
+    key = torch.empty(shape, dtype=dtype, device=blocks.device)
+    value = torch.empty(shape, dtype=dtype, device=blocks.device)
     if key.numel() == 0:
         return key, value, []
     grid, block_t, block_r = _grid(batch, max_kv_len, num_kv_heads * head_dim)
+    quant = quantization(blocks, scales)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     return (
         key,
@@ -109,7 +143,7 @@ def plan_gather_kv(
                 _gather_kv_kernel,
                 grid,
                 (
-                    blocks,
+                    quant.pool,
                     key,
                     value,
                     cache_lengths,
@@ -123,8 +157,10 @@ def plan_gather_kv(
                     layer_idx,
                     max_kv_len,
                     *blocks_strides(blocks),
+                    quant.scales,
+                    *quant.scale_strides,
                 ),
-                dict(ROW=num_kv_heads * head_dim, BLOCK_T=block_t, BLOCK_R=block_r),
+                dict(ROW=num_kv_heads * head_dim, BLOCK_T=block_t, BLOCK_R=block_r, **quant.constexprs),
             )
         ],
     )
@@ -137,8 +173,12 @@ def gather_kv(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
     max_kv_len: int,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    key, value, launches = plan_gather_kv(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len)
+    key, value, launches = plan_gather_kv(
+        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales, out_dtype
+    )
     for launch in launches:
         launch()
     return key, value
