@@ -170,9 +170,8 @@ def _attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * score_scale
-        if QUANT == 1:
-            if GROUPS == 1:
-                s = s * k_scale[None, :]
+        if QUANT == 1 and GROUPS == 1:
+            s = s * k_scale[None, :]
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         allowed = row_ok[:, None] & key_ok[None, :]
@@ -187,9 +186,8 @@ def _attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         p_v = p
-        if QUANT == 1:
-            if GROUPS == 1:
-                p_v = p * v_scale[None, :]
+        if QUANT == 1 and GROUPS == 1:
+            p_v = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
