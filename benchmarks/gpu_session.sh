@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh [STAGE ...]     # default: every stage, in this order
 #
-# Stages: env paths triton cute examples bench-triton bench-cute bench-hf. LOGS is $OUT when set
+# Stages: env paths triton cute examples bench-triton bench-cute bench-mla bench-hf. LOGS is $OUT when set
 # (the device tool brings it back), else gpu_logs/. Per-stage limit: STAGE_TIMEOUT seconds (180;
 # 300 for the compile-heavy triton and cute stages).
 set -u
@@ -20,14 +20,15 @@ hf_large="--layers 16 --hidden 1024 --batch 8 --prompt 256 --new-tokens 64 --rep
 declare -A commands=(
   [env]="nvidia-smi -L; python -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'; python -c 'import cutlass; print(\"cutlass DSL\", cutlass.__version__)' || echo 'no CuTe DSL (source /tmp/kit/env.sh)'"
   [paths]="python -m pytest -q -rs tests/gpu/test_cuda_paths.py"
-  [triton]="python -m pytest -q -rs --durations=5 tests/gpu/test_triton_gpu.py"
+  [triton]="python -m pytest -q -rs --durations=5 tests/gpu/test_triton_gpu.py tests/gpu/test_mla_gpu.py"
   [cute]="$need_cute && python -m pytest -q -rs --durations=5 tests/gpu/test_cute_gpu.py"
-  [examples]="python examples/hf_generate.py && python examples/compiled_decode.py && python examples/checkpoint_resume.py && python examples/quickstart.py"
+  [examples]="python examples/hf_generate.py && python examples/compiled_decode.py && python examples/checkpoint_resume.py && python examples/quickstart.py && python examples/mla_decode.py"
   [bench-triton]="python benchmarks/bench_decode_gpu.py && python benchmarks/bench_decode.py --device cuda --dtypes bfloat16 --batch 64 --context 4096 --page-sizes 1,16,128"
   [bench-cute]="$need_cute && python benchmarks/bench_cute_decode.py"
+  [bench-mla]="python benchmarks/bench_mla_gpu.py && python benchmarks/bench_mla.py --device cuda --batch 64 --context 4096"
   [bench-hf]="python benchmarks/bench_hf.py --dtype bfloat16 $hf_large && python benchmarks/bench_hf.py --dtype bfloat16 $hf_large --compile"
 )
-order=(env paths triton cute examples bench-triton bench-cute bench-hf)
+order=(env paths triton cute examples bench-triton bench-cute bench-mla bench-hf)
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=("${order[@]}")
 

@@ -49,6 +49,18 @@ CPU_RUNS = {
         "64",
     ],
     "bench_checkpoint.py": ["--device", "cpu", "--size-mb", "4", "--repeats", "1"],
+    "bench_mla.py": [
+        "--batch",
+        "1",
+        "--context",
+        "64",
+        "--heads",
+        "2",
+        "--accuracy-tokens",
+        "64",
+        "--accuracy-heads",
+        "2",
+    ],
     "bench_transfer.py": ["--size-mb", "8", "--chunk-mb", "4", "--repeats", "1", "--tp-steps", "5", "--tp-batch", "4"],
     "bench_hf.py": [
         "--layers",
@@ -65,7 +77,7 @@ CPU_RUNS = {
         "1",
     ],
 }
-GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py"]
+GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py", "bench_mla_gpu.py"]
 
 
 @pytest.fixture

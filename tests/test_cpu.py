@@ -18,7 +18,7 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops.cpu import build, kernels
-from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_mla_batch, make_paged_batch
 
 
 @pytest.fixture(autouse=True)
@@ -178,6 +178,17 @@ def test_copy_pages_reads_every_source_first(src, dst):
         assert torch.equal(blocks[d], original[s])
 
 
+def test_copy_pages_moves_mla_latent_pages(force_backend):
+    """An MLA pool's pages are rows of kv_lora_rank + rope_dim: the cpu kernel copies them whole."""
+    force_backend("cpu")
+    blocks = make_mla_batch([9, 5], [0, 0], page_size=4, dtype=torch.bfloat16).blocks
+    src, dst = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([3, 1, 4], dtype=torch.int32)
+    expected = blocks.clone()
+    reference.copy_pages(expected, src, dst)
+    ops.copy_pages(blocks, src, dst)
+    assert torch.equal(blocks, expected) and not torch.equal(blocks[4], blocks[0])
+
+
 def test_copy_pages_never_writes_the_null_page_or_outside_when_checks_are_off():
     batch = make_paged_batch([4], [1], page_size=4, head_dim=16, layer_idx=0)
     before = batch.blocks.clone()
@@ -191,7 +202,10 @@ def test_copy_pages_never_writes_the_null_page_or_outside_when_checks_are_off():
 
 def test_cpu_is_the_default_and_reference_can_be_forced(force_backend):
     force_backend(None)
-    assert set(pk.backend_info("cpu").values()) == {"cpu"}
+    info = pk.backend_info("cpu")
+    assert {op: info[op] for op in ops.dispatch.OPS if op not in ops.dispatch.MLA_OPS} == dict.fromkeys(
+        ("store_kv", "flash_attention", "gather_kv", "copy_pages"), "cpu"
+    )
     force_backend("reference")
     assert set(pk.backend_info("cpu").values()) == {"reference"}
     with pytest.raises(BackendUnavailableError, match="CPU tensors only"):

@@ -2,7 +2,7 @@
 compile cache compiles once per key (also under threads, also from disk), and the operand's row
 arithmetic matches the cache views. The kernels themselves run only in tests/gpu/test_cute_gpu.py."""
 
-import shutil
+import re
 import subprocess
 import sys
 import threading
@@ -20,29 +20,88 @@ from torch_paged_kv.ops.cute import variants  # noqa: E402
 from torch_paged_kv.ops.cute.compile_cache import CompileCache  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", variants.ARCHES)
-def test_variants_compile_with_tma_ptx(arch, tmp_path):
-    for key in cli.quick_keys(arch):
-        _, ptx = cli.compile_with_ptx(key, tmp_path)
+@pytest.fixture(scope="module", params=variants.ARCHES)
+def compiled(request, tmp_path_factory):
+    """(arch, [(key, PTX path)] of `cli.quick_keys(arch)`, grid calls): each variant compiled once, while
+    recording which (rows, heads, ...) the launches asked `variants.decode_grid` / `combine_grid` for."""
+    arch, out_dir, calls = request.param, tmp_path_factory.mktemp(request.param), []
+
+    def recorder(name, grid):
+        def record(*args):
+            calls.append(name)
+            return grid(*args)
+
+        return record
+
+    compiled = []
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("decode_grid", "combine_grid"):
+            patch.setattr(variants, name, recorder(name, getattr(variants, name)))
+        for key in cli.quick_keys(arch):
+            cli.compile_with_ptx(key, out_dir)
+            compiled.append((key, out_dir / f"{key.slug()}.ptx"))
+    return arch, compiled, calls
+
+
+def tma_copies(key) -> int:
+    """TMA instructions per tile: one box per page (or page slice) for K and for V on sm90, one
+    gather4 per four rows for K and for V on sm100, whatever the page size."""
+    if key.arch == "sm_90a":
+        return 2 * key.tile_n // min(key.page_size, key.tile_n)
+    return 2 * key.tile_n // 4
+
+
+def test_variants_compile_with_tma_ptx(compiled):
+    arch, variants_compiled, _ = compiled
+    for key, path in variants_compiled:
+        ptx = path.read_text()
         assert f".target {arch}" in ptx
         if key.kernel == "combine":
             continue
-        tma = ptx.count("cp.async.bulk.tensor")
-        gather4 = ptx.count("tile::gather4")
-        if arch == "sm_90a":  # one box per page (or page slice) of the tile, for K and for V
-            boxes = key.tile_n // min(key.page_size, key.tile_n)
-            assert (tma, gather4) == (2 * boxes, 0), key
-        else:  # four rows per gather4, for K and for V, whatever the page size
-            assert tma == gather4 == 2 * key.tile_n // 4, key
+        tma, gather4 = ptx.count("cp.async.bulk.tensor"), ptx.count("tile::gather4")
+        assert (tma, gather4) == (tma_copies(key), 0 if arch == "sm_90a" else tma_copies(key)), key
         assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.expect_tx" in ptx
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) is not on PATH")
-@pytest.mark.parametrize("arch", variants.ARCHES)
-def test_variants_assemble_without_spills(arch, tmp_path):
-    for key in cli.quick_keys(arch):
-        cli.compile_with_ptx(key, tmp_path)
-        assert cli.ptxas_usage(tmp_path / f"{key.slug()}.ptx", arch).endswith(" 0 B spill"), key
+def test_launches_take_their_grid_from_variants(compiled):
+    """The launch grids `test_launch_limits.py` checks against CUDA's limits are the ones the
+    kernels launch with: every compile asked `variants` for its grid."""
+    _, variants_compiled, calls = compiled
+    expected = sorted(f"{key.kernel}_grid" for key, _ in variants_compiled)
+    assert sorted(calls) == expected
+
+
+def test_no_tma_copy_inside_an_elected_region(compiled):
+    """`cute.copy` of a TMA atom elects its issuing lane itself (cutlass/cute/nvgpu/cpasync/copy.py:
+    "Do NOT wrap in elect_one (can cause deadlock)"); inside `with elect_one()` the one elected lane
+    runs a full-warp `elect.sync` alone. Both producers did until issue 14 (sm90: the loop of copies,
+    sm100: the gather4s)."""
+    _, variants_compiled, _ = compiled
+    for key, path in variants_compiled:
+        assert cli.nested_elections(path.read_text()) == 0, key
+
+
+@pytest.mark.skipif(
+    cli.cuda_tool("ptxas") is None or cli.cuda_tool("nvdisasm") is None,
+    reason="ptxas and nvdisasm (CUDA toolkit on PATH, or the copies triton bundles) are not found",
+)
+def test_sass_issues_tma_copies_from_a_converged_warp(compiled):
+    """In the SASS (ptxas, then nvdisasm): every TMA copy is there (UTMALDG), and no warp collective
+    needs a divergence check (BRA.DIV) or its slow path (WARPSYNC.COLLECTIVE). The sm_100a producer
+    with the copies inside `elect_one` had 34 and 35 of them."""
+    arch, variants_compiled, _ = compiled
+    for key, path in variants_compiled:
+        sass = cli.sass(path, arch)
+        assert cli.divergent_syncs(sass) == 0, key
+        if key.kernel == "decode":
+            assert len(re.findall(r"\bUTMALDG\b", sass)) == tma_copies(key), key
+
+
+@pytest.mark.skipif(cli.cuda_tool("ptxas") is None, reason="ptxas (CUDA toolkit, or triton's copy) is not found")
+def test_variants_assemble_without_spills(compiled):
+    arch, variants_compiled, _ = compiled
+    for key, path in variants_compiled:
+        assert cli.ptxas_usage(path, arch).endswith(" 0 B spill"), key
 
 
 def test_cache_returns_same_object_and_compiles_once_under_threads():

@@ -23,6 +23,11 @@ def test_checkpoint_resume_continues_identically_in_a_new_process():
     assert out.strip().splitlines()[-1].startswith("identical")
 
 
+def test_mla_decode_serves_requests_from_a_latent_cache_without_recompiling():
+    out = _run("mla_decode.py", "--requests", "3", "--new-tokens", "6", "--device", "cpu")
+    assert "all 3 requests match an uncached non-absorbed recomputation" in out
+
+
 def test_disaggregated_prefill_and_decode_processes_give_the_single_process_tokens():
     out = _run("disaggregated.py", "--requests", "4", "--new-tokens", "6", "--device", "cpu", "--eager")
     assert "identical to a single-process run: 4 requests" in out

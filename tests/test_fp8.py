@@ -11,6 +11,7 @@ from torch_paged_kv.ops import quant
 from torch_paged_kv.testing import (
     ATTENTION_TOLERANCE,
     attention_fp64,
+    make_fp8_batch,
     make_paged_batch,
     outlier_kv,
     quantized_attention_error,
@@ -173,36 +174,12 @@ CACHED, NEW = [0, 21, 40, 7, 0], [9, 5, 1, 1, 0]
 
 
 def fp8_batch(dtype=torch.float8_e4m3fn, granularity: int | None = 16, continuous=False, seed=0):
-    """A random FP8 batch: the cached prefix written quantized (by the rule), every unused slot random
-    FP8 with random scales. `keys`/`values` are what the cache holds once this step's new K/V
-    (`new_keys`/`new_values`, bf16) are stored: every token quantized and dequantized."""
-    b = make_paged_batch(CACHED, NEW, page_size=8 if not continuous else 64, num_kv_heads=2, head_dim=32,
-                         group=2, continuous=continuous, dtype=torch.float32, seed=seed)  # fmt: skip
-    gen = torch.Generator().manual_seed(seed + 1)
-    shape = b.blocks.shape
-    scales = torch.rand(*shape[:5], 32 // granularity, generator=gen) if granularity else torch.tensor([0.02, 0.03])
-    blocks = torch.randn(shape, generator=gen).to(dtype)
-    page_size = shape[3]
-    for plane, full in enumerate((b.keys, b.values)):
-        for i, n in enumerate(CACHED):
-            rows = full[i].bfloat16()  # the model's K/V, as the model would store them
-            if granularity:
-                q, row_scales = quant.quantize(rows, dtype, granularity)
-                deq = quant.dequantize(q, row_scales)
-            else:
-                q, row_scales = quant.quantize_static(rows, dtype, scales[plane]), None
-                deq = q.float() * scales[plane]
-            pos = torch.arange(n)
-            pages = b.lookup_table[i].long().expand(n) if continuous else b.lookup_table[i, pos // page_size].long()
-            blocks[pages, plane, b.layer_idx, pos % page_size] = q[:n]
-            if granularity:
-                scales[pages, plane, b.layer_idx, pos % page_size] = row_scales[:n]
-            full[i] = (rows, deq)
-    new_keys = torch.cat([k[n:] for (k, _), n in zip(b.keys, CACHED, strict=True)])
-    new_values = torch.cat([v[n:] for (v, _), n in zip(b.values, CACHED, strict=True)])
-    b.keys, b.values = [deq for _, deq in b.keys], [deq for _, deq in b.values]
-    b.blocks, b.q = blocks, b.q.bfloat16()
-    return b, scales, new_keys, new_values
+    """`make_fp8_batch` over CACHED / NEW: (batch, scales, new_keys, new_values)."""
+    b, new_keys, new_values = make_fp8_batch(
+        CACHED, NEW, dtype=dtype, granularity=granularity, page_size=64 if continuous else 8, continuous=continuous,
+        seed=seed,
+    )  # fmt: skip
+    return b, b.scales, new_keys, new_values
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -334,12 +311,15 @@ def test_per_token_scales_beat_per_tensor_on_outliers():
 def test_backend_info_says_which_backend_runs_an_fp8_cache_and_why(force_backend):
     from torch_paged_kv.ops import cute
 
-    fp8 = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 64, 16)
-    bf16 = pk.KVCacheParams(torch.bfloat16, 1, 2, 64, 16)
+    fp8 = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 96, 16, quantization_granularity=32)
+    odd = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 96, 16, quantization_granularity=48)
+    bf16 = pk.KVCacheParams(torch.bfloat16, 1, 2, 96, 16)
     for backend in pk.backend_info("cpu", fp8).values():  # the cpu kernels do not dequantize yet
         assert backend.startswith("reference (cpu: FP8 caches run on the reference backend"), backend
     force_backend("triton")  # the interpreter runs Triton on CPU tensors here (tests/conftest.py)
-    assert pk.backend_info("cpu", bf16)["flash_attention"] == "triton"
-    assert pk.backend_info("cpu", fp8)["flash_attention"].startswith("unavailable: triton: FP8 caches run on the")
+    assert pk.backend_info("cpu", bf16)["store_kv"] == pk.backend_info("cpu", fp8)["store_kv"] == "triton"
+    assert pk.backend_info("cpu", odd)["store_kv"] == (
+        "unavailable: triton: its kernels tile FP8 granules of a power of two elements, not 48"
+    )
     declines = cute.KERNELS["flash_attention"][2]
     assert declines(bf16) is None and "FP8 pages with scales" in declines(fp8)

@@ -55,6 +55,10 @@ CONTRACT = {  # docs/design.md's op contract; the registered schemas are derived
     "gather_kv": "(Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
     "int layer_idx, int max_kv_len, Tensor? scales=None, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
     "copy_pages": "(Tensor(a!) blocks, Tensor src_pages, Tensor dst_pages, Tensor(a!)? scales=None) -> ()",
+    "store_latent": "(Tensor latent, Tensor k_rope, Tensor(a!) blocks, Tensor cache_lengths, Tensor lookup_table, "
+    "Tensor input_row_offsets, int layer_idx, Tensor(a!)? scales=None) -> ()",
+    "mla_attention": "(Tensor q_nope, Tensor q_rope, Tensor blocks, Tensor cache_lengths, Tensor lookup_table, "
+    "Tensor input_row_offsets, int layer_idx, float softmax_scale, bool causal=True, Tensor? scales=None) -> Tensor",
 }
 
 
@@ -64,3 +68,14 @@ def test_schemas_are_the_contract(name, overload):
     (alias set names aside), so deriving schemas from the typed functions changed nothing."""
     schema = str(getattr(getattr(torch.ops.paged_kv, name), overload)._schema)
     assert re.sub(r"\(a\d+!\)", "(a!)", schema.split(name, 1)[1].removeprefix(".unchecked")) == CONTRACT[name]
+
+
+def test_attention_output_is_contiguous_in_fake_and_real(batch):
+    """A strided `q` (heads-major storage) gives a contiguous output in the fake as in every backend,
+    so inductor's stride checks hold."""
+    q = batch.q.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.library.opcheck(
+        torch.ops.paged_kv.flash_attention.default, (q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
+    )
+    out = torch.ops.paged_kv.flash_attention(q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
+    assert out.is_contiguous()

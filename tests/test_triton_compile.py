@@ -39,7 +39,16 @@ def test_every_kernel_compiles_for_both_targets(compiled):
     rows, _ = compiled
     for arch in (80, 90):
         kernels = {name.split()[0] for a, name in rows if a == arch}
-        assert kernels == {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}, arch
+        assert kernels == {
+            "attention_kernel",
+            "merge_kernel",
+            "store_kv",
+            "gather_kv",
+            "copy_pages",
+            "mla_attention_kernel",
+            "mla_merge_kernel",
+            "store_latent",
+        }, arch
 
 
 def test_no_variant_spills_more_than_a_few_registers(compiled):
@@ -54,8 +63,12 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     """sm_80 and decode tiles (16 rows) emit mma.sync; sm_90 prefill tiles (64 rows) emit wgmma."""
     rows, keep = compiled
     attention = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("attention_kernel")}
+    mla = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("mla_attention_kernel")}
+    for (arch, name), (_, _, cores) in mla.items():  # 16-row tiles: mma.sync on both
+        assert cores == ("-" if " fp32 " in name else "mma"), (arch, name)
     for (arch, name), (_, _, cores) in attention.items():
-        expected = "-" if " fp32 " in name else "wgmma" if arch == 90 and " prefill " in name else "mma"
+        words = name.split()
+        expected = "-" if "fp32" in words else "wgmma" if arch == 90 and "prefill" in words else "mma"
         assert cores == expected, (arch, name)
     ptx = (keep / "sm90" / "attention_kernel_bf16_d128_g1_prefill_causal.ptx").read_text()
     assert "wgmma.mma_async.sync.aligned" in ptx and "wgmma.wait_group" in ptx
@@ -63,11 +76,43 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
 
 
+def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
+    """Triton passes ints below 2**31 as i32: `layer_idx * stride_layer` wrapped at layer 16 of a
+    128k-slot continuous-batching pool. `aot` fails a variant with such a multiply (the run above
+    exited 0); here the kept TTIR of every variant is read again (attention with in-page offsets
+    that fit int32 may keep that product i32: `aot.offset_args`), and the checker is shown to catch
+    the old store_kv line."""
+    from torch_paged_kv.ops.triton import aot
+
+    _, keep = compiled
+    checked = set()
+    for name, launch in aot.variants(quick=True):
+        stem = re.sub(r"[^\w.+-]+", "_", name)
+        for path in keep.glob(f"sm*/{stem}.ttir"):  # the distinct variants were kept
+            args = aot.offset_args(launch)
+            assert aot.narrow_offset_products(path.read_text(), args) == [], path
+            checked.add((name.split()[0], "stride_token" in args))
+    assert checked >= {("attention_kernel", True), ("attention_kernel", False), ("store_kv", True)}
+    kernels = {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}
+    kernels |= {"mla_attention_kernel", "mla_merge_kernel", "store_latent"}
+    assert {kernel for kernel, _ in checked} == kernels
+    old = (
+        "tt.func public @k(%layer_idx: i32 loc(#loc1), %stride_layer: i32 loc(#loc2)) {\n"
+        "    %slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)\n"
+        "    %slot_183 = arith.extsi %slot_182 : i32 to i64 loc(#loc110)\n"
+        "    %wide = arith.extsi %layer_idx : i32 to i64 loc(#loc3)\n"
+        "    %ok = arith.muli %wide, %wide : i64 loc(#loc4)\n"
+    )
+    assert aot.narrow_offset_products(old) == ["%slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)"]
+
+
 GROWING_STEPS = """
 import torch
 from torch_paged_kv.ops.triton import aot
 from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
 from torch_paged_kv.ops.triton.store_kv import plan_store_kv
+from torch_paged_kv.ops.triton.mla_attention import plan_mla_attention
+from torch_paged_kv.ops.triton.mla_store import plan_store_latent
 keys = {}
 for batch in (1, 2, 15, 16, 17, 300):
     for layer in (0, 1, 2, 16):
@@ -75,6 +120,11 @@ for batch in (1, 2, 15, 16, 17, 300):
         q = torch.empty(batch, 32, 128, dtype=torch.bfloat16, device="meta")
         launches = plan_flash_attention(q, blocks, lengths, table, offsets, layer, 0.1)[1]
         launches += plan_store_kv(rows, rows, blocks, lengths, table, offsets, layer)
+        blocks, scales, lengths, table, offsets, latent, rope = aot._mla_paged(torch.bfloat16, "fp8", batch, 1, 128)
+        q_nope = torch.empty(batch, 16, 512, dtype=torch.bfloat16, device="meta")
+        q_rope = torch.empty(batch, 16, 64, dtype=torch.bfloat16, device="meta")
+        launches += plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, layer, 0.1, True, scales)[1][:1]
+        launches += plan_store_latent(latent, rope, blocks, lengths, table, offsets, layer, scales)
         for launch in launches:
             keys.setdefault(launch.kernel.__name__, set()).add(aot.compile_key(launch, 90))
 print(sorted((name, len(found)) for name, found in keys.items()))
@@ -87,4 +137,6 @@ def test_growing_batch_and_other_layers_compile_nothing_new():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, "-c", GROWING_STEPS], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip() == "[('_attention_kernel', 1), ('_store_kv_kernel', 1)]"
+    assert run.stdout.strip() == (
+        "[('_attention_kernel', 1), ('_mla_attention_kernel', 1), ('_store_kv_kernel', 1), ('_store_latent_kernel', 1)]"
+    )

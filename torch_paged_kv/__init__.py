@@ -20,7 +20,9 @@ from .ops import (
     copy_pages,
     flash_attention,
     gather_kv,
+    mla_attention,
     store_kv,
+    store_latent,
 )
 from .params import KVCacheParams
 from .step import StepPlan
@@ -45,6 +47,8 @@ __all__ = [
     "gather_kv",
     "load_cache",
     "mark_step_dynamic",
+    "mla_attention",
     "save_cache",
     "store_kv",
+    "store_latent",
 ]

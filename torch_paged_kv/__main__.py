@@ -17,15 +17,40 @@ def _size(num_bytes: int) -> str:
     raise AssertionError
 
 
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _quantization(params: KVCacheParams) -> str:
     if not params.quantized:
-        return f"none ({str(params.dtype).removeprefix('torch.')})"
-    fp8 = str(params.dtype).removeprefix("torch.")
+        return f"none ({_name(params.dtype)})"
+    fp8 = _name(params.dtype)
     if params.static_scales is not None:
-        return f"{fp8}, one static scale per tensor ({', '.join(map(str, params.static_scales))} for K, V)"
+        planes = "the latent" if params.is_mla else "K, V"
+        return f"{fp8}, one static scale per tensor ({', '.join(map(str, params.static_scales))} for {planes})"
+    if params.is_mla:
+        return (
+            f"{fp8} latent, a {_name(params.scale_dtype)} scale per token and {params.quantization_granularity} "
+            f"latent elements ({params.scales_per_head} per token of {params.kv_lora_rank})"
+        )
     return (
-        f"{fp8}, a {str(params.scale_dtype).removeprefix('torch.')} scale per token, head and "
+        f"{fp8}, a {_name(params.scale_dtype)} scale per token, head and "
         f"{params.quantization_granularity} elements ({params.scales_per_head} per head of {params.head_dim})"
+    )
+
+
+def _mla(params: KVCacheParams) -> str:
+    """The MLA row: latent then rope, and its bytes per token and layer."""
+    scales = ""
+    if params.quantized:
+        scales = ", one static scale" if params.static_scales is not None else (
+            f", one {_name(params.scale_dtype)} scale per token" if params.scales_per_head == 1
+            else f", {params.scales_per_head} {_name(params.scale_dtype)} scales per token"
+        )  # fmt: skip
+    row_bytes = (params.bytes_per_token + params.scale_bytes_per_token) // params.num_layers
+    return (
+        f"latent {params.kv_lora_rank} ({_name(params.dtype)}{scales}) + rope {params.rope_dim} "
+        f"({_name(params.rope_dtype)}): {row_bytes} bytes per token and layer"
     )
 
 
@@ -50,6 +75,7 @@ def _describe(info: CheckpointInfo) -> str:
         f"{meta.get('torch_paged_kv_version', '?')} / torch {meta.get('torch_version', '?')}",
         f"params:     {', '.join(f'{k}={v}' for k, v in p.to_dict().items())}",
         f"quantized:  {_quantization(p)}",
+        *([f"mla:        {_mla(p)}"] if p.is_mla else []),
         f"kv heads:   {_heads(p)}",
         f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
         f"({info.page_tokens} tokens each, {_size(info.num_pages * page_bytes)})",

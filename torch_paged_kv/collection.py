@@ -113,13 +113,29 @@ class _Collection:
     def get_value_cache(self, layer_idx: int) -> PagedKVCache:
         """Per-layer view of the values; an MLA cache has none."""
         if self.params.is_mla:
-            raise ValueError("get_value_cache: an MLA cache has a single latent plane; use get_key_cache")
+            raise ValueError(
+                "get_value_cache: an MLA cache has no value plane: its one latent row per token serves as "
+                "both keys (latent + rope) and values (the latent, read by mla_attention); use get_key_cache"
+            )
         return self._view(layer_idx, 1)
+
+    def get_latent_cache(self, layer_idx: int) -> PagedKVCache:
+        """Per-layer view of an MLA cache's latent rows (the same as `get_key_cache`)."""
+        if not self.params.is_mla:
+            raise ValueError("get_latent_cache: only an MLA cache (is_mla=True) has latent rows")
+        return self._view(layer_idx, 0)
 
     def _view(self, layer_idx: int, plane: int) -> PagedKVCache:
         view_type = ContinuousBatchingKVCache if self.lookup_table.dim() == 1 else PagedKVCache
         return view_type(
-            self.blocks, self.cache_lengths, self.lookup_table, layer_idx, plane, self.input_row_offsets, self.scales
+            self.blocks,
+            self.cache_lengths,
+            self.lookup_table,
+            layer_idx,
+            plane,
+            self.input_row_offsets,
+            self.scales,
+            rope_dim=self.params.rope_dim or 0,
         )
 
 
@@ -197,6 +213,12 @@ class PagedKVCache:
     pair): `load` then dequantizes, `load_quantized` / `store` move raw FP8 elements, and
     `load_scale` / `store_scale` the scales, whose row view has the same rows as `blocks`' row view
     (`scale_row_view`, `scale_col_idx`).
+
+    An MLA view (`blocks` with one plane) with `rope_dim > 0` splits each row into `kv_lora_rank`
+    latent elements and `rope_dim` rope elements (bf16 after FP8 latent bytes in an FP8 cache):
+    `latent_row_view` / `rope_row_view` are the two column ranges of `row_view` (same rows: MAX's
+    content and rope TMA tiles), `load_latent` / `load_rope` / `store_rope` read and write them, and
+    `load` reads the logical row (latent, dequantized, then rope).
     """
 
     def __init__(
@@ -208,6 +230,7 @@ class PagedKVCache:
         plane: int = 0,
         input_row_offsets: torch.Tensor | None = None,
         scales: torch.Tensor | None = None,
+        rope_dim: int = 0,
     ) -> None:
         if blocks.dim() != 6:
             raise ValueError(f"blocks: expected 6 dims, got shape {tuple(blocks.shape)}")
@@ -231,6 +254,12 @@ class PagedKVCache:
         self.quantization_enabled = blocks.dtype in FP8_DTYPES
         if self.quantization_enabled and (scales is None or scales.dim() not in (1, 6)):
             raise ValueError("scales: an FP8 cache needs its scales (per granule, 6 dims, or the static [planes] pair)")
+        self.is_mla = num_planes == 1
+        self.rope_dim = rope_dim
+        rope_width = rope_dim * (2 if self.quantization_enabled else 1)  # bf16 rope after FP8 latent bytes
+        if rope_dim < 0 or (rope_dim and not self.is_mla) or rope_width >= self.head_dim:
+            raise ValueError(f"rope_dim: expected 0 (or 0 < rope width < head_dim for an MLA pool), got {rope_dim}")
+        self.kv_lora_rank = self.head_dim - rope_width if self.is_mla else None
 
     # -- lengths ---------------------------------------------------------------------------
     def cache_length(self, batch_idx: int) -> int:
@@ -300,8 +329,10 @@ class PagedKVCache:
 
     @property
     def quantization_granularity(self) -> int | None:
-        """Elements of head_dim sharing one scale (None: unquantized or a static per-tensor scale)."""
-        return self.head_dim // self.scales.shape[-1] if self.per_granule else None
+        """Elements of head_dim (MLA: of the latent) sharing one scale (None: unquantized or a static
+        per-tensor scale)."""
+        width = self.kv_lora_rank if self.is_mla else self.head_dim
+        return width // self.scales.shape[-1] if self.per_granule else None
 
     @property
     def scale_dtype(self) -> torch.dtype | None:
@@ -352,7 +383,11 @@ class PagedKVCache:
 
     def load(self, batch_idx: int, head_idx: int, tok: int, dim: int = 0, width: int | None = None) -> torch.Tensor:
         """`width` elements (default: to the end of the head) of one cached token's head vector;
-        dequantized to fp32 for an FP8 cache."""
+        dequantized to fp32 for an FP8 cache. An FP8 MLA row with rope reads as its logical row:
+        `kv_lora_rank` dequantized latent elements, then `rope_dim` rope elements (as fp32)."""
+        if self.is_mla and self.quantization_enabled and self.rope_dim:
+            row = torch.cat((self.load_latent(batch_idx, tok), self.load_rope(batch_idx, tok).float()))
+            return row[dim : None if width is None else dim + width]
         raw = self._raw(batch_idx, head_idx, tok, dim, width)
         if not self.quantization_enabled:
             return raw
@@ -368,6 +403,47 @@ class PagedKVCache:
         the cache's dtype (for an FP8 cache: quantized values; write their scales with `store_scale`)."""
         col = self.col_idx(head_idx) + dim
         self.row_view()[self.row_idx(batch_idx, tok), col : col + values.numel()] = values.reshape(-1)
+
+    # -- MLA rows: latent, then rope (MAX's content and rope tiles) -------------------------------
+    def _require_mla(self, name: str) -> int:
+        if not self.is_mla:
+            raise ValueError(f"{name}: only an MLA cache (one plane) has latent and rope columns")
+        return self.kv_lora_rank
+
+    def latent_row_view(self) -> torch.Tensor:
+        """The latent columns of `row_view()`: `[num_kv_rows, kv_lora_rank]` in `blocks`' dtype (raw
+        FP8 for an FP8 cache; its scales are `scale_row_view()`)."""
+        return self.row_view()[:, : self._require_mla("latent_row_view")]
+
+    def rope_row_view(self) -> torch.Tensor:
+        """The rope columns of `row_view()` as `[num_kv_rows, rope_dim]` rope elements: bf16 viewed
+        from the bytes after the FP8 latent in an FP8 cache (what MAX's rope TMA tile reads), else the
+        trailing columns. Same rows as `row_view()` (`row_idx`, `get_tma_row`)."""
+        rank = self._require_mla("rope_row_view")
+        rows = self.row_view()
+        if not self.quantization_enabled:
+            return rows[:, rank:]
+        return rows.view(torch.uint8)[:, rank:].view(torch.bfloat16)
+
+    def load_latent(self, batch_idx: int, tok: int) -> torch.Tensor:
+        """One cached token's latent `[kv_lora_rank]` (fp32, dequantized, for an FP8 cache)."""
+        rank = self._require_mla("load_latent")
+        raw = self.latent_row_view()[self.row_idx(batch_idx, tok)]
+        if not self.quantization_enabled:
+            return raw
+        if not self.per_granule:
+            return raw.float() * self.scales[0]
+        groups = torch.arange(rank, device=raw.device) // (rank // self.scales.shape[-1])
+        return raw.float() * self.scale_row_view()[self.row_idx(batch_idx, tok)][groups]
+
+    def load_rope(self, batch_idx: int, tok: int) -> torch.Tensor:
+        """One cached token's rope key `[rope_dim]`, in the rope dtype (bf16 in an FP8 cache)."""
+        return self.rope_row_view()[self.row_idx(batch_idx, tok)]
+
+    def store_rope(self, batch_idx: int, tok: int, values: torch.Tensor) -> None:
+        """Write one cached token's rope key (cast to the rope dtype)."""
+        view = self.rope_row_view()
+        view[self.row_idx(batch_idx, tok)] = values.reshape(-1).to(view.dtype)
 
 
 class ContinuousBatchingKVCache(PagedKVCache):

@@ -17,6 +17,8 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 }
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
+ROPE_DTYPE = torch.bfloat16
+"""The rope part of an FP8 MLA row stays in this dtype (MAX's rope-aware row)."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -27,14 +29,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class KVCacheParams:
     """What a KV cache holds: element type, layer count, heads, head size and page size.
 
-    `is_mla=True` describes a latent (MLA) cache: one plane per layer instead of K and V.
+    `is_mla=True` describes a latent (MLA) cache: one plane per layer instead of K and V, one head,
+    and a row per token of `kv_lora_rank` latent elements followed by `rope_dim` rotated rope-key
+    elements (`KVCacheParams.mla(...)` builds one). `head_dim` is then the row width in `dtype`
+    elements: `kv_lora_rank + rope_dim`, or for an FP8 cache `kv_lora_rank + 2 * rope_dim` (MAX's
+    rope-aware row: FP8 latent bytes, then the rope in bf16, two bytes per element). An MLA dict
+    written before these fields existed loads as `kv_lora_rank = head_dim`, `rope_dim = 0`.
 
     An FP8 `dtype` (`torch.float8_e4m3fn` / `torch.float8_e5m2`) makes a quantized cache, in one of
     two ways (MAX's quantized `PagedKVCache`, vLLM's per-tensor FP8):
 
     - per granule (the default): a `scales` tensor beside `blocks` holds one `scale_dtype` scale per
       token, head and `quantization_granularity` elements of head_dim (a divisor of head_dim;
-      head_dim, the default, means one scale per token and head). Stored value = round(x / scale),
+      head_dim, the default, means one scale per token and head; for MLA the granules cover the
+      latent only, `kv_lora_rank` by default: one scale per token). Stored value = round(x / scale),
       scale = amax of the granule / the dtype's max.
     - per tensor: `static_scales=(k_scale, v_scale)` (one value for MLA), fixed, no `scales` tensor.
 
@@ -60,6 +68,35 @@ class KVCacheParams:
     tp_rank: int = 0
     kv_head_start: int = 0
     total_kv_heads: int | None = None
+    kv_lora_rank: int | None = None
+    rope_dim: int | None = None
+
+    @classmethod
+    def mla(
+        cls,
+        dtype: torch.dtype,
+        num_layers: int,
+        page_size: int,
+        kv_lora_rank: int = 512,
+        rope_dim: int = 64,
+        **quantization: Any,
+    ) -> KVCacheParams:
+        """An MLA latent cache (DeepSeek-V2/V3: `kv_lora_rank` 512, `rope_dim` 64): one head whose row
+        is the latent then the rope key; `head_dim` is derived (see the class docstring)."""
+        per_rope = 2 if dtype in FP8_DTYPES else 1  # bf16 rope elements in an FP8 row take two bytes
+        numbers = all(isinstance(n, int) for n in (kv_lora_rank, rope_dim))
+        head_dim = kv_lora_rank + per_rope * rope_dim if numbers else 0  # bad values: __post_init__ names them
+        return cls(
+            dtype,
+            num_layers,
+            1,
+            head_dim,
+            page_size,
+            True,
+            kv_lora_rank=kv_lora_rank,
+            rope_dim=rope_dim,
+            **quantization,
+        )
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES.values():
@@ -72,8 +109,33 @@ class KVCacheParams:
             raise ValueError(f"is_mla: expected a bool, got {self.is_mla!r}")
         if self.is_mla and self.num_kv_heads != 1:
             raise ValueError(f"num_kv_heads: an MLA cache has one latent head, got {self.num_kv_heads}")
+        self._check_mla()
         self._check_quantization()
         self._check_tensor_parallel()
+
+    def _check_mla(self) -> None:
+        given = {k: getattr(self, k) for k in ("kv_lora_rank", "rope_dim")}
+        if not self.is_mla:
+            extra = [k for k, v in given.items() if v is not None]
+            if extra:
+                raise ValueError(f"{extra[0]}: only an MLA cache (is_mla=True) has a latent/rope split")
+            return
+        rope_dim = 0 if self.rope_dim is None else self.rope_dim
+        if not isinstance(rope_dim, int) or isinstance(rope_dim, bool) or rope_dim < 0:
+            raise ValueError(f"rope_dim: expected an int >= 0, got {rope_dim!r}")
+        rope_width = rope_dim * self.rope_elements_per_dtype_element
+        rank = self.head_dim - rope_width if self.kv_lora_rank is None else self.kv_lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+            raise ValueError(f"kv_lora_rank: expected a positive int, got {rank!r}")
+        if self.head_dim != rank + rope_width:
+            layout = (
+                "kv_lora_rank + 2 * rope_dim (FP8 latent, bf16 rope)" if self.quantized else "kv_lora_rank + rope_dim"
+            )
+            raise ValueError(f"head_dim: an MLA row is {layout} = {rank + rope_width} elements, got {self.head_dim}")
+        if self.quantized and rope_dim and rank % 2:
+            raise ValueError(f"kv_lora_rank: an FP8 row's bf16 rope must start 2-byte aligned; got odd {rank}")
+        object.__setattr__(self, "kv_lora_rank", rank)  # normalised: equal params compare equal
+        object.__setattr__(self, "rope_dim", rope_dim)
 
     def _check_quantization(self) -> None:
         quantized = self.dtype in FP8_DTYPES
@@ -99,13 +161,13 @@ class KVCacheParams:
                 raise ValueError(f"static_scales: expected finite positive floats, got {scales!r}")
             object.__setattr__(self, "static_scales", tuple(float(s) for s in scales))
             return
-        granularity = self.head_dim if self.quantization_granularity is None else self.quantization_granularity
+        width = self.quantized_width
+        granularity = width if self.quantization_granularity is None else self.quantization_granularity
         if not isinstance(granularity, int) or isinstance(granularity, bool) or granularity <= 0:
             raise ValueError(f"quantization_granularity: expected a positive int, got {granularity!r}")
-        if self.head_dim % granularity:
-            raise ValueError(
-                f"quantization_granularity: expected a divisor of head_dim={self.head_dim}, got {granularity}"
-            )
+        if width % granularity:
+            what = f"kv_lora_rank={width}" if self.is_mla else f"head_dim={width}"
+            raise ValueError(f"quantization_granularity: expected a divisor of {what}, got {granularity}")
         scale_dtype = torch.float32 if self.scale_dtype is None else self.scale_dtype
         if scale_dtype not in SCALE_DTYPES.values():
             raise ValueError(f"scale_dtype: expected one of {list(SCALE_DTYPES)}, got {scale_dtype}")
@@ -140,6 +202,23 @@ class KVCacheParams:
         return 1 if self.is_mla else 2
 
     @property
+    def rope_elements_per_dtype_element(self) -> int:
+        """`dtype` elements one rope element takes in an MLA row: 2 for an FP8 cache (bf16 rope), else 1."""
+        return 2 if self.quantized else 1  # FP8 elements are bytes; ROPE_DTYPE (bf16) takes two
+
+    @property
+    def rope_dtype(self) -> torch.dtype | None:
+        """The dtype of an MLA row's rope part: bf16 in an FP8 cache (rope-aware), else `dtype`."""
+        if not self.is_mla:
+            return None
+        return ROPE_DTYPE if self.quantized else self.dtype
+
+    @property
+    def quantized_width(self) -> int:
+        """Elements of a head's row that an FP8 cache quantizes: head_dim, or an MLA cache's latent."""
+        return self.kv_lora_rank if self.is_mla else self.head_dim
+
+    @property
     def quantized(self) -> bool:
         """Whether the cache stores FP8 values (with a `scales` tensor or static scales)."""
         return self.dtype in FP8_DTYPES
@@ -151,8 +230,9 @@ class KVCacheParams:
 
     @property
     def scales_per_head(self) -> int:
-        """Scales per token and head: `head_dim / quantization_granularity` (0 without a scales tensor)."""
-        return self.head_dim // self.quantization_granularity if self.has_scales_tensor else 0
+        """Scales per token and head: `head_dim / quantization_granularity` (MLA: `kv_lora_rank / ...`;
+        0 without a scales tensor)."""
+        return self.quantized_width // self.quantization_granularity if self.has_scales_tensor else 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -173,9 +253,9 @@ class KVCacheParams:
         tensor-parallel fields only where they differ from their defaults)."""
         out = dataclasses.asdict(self)
         out["dtype"] = _dtype_name(self.dtype)
-        for name in ("quantization_granularity", "scale_dtype", "static_scales"):
+        for name in ("quantization_granularity", "scale_dtype", "static_scales", "kv_lora_rank", "rope_dim"):
             if out[name] is None:
-                del out[name]  # unquantized params keep the format they always had
+                del out[name]  # unquantized (MHA) params keep the format they always had
         if self.scale_dtype is not None:
             out["scale_dtype"] = _dtype_name(self.scale_dtype)
         if self.static_scales is not None:

@@ -111,6 +111,20 @@ class StepPlan:
         self._remember("flash_attention", layer_idx, args, q)
         return out
 
+    def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
+        """`api.store_latent` of this step's latents `[total_new, kv_lora_rank]` and rotated rope keys
+        `[total_new, rope_dim]` into layer `layer_idx` of an MLA cache."""
+        op = getattr(_OPS.store_latent, self._checked(layer_idx))
+        op(latent, k_rope, self.blocks, *self.step, layer_idx, self.scales)
+
+    def mla_attention(
+        self, q_nope: Tensor, q_rope: Tensor, layer_idx: int, softmax_scale: float, causal: bool = True
+    ) -> Tensor:
+        """`api.mla_attention` (absorbed MLA) of this step's queries at layer `layer_idx` -> `[total_new,
+        num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK."""
+        op = getattr(_OPS.mla_attention, self._checked(layer_idx))
+        return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, self.scales)
+
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
         kernel = self._direct("gather_kv", layer_idx) if out_dtype is None else None

@@ -11,7 +11,7 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE as TOLERANCE
-from torch_paged_kv.testing import PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
 
 CUDA = torch.device("cuda")
 if torch.cuda.is_available() and unavailable_reason(CUDA) is not None:
@@ -76,6 +76,44 @@ def test_store_gather_copy_bit_exact(page_size, slots):
     reference.copy_pages(expected, src, dst)
     ops.copy_pages(batch.blocks, src, dst)
     assert torch.equal(batch.blocks, expected)
+
+
+def test_one_sequence_continuous_batching_pool_of_65536_slots():
+    """Issue 14 at full size: a continuous-batching pool of 65,536-token slots x 33 layers x 8 x 128
+    (bf16: 8.9 GB per slot, 3 slots with the null one, plus a slot of copy scratch). Layer 32 starts
+    2**31 elements into its slot, where an int32 `layer_idx * stride_layer` wrapped (store_kv wrote
+    into layer 0); a slot is 4.4e9 elements, 4.3 million copy_pages chunks, which were on grid y
+    (limit 65,535). One sequence decodes its last token at layer 32."""
+    import torch_paged_kv as pk
+
+    slot, layers, layer = 65536, 33, 32
+    if torch.cuda.mem_get_info()[0] < 48 * 2**30:
+        pytest.skip("needs 48 GB of free GPU memory")
+    params = pk.KVCacheParams(torch.bfloat16, num_layers=layers, num_kv_heads=8, head_dim=128, page_size=slot)
+    pool = pk.ContinuousBatchingKVCacheCollection(params, max_batch_size=2, max_seq_len=slot, device=CUDA)
+    blocks = pool.blocks
+    assert layer * blocks.stride(2) >= 2**31 and blocks[0].numel() // 1024 > 65535
+    gen = torch.Generator(device=CUDA).manual_seed(14)
+    blocks[1, :, layer] = torch.randn(2, slot, 8, 128, generator=gen, device=CUDA).to(torch.bfloat16)
+    blocks[1, :, layer, -1] = 0  # the new token's slot
+    q, key, value = (torch.randn(1, h, 128, generator=gen, device=CUDA).to(torch.bfloat16) for h in (32, 8, 8))
+    cache_lengths = torch.tensor([slot - 1], dtype=torch.int32, device=CUDA)
+    table = pool.lookup_table[:1]  # slot 1
+    offsets = torch.tensor([0, 1], dtype=torch.int32, device=CUDA)
+    step = (cache_lengths, table, offsets, layer)
+
+    ops.store_kv(key, value, blocks, *step)
+    assert torch.equal(blocks[1, 0, layer, -1], key[0]) and torch.equal(blocks[1, 1, layer, -1], value[0])
+    assert not blocks[1, :, :layer].any() and not blocks[2].any()
+
+    args = (q, blocks, *step, 128**-0.5)
+    torch.testing.assert_close(ops.flash_attention(*args), reference.flash_attention(*args), **TOLERANCE[q.dtype])
+    for got, want in zip(ops.gather_kv(blocks, *step, slot), reference.gather_kv(blocks, *step, slot), strict=True):
+        assert torch.equal(got, want)
+
+    pages = (torch.tensor([page], dtype=torch.int32, device=CUDA) for page in (1, 2))
+    ops.copy_pages(blocks, *pages)
+    assert torch.equal(blocks[2, :, layer], blocks[1, :, layer]) and not blocks[2, :, :layer].any()
 
 
 # -- flash_attention -------------------------------------------------------------------------
@@ -220,3 +258,28 @@ def test_decode_step_compiled_reduce_overhead():
         assert torch.equal(batch.blocks, want_blocks)
         torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
         batch.cache_lengths.add_(1)
+
+
+@pytest.mark.parametrize(
+    "dtype, granularity", [(torch.float8_e4m3fn, 128), (torch.float8_e4m3fn, 32), (torch.float8_e5m2, None)]
+)
+def test_fp8_cache_store_gather_bit_exact_and_attention(dtype, granularity):
+    """FP8 pages on the GPU: quantized bytes and scales equal the reference backend's on the CPU (IEEE
+    division, round to nearest even), dequantized reads too; attention (prefill, chunked, decode)
+    against fp64 on the dequantized K/V."""
+    cached, new = [0, 1000, 4000, 37], [300, 1, 1, 64]
+    b, new_keys, new_values = make_fp8_batch(
+        cached, new, dtype=dtype, granularity=granularity, page_size=16, num_kv_heads=8, head_dim=128, group=4
+    )
+    cpu = [t.clone() for t in (b.blocks, b.scales)]
+    reference.store_kv(new_keys, new_values, cpu[0], *b.step, b.layer_idx, cpu[1])
+    step = [t.to(CUDA) for t in b.step]
+    blocks, scales = b.blocks.to(CUDA), b.scales.to(CUDA)
+    ops.store_kv(new_keys.to(CUDA), new_values.to(CUDA), blocks, *step, b.layer_idx, scales)
+    assert torch.equal(blocks.view(torch.uint8).cpu(), cpu[0].view(torch.uint8)) and torch.equal(scales.cpu(), cpu[1])
+    got = ops.gather_kv(blocks, *step, b.layer_idx, 4001, scales, torch.float32)
+    want = reference.gather_kv(cpu[0], *b.step, b.layer_idx, 4001, cpu[1], torch.float32)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    out = ops.flash_attention(b.q.to(CUDA), blocks, *step, b.layer_idx, 128**-0.5, scales=scales)
+    expected = attention_fp64(b.q, b.keys, b.values, cached, 128**-0.5)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCE[out.dtype])

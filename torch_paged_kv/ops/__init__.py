@@ -13,7 +13,7 @@ from . import (
     backends,  # noqa: F401  (registers the backends)
     library,  # noqa: F401  (registers torch.ops.paged_kv.*)
 )
-from .api import copy_pages, flash_attention, gather_kv, store_kv
+from .api import copy_pages, flash_attention, gather_kv, mla_attention, store_kv, store_latent
 from .dispatch import BackendUnavailableError, backend_info
 
 store_kv_unchecked = torch.ops.paged_kv.store_kv.unchecked
@@ -30,6 +30,12 @@ copy_pages_unchecked = torch.ops.paged_kv.copy_pages.unchecked
 """`copy_pages` without the value checks (shape checks still run): page ids out of range or
 duplicate destinations are not caught."""
 
+store_latent_unchecked = torch.ops.paged_kv.store_latent.unchecked
+"""`store_latent` without the value checks (shape checks still run); see `store_kv_unchecked`."""
+
+mla_attention_unchecked = torch.ops.paged_kv.mla_attention.unchecked
+"""`mla_attention` without the value checks (shape checks still run); see `store_kv_unchecked`."""
+
 __all__ = [
     "BackendUnavailableError",
     "backend_info",
@@ -39,6 +45,10 @@ __all__ = [
     "flash_attention_unchecked",
     "gather_kv",
     "gather_kv_unchecked",
+    "mla_attention",
+    "mla_attention_unchecked",
     "store_kv",
     "store_kv_unchecked",
+    "store_latent",
+    "store_latent_unchecked",
 ]

@@ -15,6 +15,13 @@ sequences and `total_new` new tokens:
 - `scales` (FP8 caches only, else None): fp32 `[num_pages, 2, num_layers, page_size, num_kv_heads,
   head_dim / granularity]` (one scale per granule, beside `blocks`), or `[2]` (a static per-tensor
   scale per plane). See `quant.py` for the rule.
+
+The MLA ops (`store_latent`, `mla_attention`) take an MLA latent pool instead: `blocks` `[num_pages, 1,
+num_layers, page_size, 1, row]`, one row per token: `kv_lora_rank` latent elements then `rope_dim`
+rope-key elements (`row = kv_lora_rank + rope_dim`), or for an FP8 pool the FP8 latent bytes then
+the rope as bf16 (`row = kv_lora_rank + 2 * rope_dim` bytes: MAX's rope-aware row), with `scales`
+`[num_pages, 1, num_layers, page_size, 1, kv_lora_rank / granularity]` (per token by default) or `[1]`.
+`kv_lora_rank` and `rope_dim` are read from the shapes of the latent and rope arguments.
 """
 
 from __future__ import annotations
@@ -110,8 +117,81 @@ def copy_pages(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Ten
     torch.ops.paged_kv.copy_pages.default(blocks, src_pages, dst_pages, scales)
 
 
-OPS = {"store_kv": store_kv, "flash_attention": flash_attention, "gather_kv": gather_kv, "copy_pages": copy_pages}
+def store_latent(
+    latent: Tensor,
+    k_rope: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    scales: Tensor | None = None,
+) -> None:
+    """Write this step's compressed latents and rotated rope keys into their MLA rows (mutates `blocks`,
+    and `scales`).
+
+    `latent`: `[total_new, kv_lora_rank]`, `k_rope`: `[total_new, rope_dim]` (after rotary embedding),
+    in `blocks`' dtype (an FP8 pool takes fp32/fp16/bf16 rows: the latent is quantized, the rope
+    stored as bf16). Slots as for `store_kv`; `cache_lengths` is not advanced.
+    """
+    torch.ops.paged_kv.store_latent.default(
+        latent, k_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales
+    )
+
+
+def mla_attention(
+    q_nope: Tensor,
+    q_rope: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    scales: Tensor | None = None,
+) -> Tensor:
+    """Absorbed multi-head latent attention (DeepSeek-V2 MLA) over each sequence's `cache_lengths[b] +
+    new_b` latent rows -> `[total_new, num_heads, kv_lora_rank]` (the latent-space output: multiply
+    by W_UV per head for the value heads).
+
+    `q_nope`: `[total_new, num_heads, kv_lora_rank]`, the no-rope query already multiplied by W_UK;
+    `q_rope`: `[total_new, num_heads, rope_dim]`, the rotated rope query. All heads share each
+    token's one row: score_j = (q_nope . latent_j + q_rope . k_rope_j) * softmax_scale, output =
+    softmax(score) . latent. Call after `store_latent` of the same step; `causal` as for
+    `flash_attention`. Accumulates in fp32 (an FP8 pool is dequantized on read; `q` is then fp32,
+    fp16 or bf16, and the output takes its dtype).
+    """
+    return torch.ops.paged_kv.mla_attention.default(
+        q_nope,
+        q_rope,
+        blocks,
+        cache_lengths,
+        lookup_table,
+        input_row_offsets,
+        layer_idx,
+        softmax_scale,
+        causal,
+        scales,
+    )
+
+
+OPS = {
+    "store_kv": store_kv,
+    "flash_attention": flash_attention,
+    "gather_kv": gather_kv,
+    "copy_pages": copy_pages,
+    "store_latent": store_latent,
+    "mla_attention": mla_attention,
+}
 """op name -> its typed public function (what `library.py` registers)."""
 
-MUTATED = {"store_kv": ("blocks", "scales"), "flash_attention": (), "gather_kv": (), "copy_pages": ("blocks", "scales")}
+MUTATED = {
+    "store_kv": ("blocks", "scales"),
+    "flash_attention": (),
+    "gather_kv": (),
+    "copy_pages": ("blocks", "scales"),
+    "store_latent": ("blocks", "scales"),
+    "mla_attention": (),
+}
 """op name -> the arguments it writes (declared `Tensor(a!)` in its schema)."""

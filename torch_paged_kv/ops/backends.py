@@ -5,7 +5,7 @@ Declaring a backend imports neither its kernels nor triton / cutlass: that happe
 
 from __future__ import annotations
 
-from . import cpu, cute, dispatch, reference
+from . import cpu, cute, dispatch, reference, reference_mla
 from . import triton as triton_kernels
 
 
@@ -16,7 +16,11 @@ def _register(name: str, unavailable_reason, kernels: dict) -> None:
         dispatch.register_kernel(name, op, *entry)
 
 
-_register("reference", lambda device: None, {op: (getattr(reference, op), None) for op in dispatch.OPS})
+_register(
+    "reference",
+    lambda device: None,
+    {op: (getattr(reference_mla if op in dispatch.MLA_OPS else reference, op), None) for op in dispatch.OPS},
+)
 _register("cpu", cpu.unavailable_reason, cpu.KERNELS)
 _register("triton", triton_kernels.unavailable_reason, triton_kernels.KERNELS)
 _register("cute", cute.unavailable_reason, cute.KERNELS)

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
+OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages", "store_latent", "mla_attention")
+KV_OPS = ("store_kv", "flash_attention", "gather_kv")  # read or write K/V planes: not for an MLA cache
+MLA_OPS = ("store_latent", "mla_attention")  # read or write MLA latent rows: only for an MLA cache
 BACKENDS = ("cute", "triton", "cpu", "reference")
 # What runs when nothing is forced, best first. CUDA joins "cute" here once tests/gpu has verified
 # its kernels on a real GPU; until then it runs only when forced. CPU: the compiled kernels, or the
@@ -98,12 +100,15 @@ def select(op: str, device: torch.device, args: tuple) -> Kernel:
 
 def backend_info(device: torch.device | str = "cpu", params: Any = None) -> dict[str, str]:
     """For each op, the backend a typical call on `device` would use (or why none can). With `params`
-    (`KVCacheParams`), for a call on a cache of those params: a backend that declines such caches is
-    skipped, and the answer says which and why, e.g. "reference (triton: ...)"."""
+    (`KVCacheParams`), for a call on a cache of those params: only the ops that apply to it (an MLA
+    cache: copy_pages, store_latent, mla_attention; a K/V cache: the other four), a backend that
+    declines such caches is skipped, and the answer says which and why, e.g. "reference (triton: ...)"."""
     device = torch.device(device)
     forced = forced_backend()
     info = {}
     for op in OPS:
+        if params is not None and op in (KV_OPS if params.is_mla else MLA_OPS):
+            continue  # ops that do not apply to such a cache (K/V ops on an MLA cache, MLA ops on K/V)
         candidates = (forced,) if forced else DEFAULT_ORDER.get(device.type, FALLBACK_ORDER)
         reasons = {}
         for backend in candidates:

@@ -83,7 +83,7 @@ def _flash_attention_fake(
         q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
         softcap, scales,
     )  # fmt: skip
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as every backend returns it (empty_like would keep q's strides)
 
 
 @_register_fake("gather_kv")
@@ -108,6 +108,41 @@ def _gather_kv_fake(
 @_register_fake("copy_pages")
 def _copy_pages_fake(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
     validate.check_copy_pages_meta(blocks, src_pages, dst_pages, scales)
+
+
+@_register_fake("store_latent")
+def _store_latent_fake(
+    latent: Tensor,
+    k_rope: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    scales: Tensor | None = None,
+) -> None:
+    validate.check_store_latent_meta(
+        latent, k_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales
+    )
+
+
+@_register_fake("mla_attention")
+def _mla_attention_fake(
+    q_nope: Tensor,
+    q_rope: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    scales: Tensor | None = None,
+) -> Tensor:
+    validate.check_mla_attention_meta(
+        q_nope, q_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, scales
+    )
+    return q_nope.new_empty(q_nope.shape)  # contiguous whatever q_nope's strides (as every backend returns it)
 
 
 # -- implementations: validate, then the selected backend's kernel ----------------------------
@@ -166,11 +201,31 @@ def _copy_pages(*args: Any, value_checks: bool = True) -> None:
     dispatch.select("copy_pages", args[0].device, args)(*args)
 
 
+def _store_latent(*args: Any, value_checks: bool = True) -> None:
+    args = _complete["store_latent"](args)
+    latent, _, blocks, cache_lengths, lookup_table, input_row_offsets, _, _ = args
+    validate.check_store_latent_meta(*args)
+    if value_checks and validate.data_checks_enabled(blocks.device):
+        validate.check_store_kv_data(latent, blocks, cache_lengths, lookup_table, input_row_offsets)
+    dispatch.select("store_latent", blocks.device, args)(*args)
+
+
+def _mla_attention(*args: Any, value_checks: bool = True) -> Tensor:
+    args = _complete["mla_attention"](args)
+    q_nope, _, blocks, cache_lengths, lookup_table, input_row_offsets = args[:6]
+    validate.check_mla_attention_meta(*args)
+    if value_checks and validate.data_checks_enabled(blocks.device):
+        validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, q_nope.shape[0])
+    return dispatch.select("mla_attention", blocks.device, args)(*args)
+
+
 for _name, _impl in (
     ("store_kv", _store_kv),
     ("flash_attention", _flash_attention),
     ("gather_kv", _gather_kv),
     ("copy_pages", _copy_pages),
+    ("store_latent", _store_latent),
+    ("mla_attention", _mla_attention),
 ):
     lib.impl(_name, _impl, "CompositeExplicitAutograd")
     lib.impl(f"{_name}.unchecked", functools.partial(_impl, value_checks=False), "CompositeExplicitAutograd")

@@ -74,6 +74,14 @@ def _check_blocks(blocks: Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)
     if blocks.dtype not in CACHE_DTYPES:
         _fail("blocks", f"expected dtype float32/float16/bfloat16/float8_e4m3fn/float8_e5m2, got {blocks.dtype}")
     if blocks.shape[1] not in planes:
+        if planes == (2,) and blocks.shape[1] == 1:
+            _fail(
+                "blocks",
+                "an MLA latent cache (dim 1 is 1: one latent row per token, no K/V planes) is read and "
+                "written by store_latent / mla_attention, not by this K/V op",
+            )
+        if planes == (1,) and blocks.shape[1] == 2:
+            _fail("blocks", "this MLA op needs an MLA latent cache (dim 1 is 1), got a K/V cache (dim 1 is 2)")
         _fail("blocks", f"dim 1 must be {' or '.join(map(str, planes))} for this op, got {blocks.shape[1]}")
     if not blocks.is_contiguous():
         _fail("blocks", "expected a contiguous tensor (kernels address it as rows)")
@@ -82,9 +90,11 @@ def _check_blocks(blocks: Tensor, layer_idx: int, planes: tuple[int, ...] = (2,)
         _fail("layer_idx", f"expected 0..{blocks.shape[2] - 1}, got {layer_idx!r}")
 
 
-def _check_scales(blocks: Tensor, scales: Tensor | None) -> None:
+def _check_scales(blocks: Tensor, scales: Tensor | None, quantized_width: int | None = None) -> None:
     """An FP8 `blocks` needs its fp32 scales: per granule (the shape of `blocks` but for the last dim,
-    a divisor of head_dim) or the static `[planes]` pair; any other cache takes none."""
+    a divisor of `quantized_width`: head_dim, an MLA row's kv_lora_rank) or the static `[planes]`
+    pair; any other cache takes none. Without `quantized_width`, an MLA pool's granules are not checked
+    (its rank is not in the shape of `blocks`)."""
     if blocks.dtype not in FP8_DTYPES:
         if scales is not None:
             _fail("scales", f"only an FP8 cache has scales, but blocks is {blocks.dtype}")
@@ -99,11 +109,16 @@ def _check_scales(blocks: Tensor, scales: Tensor | None) -> None:
         _fail("scales", "expected a contiguous tensor (kernels address it as rows)")
     _check_inference("scales", scales)
     per_tensor = (blocks.shape[1],)
-    per_granule = scales.dim() == 6 and scales.shape[:5] == blocks.shape[:5]
-    if not (per_granule and blocks.shape[5] % scales.shape[5] == 0) and tuple(scales.shape) != per_tensor:
+    per_granule = scales.dim() == 6 and scales.shape[:5] == blocks.shape[:5] and scales.shape[5] > 0
+    if quantized_width is None and blocks.shape[1] == 2:
+        quantized_width = blocks.shape[5]
+    if per_granule and quantized_width is not None:
+        per_granule = quantized_width % scales.shape[5] == 0
+    if not per_granule and tuple(scales.shape) != per_tensor:
+        width = "head_dim" if blocks.shape[1] == 2 else "kv_lora_rank"
         _fail(
             "scales",
-            f"expected [{', '.join(map(str, blocks.shape[:5]))}, head_dim / granularity] (per granule) or "
+            f"expected [{', '.join(map(str, blocks.shape[:5]))}, {width} / granularity] (per granule) or "
             f"{list(per_tensor)} (per tensor), got {list(scales.shape)}",
         )
 
@@ -201,6 +216,102 @@ def check_flash_attention_rows(q, blocks, softmax_scale, softcap) -> None:
         _fail("softmax_scale", f"expected a finite positive float, got {softmax_scale!r}")
     if not softcap >= 0 or softcap == float("inf"):
         _fail("softcap", f"expected a finite float >= 0 (0 disables it), got {softcap!r}")
+
+
+def _check_mla_rows(name: str, t: Tensor, blocks: Tensor, dims: int) -> None:
+    """MLA rows (`[total_new, width]` for the store, `[total_new, heads, width]` for the queries) in
+    `blocks`' dtype (an FP8 pool: fp32/fp16/bf16) on its device."""
+    if not isinstance(t, Tensor) or t.dim() != dims:
+        shape = "[total_new, width]" if dims == 2 else "[total_new, num_heads, width]"
+        _fail(name, f"expected a {dims}-D tensor {shape}, got {_shape_of(t)}")
+    if blocks.dtype in FP8_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
+            _fail(name, f"expected float32/float16/bfloat16 for an FP8 cache ({blocks.dtype}), got {t.dtype}")
+    elif t.dtype != blocks.dtype:
+        _fail(name, f"expected dtype {blocks.dtype} (that of blocks), got {t.dtype}")
+    if t.device != blocks.device:
+        _fail(name, f"expected device {blocks.device} (that of blocks), got {t.device}")
+    _check_inference(name, t)
+
+
+def _shape_of(t: object) -> str:
+    return f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+
+
+def _check_mla_split(latent_name: str, rope_name: str, rank: int, rope_dim: int, blocks: Tensor) -> None:
+    """`kv_lora_rank` latent then `rope_dim` rope elements fill the one head's row of `blocks` (two
+    bytes per rope element after FP8 latent bytes: the rope-aware row)."""
+    if blocks.shape[4] != 1:
+        _fail("blocks", f"an MLA latent cache has one head (dim 4 is 1), got {blocks.shape[4]}")
+    fp8 = blocks.dtype in FP8_DTYPES
+    row = rank + rope_dim * (2 if fp8 else 1)
+    if fp8 and rope_dim and rank % 2:
+        _fail(latent_name, f"kv_lora_rank must be even in an FP8 row (its bf16 rope starts 2-byte aligned), got {rank}")
+    if rank <= 0 or row != blocks.shape[5]:
+        layout = f"{rank} FP8 latent bytes + {rope_dim} bf16 rope elements = {row} bytes" if fp8 else (
+            f"{rank} latent + {rope_dim} rope elements = {row}"
+        )  # fmt: skip
+        _fail(
+            latent_name,
+            f"kv_lora_rank (from {latent_name}) and rope_dim (from {rope_name}) must fill blocks' row of "
+            f"{blocks.shape[5]} elements, got {layout}",
+        )
+
+
+def check_store_latent_meta(
+    latent: Tensor,
+    k_rope: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    scales: Tensor | None = None,
+) -> None:
+    _check_blocks(blocks, layer_idx, planes=(1,))
+    _check_mla_rows("latent", latent, blocks, 2)
+    _check_mla_rows("k_rope", k_rope, blocks, 2)
+    _check_mla_split("latent", "k_rope", latent.shape[1], k_rope.shape[1], blocks)
+    _check_scales(blocks, scales, latent.shape[1])
+    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    if k_rope.dtype != latent.dtype:
+        _fail("k_rope", f"expected dtype {latent.dtype} like latent, got {k_rope.dtype}")
+    _require(
+        k_rope.shape[0] == latent.shape[0],
+        "k_rope",
+        lambda: f"expected {latent.shape[0]} rows like latent, got {k_rope.shape[0]}",
+    )
+
+
+def check_mla_attention_meta(
+    q_nope: Tensor,
+    q_rope: Tensor,
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    scales: Tensor | None = None,
+) -> None:
+    _check_blocks(blocks, layer_idx, planes=(1,))
+    _check_mla_rows("q_nope", q_nope, blocks, 3)
+    _check_mla_rows("q_rope", q_rope, blocks, 3)
+    _check_mla_split("q_nope", "q_rope", q_nope.shape[2], q_rope.shape[2], blocks)
+    _check_scales(blocks, scales, q_nope.shape[2])
+    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    if q_rope.dtype != q_nope.dtype:
+        _fail("q_rope", f"expected dtype {q_nope.dtype} like q_nope, got {q_rope.dtype}")
+    if q_rope.shape[1] != q_nope.shape[1]:
+        _fail("q_rope", f"expected {q_nope.shape[1]} heads like q_nope, got {q_rope.shape[1]}")
+    _require(
+        q_rope.shape[0] == q_nope.shape[0],
+        "q_rope",
+        lambda: f"expected {q_nope.shape[0]} rows like q_nope, got {q_rope.shape[0]}",
+    )
+    if not softmax_scale > 0 or softmax_scale == float("inf"):
+        _fail("softmax_scale", f"expected a finite positive float, got {softmax_scale!r}")
 
 
 def gather_dtype(blocks: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import warnings
 from typing import Any
 
@@ -37,6 +38,21 @@ def device_arch(index: int) -> str | None:
     return ARCHS.get(torch.cuda.get_device_capability(index))
 
 
+UNVERIFIED_ARCH_ENV = "TORCH_PAGED_KV_CUTE_SM100"
+"""Set to 1 to run the sm_100a kernels anyway (the Blackwell session that verifies them)."""
+
+
+def unverified_reason(arch: str | None) -> str | None:
+    """Why the kernels for `arch` must not run yet: the sm_100a (TMA gather4) kernels are compiled
+    and PTX/SASS-checked in CI but have never run on a Blackwell GPU; None for other arches."""
+    if arch != "sm_100a" or os.environ.get(UNVERIFIED_ARCH_ENV) == "1":
+        return None
+    return (
+        "the sm_100a (TMA gather4) kernels compile and pass the PTX/SASS checks but have never run on "
+        f"a Blackwell GPU; Triton runs instead ({UNVERIFIED_ARCH_ENV}=1 runs them, to verify them)"
+    )
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the CuTe kernels cannot run on `device`; None if they can (sm90 / sm100 GPU with cutlass)."""
     if device.type != "cuda":
@@ -47,6 +63,8 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device_arch(index) is None:
         major, minor = torch.cuda.get_device_capability(index)
         return f"CuTe kernels target sm_90a / sm_100a; this GPU is sm_{major}{minor}"
+    if (unverified := unverified_reason(device_arch(index))) is not None:
+        return unverified
     if cutlass_missing():
         if not _warned:
             _warned.append(True)

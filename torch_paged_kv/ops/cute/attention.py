@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import device_arch, device_index, variants
+from . import device_arch, device_index, unverified_reason, variants
 from .operand import KVCacheMHAOperand
 
 MAX_SPLITS = 64
@@ -46,21 +46,26 @@ def supports(
     scales: torch.Tensor | None = None,
 ) -> bool:
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
-    if (
-        q.device.type != "cuda"
-        or softcap > 0
-        or q.dtype not in _DTYPES
-        or blocks.dtype != q.dtype
-        or scales is not None
-    ):
+    if q.device.type != "cuda" or softcap > 0 or scales is not None:  # FP8 caches: see cute._flash_attention_declines
         return False
-    arch = device_arch(device_index(q.device))
-    if arch is None or blocks.dim() != 6 or blocks.shape[1] != 2 or not blocks.is_contiguous():
+    return covers(device_arch(device_index(q.device)), q, blocks, cache_lengths.shape[0])
+
+
+def covers(arch: str | None, q: torch.Tensor, blocks: torch.Tensor, batch: int) -> bool:
+    """The part of `supports` that depends on the arch, dtypes and shapes (any device, meta included)."""
+    if arch is None or unverified_reason(arch) is not None:  # sm_100a: not until a Blackwell run
+        return False
+    if q.dtype not in _DTYPES or blocks.dtype != q.dtype:
+        return False
+    if blocks.dim() != 6 or blocks.shape[1] != 2 or not blocks.is_contiguous():
         return False
     page_size, kv_heads, head_dim = blocks.shape[3], blocks.shape[4], blocks.shape[5]
-    group = q.shape[1] // kv_heads
+    rows, q_heads = q.shape[0], q.shape[1]
+    group = q_heads // kv_heads
     return (
-        0 < q.shape[0] == cache_lengths.shape[0]
+        0 < rows == batch
+        and variants.grid_fits(variants.decode_grid(rows, kv_heads, MAX_SPLITS))  # CUDA's launch limits
+        and variants.grid_fits(variants.combine_grid(rows, q_heads))
         and head_dim in variants.HEAD_DIMS
         and group in variants.GROUPS
         and group * head_dim <= variants.MAX_GROUP_DIM  # compiled and checked

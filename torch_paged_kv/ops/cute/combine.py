@@ -1,7 +1,8 @@
 """Split-KV merge: out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M), written in the output dtype.
 
-One CTA of `head_dim` threads per (query head, query row); `lse` is base 2, `-inf` for empty splits
-(a row whose splits are all empty gets zeros, as the reference gives a query that sees no key).
+One CTA of `head_dim` threads per (query row, query head), rows on grid x (`variants.combine_grid`);
+`lse` is base 2, `-inf` for empty splits (a row whose splits are all empty gets zeros, as the
+reference gives a query that sees no key).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+from . import variants
 
 
 class SplitCombine:
@@ -28,13 +31,13 @@ class SplitCombine:
         stream: cute.typing.Any = None,
     ) -> None:
         self.kernel(mOutPartial, mLse, mOut, num_splits).launch(
-            grid=[mOut.shape[1], mOut.shape[0], 1], block=[self.head_dim, 1, 1], stream=stream
+            grid=list(variants.combine_grid(mOut.shape[0], mOut.shape[1])), block=[self.head_dim, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mOutPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, num_splits: Int32) -> None:
         d, _, _ = cute.arch.thread_idx()
-        head, row, _ = cute.arch.block_idx()
+        row, head, _ = cute.arch.block_idx()  # variants.combine_grid: query rows on x
         m_all = -Float32.inf
         for s in cutlass.range(num_splits, unroll=1):
             m_all = cutlass.max(m_all, mLse[s, row, head])

@@ -108,8 +108,10 @@ class PagedDecodeSm100(PagedDecodeSm90):
             cute.arch.sync_warp()
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tile_bytes)
-                for j in cutlass.range_constexpr(quads):
-                    slot = stage * quads + j
-                    cute.copy(atom, [tKgK[None, j], tKgI[None, j]], tKsK[None, slot], tma_bar_ptr=full + stage)
-                    cute.copy(atom, [tVgV[None, j], tVgI[None, j]], tVsV[None, slot], tma_bar_ptr=full + stage)
-            cute.arch.sync_warp()
+            # The whole warp calls the copies: `cute.copy` of a TMA atom elects its one issuing lane
+            # itself, and wrapping it in `elect_one` nests two elections (divergent warp syncs).
+            for j in cutlass.range_constexpr(quads):
+                slot = stage * quads + j
+                cute.copy(atom, [tKgK[None, j], tKgI[None, j]], tKsK[None, slot], tma_bar_ptr=full + stage)
+                cute.copy(atom, [tVgV[None, j], tVgI[None, j]], tVsV[None, slot], tma_bar_ptr=full + stage)
+            cute.arch.sync_warp()  # every gather4 has read its rows before the next tile rewrites them

@@ -1,13 +1,14 @@
 """Paged decode attention for Hopper (sm_90a): TMA page boxes, warp-specialised, split-KV.
 
-One CTA per (split, kv_head, query row). The producer warp walks the CTA's key tiles and brings
-each tile's K and V rows into a `stages`-deep shared-memory ring with plain TMA from the cache's
-row view: one `box_rows x head_dim` box per page (`box_rows = min(page_size, tile_n)`), signalled
-on a full mbarrier; tiles past the sequence's last page use a row coordinate past the tensor so
-TMA zero-fills them. `consumer_warps` warps each own `tile_n / consumer_warps` keys of a tile and
-all `group` query heads of the KV head (GQA packing): lanes split head_dim, scores are reduced
-with butterfly shuffles, softmax is online in fp32 (base 2). The warps merge through shared
-memory and write a normalised partial output and its log-sum-exp; `combine.py` merges splits.
+One CTA per (query row, kv_head, split), query rows on grid x (`variants.decode_grid`). The producer
+warp walks the CTA's key tiles and brings each tile's K and V rows into a `stages`-deep shared-memory
+ring with plain TMA from the cache's row view: one `box_rows x head_dim` box per page
+(`box_rows = min(page_size, tile_n)`), signalled on a full mbarrier; tiles past the sequence's last
+page use a row coordinate past the tensor so TMA zero-fills them. `consumer_warps` warps each own
+`tile_n / consumer_warps` keys of a tile and all `group` query heads of the KV head (GQA packing):
+lanes split head_dim, scores are reduced with butterfly shuffles, softmax is online in fp32 (base 2).
+The warps merge through shared memory and write a normalised partial output and its log-sum-exp;
+`combine.py` merges splits.
 
 Every query row is handled on its own (the sequence is found by binary search in
 `input_row_offsets`), so ragged calls are correct; the kernel is efficient for decode.
@@ -20,6 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
+from . import variants
 from .operand import KVCacheMHAOperand
 
 
@@ -99,7 +101,11 @@ class PagedDecodeSm90:
             window,
             causal,
             num_splits,
-        ).launch(grid=[num_splits, num_kv_heads, mQ.shape[0]], block=[self.threads, 1, 1], stream=stream)
+        ).launch(
+            grid=list(variants.decode_grid(mQ.shape[0], num_kv_heads, num_splits)),
+            block=[self.threads, 1, 1],
+            stream=stream,
+        )
 
     def make_tma(self, mRows: cute.Tensor) -> tuple[cute.CopyAtom, cute.Tensor]:
         return KVCacheMHAOperand.create_tma_tile(mRows, self.box_rows, self.head_dim)
@@ -131,7 +137,7 @@ class PagedDecodeSm90:
     ) -> None:
         N, D, G, C = self.tile_n, self.head_dim, self.group, self.consumer_warps
         tidx, _, _ = cute.arch.thread_idx()
-        split, kv_head, row = cute.arch.block_idx()
+        row, kv_head, split = cute.arch.block_idx()  # variants.decode_grid: query rows on x
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
 
@@ -281,19 +287,22 @@ class PagedDecodeSm90:
             cute.group_modes(cute.make_tensor(sV.iterator, box_layout), 0, 2),
             cute.group_modes(coords, 0, 2),
         )
-        with cute.arch.elect_one():
-            for tile in cutlass.range(my_lo, my_hi, unroll=1):
-                i = tile - my_lo
-                stage = i % self.stages
-                cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) % 2) ^ 1)
+        # The whole warp walks the tiles; only the transaction-count arrive is elected. `cute.copy` of
+        # a TMA atom elects its one issuing lane itself: inside `elect_one` it would nest a second
+        # election in a single active lane (undefined for `elect.sync` over the full warp).
+        for tile in cutlass.range(my_lo, my_hi, unroll=1):
+            i = tile - my_lo
+            stage = i % self.stages
+            cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) % 2) ^ 1)
+            with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tile_bytes)
-                for j in cutlass.range_constexpr(boxes):
-                    key = tile * self.tile_n + j * box
-                    k_row = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, k_offset)
-                    v_row = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, v_offset)
-                    slot = stage * boxes + j
-                    cute.copy(atom, tKgK[None, k_row // box, kv_head], tKsK[None, slot], tma_bar_ptr=full + stage)
-                    cute.copy(atom, tVgV[None, v_row // box, kv_head], tVsV[None, slot], tma_bar_ptr=full + stage)
+            for j in cutlass.range_constexpr(boxes):
+                key = tile * self.tile_n + j * box
+                k_row = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, k_offset)
+                v_row = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, v_offset)
+                slot = stage * boxes + j
+                cute.copy(atom, tKgK[None, k_row // box, kv_head], tKsK[None, slot], tma_bar_ptr=full + stage)
+                cute.copy(atom, tVgV[None, v_row // box, kv_head], tVsV[None, slot], tma_bar_ptr=full + stage)
 
     @cute.jit
     def consume(

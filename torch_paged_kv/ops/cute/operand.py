@@ -23,6 +23,8 @@ class KVCacheMHAOperand:
     `rows` is `blocks` as a `[num_kv_rows, num_kv_heads * head_dim]` matrix; the K row of encoded
     token `page * page_size + offset` is `get_tma_row(encoded, 0)`, its V row `get_tma_row(encoded, 1)`.
     `lookup_table` is always 2-D (a continuous-batching `[batch]` table becomes `[batch, 1]`).
+    Over an MLA pool (one plane) both are the token's one latent row (`is_mla`): the MLA stride
+    `num_layers * page_size` rows per page, values being the row's first `kv_lora_rank` columns.
     """
 
     rows: torch.Tensor
@@ -35,15 +37,17 @@ class KVCacheMHAOperand:
     k_plane_offset: int
     v_plane_offset: int
     quantization_enabled: bool = False
+    is_mla: bool = False
 
     @classmethod
     def from_blocks(
         cls, blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, layer_idx: int
     ) -> KVCacheMHAOperand:
-        """Operand over layer `layer_idx` of a `[pages, 2, layers, page_size, heads, head_dim]` pool."""
-        if blocks.dim() != 6 or blocks.shape[1] != 2:
+        """Operand over layer `layer_idx` of a `[pages, 2|1, layers, page_size, heads, head_dim]` pool
+        (K/V planes, or an MLA pool's latent plane)."""
+        if blocks.dim() != 6 or blocks.shape[1] not in (1, 2):
             raise ValueError(
-                f"blocks: expected an MHA pool [pages, 2, layers, page, heads, dim], got {tuple(blocks.shape)}"
+                f"blocks: expected a pool [pages, 2|1, layers, page, heads, dim], got {tuple(blocks.shape)}"
             )
         if not blocks.is_contiguous():
             raise ValueError("blocks: the row view needs a contiguous pool")
@@ -59,7 +63,8 @@ class KVCacheMHAOperand:
             head_dim=head_dim,
             page_stride=layout.page_stride_rows(planes, num_layers, page_size),
             k_plane_offset=layout.plane_row_offset(layer_idx, 0, num_layers, page_size),
-            v_plane_offset=layout.plane_row_offset(layer_idx, 1, num_layers, page_size),
+            v_plane_offset=layout.plane_row_offset(layer_idx, planes - 1, num_layers, page_size),
+            is_mla=planes == 1,
         )
 
     @property

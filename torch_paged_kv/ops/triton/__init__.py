@@ -58,49 +58,54 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"no Triton kernels for device type {device.type!r}"
 
 
-def _lazy(op: str) -> Callable[..., Any]:
-    """`op`'s kernel entry point, importing its module on first call."""
-    kernel: list[Callable[..., Any]] = []
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """`name` (a kernel entry point, or `supports`) of submodule `module`, imported on first call."""
+    found: list[Callable[..., Any]] = []
 
     def run(*args: Any) -> Any:
-        if not kernel:
-            kernel.append(getattr(importlib.import_module(f"{__name__}.{op}"), op))
-        return kernel[0](*args)
+        if not found:
+            found.append(getattr(importlib.import_module(f"{__name__}.{module}"), name))
+        return found[0](*args)
 
-    run.__name__ = op
+    run.__name__ = name if name == module else f"{module}_{name}"
     return run
 
 
-UNQUANTIZED_ARITY = {"store_kv": 7, "flash_attention": 10, "gather_kv": 6, "copy_pages": 3}
-"""Arguments of each op before its FP8 ones (`scales`, and `out_dtype` for gather_kv)."""
-
-
-def _unquantized(op: str, args: tuple[Any, ...]) -> bool:
-    """The Triton kernels cover unquantized caches (an FP8 call runs on the reference backend)."""
-    return all(a is None for a in args[UNQUANTIZED_ARITY[op] :])
-
-
-def _supports(op: str) -> Callable[..., bool]:
-    def supports(*args: Any) -> bool:
-        if not _unquantized(op, args):
-            return False
-        if op == "flash_attention":  # power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it)
-            head_dim = args[1].shape[5]
-            return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-        return True
-
-    return supports
-
-
-def _unquantized_kernel(op: str) -> Callable[..., Any]:
-    """`op`'s kernel, called with the unquantized arguments (`supports` declined any other call)."""
-    kernel = _lazy(op)
-    return lambda *args: kernel(*args[: UNQUANTIZED_ARITY[op]])
-
-
 def _declines(params: Any) -> str | None:
-    return "FP8 caches run on the reference backend until the Triton kernels dequantize" if params.quantized else None
+    """What `backend_info(device, params)` says of caches the kernels do not cover (see `fp8.covered`)."""
+    granularity = params.quantization_granularity
+    if params.has_scales_tensor and granularity & (granularity - 1):
+        return f"its kernels tile FP8 granules of a power of two elements, not {granularity}"
+    return None
 
 
-KERNELS = {op: (_unquantized_kernel(op), _supports(op), _declines) for op in _OPS}
-"""op -> (kernel, supports): what `ops/backends.py` registers as backend "triton"."""
+KERNELS = {op: (_lazy(op, op), _lazy(op, "supports"), _declines) for op in _OPS}
+"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "triton". Each module's
+`supports` refuses, from shapes alone, the calls its kernels cannot launch (CUDA's grid limits) or
+compute (attention's head_dim, FP8 granules that are not a power of two)."""
+
+
+# -- MLA ops (mla_*.py): FP8 rope-aware rows included ------------------------------------------------
+
+
+def _power_of_two(n: int, low: int, high: int) -> bool:
+    return low <= n <= high and n & (n - 1) == 0
+
+
+def _store_latent_supports(latent: torch.Tensor, *args: Any) -> bool:
+    """kv_lora_rank a power of two (tl.arange, per-granule reshape); any rope_dim."""
+    return _power_of_two(latent.shape[1], 16, 4096)
+
+
+def _mla_attention_supports(q_nope: torch.Tensor, q_rope: torch.Tensor, *args: Any) -> bool:
+    """kv_lora_rank a power of two from 16 (tl.dot) to 512 (the fp32 accumulator's registers); rope_dim
+    <= 256; not fp32 queries over FP8 rows (its FMA tiles spill kilobytes at rank 512: the reference runs
+    them; FP8 caches serve 16-bit models)."""
+    fp8_rows = args[-1] is not None  # scales
+    if fp8_rows and q_nope.dtype == torch.float32:
+        return False
+    return _power_of_two(q_nope.shape[2], 16, 512) and q_rope.shape[2] <= 256
+
+
+KERNELS["store_latent"] = (_lazy("mla_store", "store_latent"), _store_latent_supports)
+KERNELS["mla_attention"] = (_lazy("mla_attention", "mla_attention"), _mla_attention_supports)

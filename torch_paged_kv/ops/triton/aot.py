@@ -33,15 +33,58 @@ from .common import Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
 from .gather_kv import plan_gather_kv
+from .mla_attention import plan_mla_attention
+from .mla_store import plan_store_latent
 from .store_kv import plan_store_kv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8, 16)
 MODES = ("decode-split", "decode", "prefill")
+WIDE_SLOT = 2**23  # "decode-slot": continuous-batching slots whose in-page offsets pass int32 (WIDE_PAGE)
 OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap")
 KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
+
+
+OFFSET_ARGS = ("layer_idx", "stride_page", "stride_plane", "stride_layer", "stride_token", "page_numel")
+"""Kernel arguments that scale a layer, page or token-in-page offset into `blocks`: every multiply
+they feed must be int64 (a continuous-batching pool's page spans more than 2**31 elements). The one
+exception: attention launches planned with `WIDE_PAGE=False`, whose plan checked that in-page
+offsets, `(page_size - 1) * stride_token`, fit in int32 (`offset_args`)."""
+
+
+def offset_args(launch: Launch) -> tuple[str, ...]:
+    """The `OFFSET_ARGS` whose products must be int64 in `launch`'s kernel."""
+    if launch.kwargs.get("WIDE_PAGE") is False:
+        return tuple(name for name in OFFSET_ARGS if name != "stride_token")
+    return OFFSET_ARGS
+
+
+_SSA = re.compile(r"%([\w.$-]+)")
+
+
+def narrow_offset_products(ttir: str, args: tuple[str, ...] = OFFSET_ARGS) -> list[str]:
+    """The i32 `arith.muli` lines of `ttir` fed, through any chain of ops, by one of `args`.
+    Triton passes an int below 2**31 as i32 and multiplies before any widening, so
+    `layer_idx * stride_layer` wraps; `layer_idx.to(tl.int64) * stride_layer` does not."""
+    tainted = set(args)
+    found = []
+    for line in ttir.splitlines():
+        code = line.split(" loc(")[0]
+        if "=" not in code or code.lstrip().startswith(("tt.func", "#")):
+            continue
+        results, _, op = code.partition(" = ")
+        used = {name.split("#")[0] for name in _SSA.findall(op)}
+        if "iter_args(" in op:  # loop-carried values start from their initial values
+            for carried, initial in re.findall(r"%([\w.$-]+) = %([\w.$-]+)", op):
+                if initial in tainted:
+                    tainted.add(carried)
+        if used & tainted:
+            tainted.update(name.split(":")[0] for name in _SSA.findall(results))
+            if re.search(r"arith\.muli\b.*:\s*(tensor<[^>]*xi32>|i32)\s*$", op):
+                found.append(line.strip())
+    return found
 
 
 class Compiled(NamedTuple):
@@ -64,9 +107,16 @@ def _paged(
 
 
 def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) -> list[Launch]:
-    # decode-split: batch 1 over 32k keys; decode: batch 64, a 256-key table (one split); prefill: 4 x 256 new.
-    batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
-    blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context)
+    # decode-split: batch 1 over 32k keys; decode: batch 64, a 256-key table (one split); prefill: 4 x 256 new;
+    # decode-slot: batch 2 in slots of 8M tokens (page = slot).
+    batch, new, context = {
+        "decode-split": (1, 1, 32768),
+        "decode": (64, 1, 128),
+        "prefill": (4, 256, 1024),
+        "decode-slot": (2, 1, WIDE_SLOT),
+    }[mode]
+    page_size = WIDE_SLOT if mode == "decode-slot" else 16
+    blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context, page_size)
     q = torch.empty(batch * new, KV_HEADS * group, head_dim, dtype=DTYPES[dtype], device="meta")
     _, launches = plan_flash_attention(
         q,
@@ -93,12 +143,75 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
             ("fp16", 64, 1, "decode-split", "softcap"),
             ("fp32", 256, 16, "prefill", "window"),
             ("fp32", 128, 4, "decode-split", "causal"),
+            ("bf16", 64, 4, "decode-slot", "causal"),
         ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):
         yield dtype, head_dim, group, mode, "causal"
     for dtype, mode, option in itertools.product(DTYPES, MODES, OPTIONS[1:]):
         yield dtype, 128, 4, mode, option
+    for dtype in DTYPES:
+        yield dtype, 64, 4, "decode-slot", "causal"
+
+
+MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static")
+    "unquantized": (None, None),
+    "fp8": (torch.float8_e4m3fn, 1),  # one scale per token (MAX's rope-aware row)
+    "fp8-g128": (torch.float8_e4m3fn, 4),
+    "e5m2-static": (torch.float8_e5m2, "static"),
+}
+MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V2/V3
+
+
+def _mla_paged(dtype: torch.dtype, cache: str, batch: int, new: int, context: int) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of an MLA step (page size 64): blocks, scales (or None), the step tensors, new rows."""
+    pool_dtype, granules = MLA_CACHES[cache]
+    pool_dtype = pool_dtype or dtype
+    row = MLA_RANK + MLA_ROPE * (2 if pool_dtype.itemsize == 1 else 1)
+    width = triton.cdiv(context, 64) + 8
+    blocks = torch.empty(batch * width + 1, 1, 4, 64, 1, row, dtype=pool_dtype, device="meta")
+    scales = None
+    if granules == "static":
+        scales = torch.empty(1, device="meta")
+    elif granules is not None:
+        scales = torch.empty(*blocks.shape[:5], granules, device="meta")
+    index = [torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))]
+    rows = [torch.empty(batch * new, n, dtype=dtype, device="meta") for n in (MLA_RANK, MLA_ROPE)]
+    return blocks, scales, *index, *rows
+
+
+def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
+    """(dtype, cache, heads, mode) of the MLA attention variants."""
+    if quick:
+        yield from [  # each dtype, cache kind and mode, 16 and 128 heads, the merge
+            ("bf16", "fp8", 16, "decode-split"),
+            ("bf16", "unquantized", 128, "prefill"),
+            ("fp16", "fp8-g128", 16, "prefill"),
+            ("bf16", "e5m2-static", 16, "decode"),
+            ("fp32", "unquantized", 16, "decode"),
+        ]
+        return
+    for dtype, heads, mode in itertools.product(DTYPES, (16, 128), MODES):
+        yield dtype, "unquantized", heads, mode
+    for dtype, cache, mode in itertools.product(("bf16", "fp16"), list(MLA_CACHES)[1:], MODES):
+        yield dtype, cache, 16, mode  # (fp32 queries over FP8 rows run on the reference backend)
+
+
+def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
+    for dtype, cache, heads, mode in _mla_cases(quick):
+        batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
+        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context)
+        q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
+        q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
+        launches = plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        for launch in launches[1]:
+            yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
+    for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
+        if quick and cache == "fp8-g128":
+            continue
+        blocks, scales, lengths, table, offsets, latent, rope = _mla_paged(DTYPES[dtype], cache, 64, 1, 1024)
+        for launch in plan_store_latent(latent, rope, blocks, lengths, table, offsets, LAYER, scales):
+            yield f"store_latent {dtype} {cache}", launch
 
 
 def variants(quick: bool = False) -> list[tuple[str, Launch]]:
@@ -118,6 +231,52 @@ def variants(quick: bool = False) -> list[tuple[str, Launch]]:
         pages = torch.empty(7, dtype=torch.int32, device="meta")
         for i, launch in enumerate(plan_copy_pages(blocks, pages, pages)):
             found.append((f"copy_pages {dtype} d{head_dim} pass{i + 1}", launch))
+    found.extend(_fp8_variants(quick))
+    found.extend(_mla_variants(quick))
+    return found
+
+
+FP8_CACHES = {  # name: (FP8 dtype, scales per token and head, or None for a static per-tensor pair)
+    "e4m3-token": (torch.float8_e4m3fn, 1),
+    "e4m3-g32": (torch.float8_e4m3fn, 4),
+    "e5m2-static": (torch.float8_e5m2, None),
+}
+
+
+def _fp8_paged(cache: str, batch: int, new: int, context: int) -> tuple[torch.Tensor, ...]:
+    """`_paged` over an FP8 pool of head_dim 128, bf16 new rows, and the cache's scales."""
+    dtype, groups = FP8_CACHES[cache]
+    blocks, cache_lengths, table, offsets, _ = _paged(dtype, 128, batch, new, context)
+    rows = torch.empty(batch * new, KV_HEADS, 128, dtype=torch.bfloat16, device="meta")
+    shape = (2,) if groups is None else (*blocks.shape[:5], groups)
+    return blocks, cache_lengths, table, offsets, rows, torch.empty(shape, dtype=torch.float32, device="meta")
+
+
+def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
+    """The K/V ops over FP8 caches: 16-bit rows and queries (fp16 too unless `quick`), head_dim 128, GQA 4."""
+    found = []
+    caches = ("e4m3-token", "e5m2-static") if quick else tuple(FP8_CACHES)
+    for cache in caches:
+        for mode, (batch, new, context) in {"decode": (64, 1, 128), "prefill": (4, 256, 1024)}.items():
+            blocks, lengths, table, offsets, rows, scales = _fp8_paged(cache, batch, new, context)
+            for launch in plan_store_kv(rows, rows, blocks, lengths, table, offsets, LAYER, scales):
+                found.append((f"store_kv {cache} {mode}", launch))
+        blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, 4, 1, 1024)
+        for launch in plan_gather_kv(blocks, lengths, table, offsets, LAYER, 1024, scales, torch.bfloat16)[2]:
+            found.append((f"gather_kv {cache} to bf16", launch))
+        pages = torch.empty(7, dtype=torch.int32, device="meta")
+        for i, launch in enumerate(plan_copy_pages(blocks, pages, pages, scales)):
+            found.append((f"copy_pages {cache} pass{i + 1}", launch))
+    modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
+    for cache, q_dtype, mode in itertools.product(caches, ("bf16",) if quick else ("bf16", "fp16"), modes):
+        if quick and (cache, mode) not in (("e4m3-token", "decode-split"), ("e5m2-static", "prefill")):
+            continue
+        batch, new, context = modes[mode]
+        blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, batch, new, context)
+        q = torch.empty(batch * new, KV_HEADS * 4, 128, dtype=DTYPES[q_dtype], device="meta")
+        _, launches = plan_flash_attention(q, blocks, lengths, table, offsets, LAYER, 128**-0.5, scales=scales)
+        for launch in launches:
+            found.append((f"{launch.kernel.__name__.strip('_')} {q_dtype} over {cache} {mode}", launch))
     return found
 
 
@@ -203,6 +362,9 @@ def _report(arch: int, name: str, launch: Launch, keep: Path | None) -> bool:
     print(f"sm{arch:<3} {name:<58} {c.regs:>4} {c.spills:>6} {c.tensor_cores or '-':>5} {c.seconds:>6.2f}", flush=True)
     if keep:
         _keep(keep, arch, name, c.asm)
+    if narrow := narrow_offset_products(c.asm["ttir"], offset_args(launch)):
+        print(f"sm{arch:<3} {name:<58} FAILED: i32 multiply of a layer/page offset: {narrow[0][:120]}", flush=True)
+        return False
     return True
 
 

@@ -15,6 +15,14 @@ import triton.language as tl
 
 from . import compat  # noqa: F401  (fixes triton < 3.7's interpreter for numpy >= 2.4)
 
+MAX_GRID = (2**31 - 1, 65535, 65535)
+"""CUDA's launch limits on grid x, y and z: a dimension that grows with the cache goes on x."""
+
+
+def grid_fits(grid: tuple[int, ...]) -> bool:
+    """Whether CUDA can launch `grid`."""
+    return all(0 < n <= limit for n, limit in zip(grid, MAX_GRID, strict=False))
+
 
 class Launch(NamedTuple):
     """One kernel launch planned from shapes: what a wrapper runs, and what `aot` compiles."""

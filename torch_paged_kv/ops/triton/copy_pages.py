@@ -1,65 +1,96 @@
 """`copy_pages`: whole pages through a scratch buffer, so overlapping src/dst lists are safe.
 
 Pass 1 reads every source page into scratch, pass 2 writes every destination; kernels on one
-stream run in order, so no destination is written before all sources are read.
+stream run in order, so no destination is written before all sources are read. Grid: (chunks of
+a page, pages): a continuous-batching page has millions of chunks, so they go on x (up to
+2**31 - 1; grid y stops at 65535) and a program takes every `num_programs(1)`-th page past 65535.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import Launch
+from .common import MAX_GRID, Launch, grid_fits
 
 BLOCK = 1024
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
-@triton.jit(do_not_specialize=["num_pages"])
-def _copy_kernel(src, src_pages, dst, dst_pages, num_pages, page_numel, FROM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    idx = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped.
-    if FROM_BLOCKS:
-        page = tl.load(src_pages + i)
-        ok = (page >= 0) & (page < num_pages)
-        src_off = page.to(tl.int64) * page_numel
-        dst_off = i.to(tl.int64) * page_numel
-    else:
-        page = tl.load(dst_pages + i)
-        ok = (page > 0) & (page < num_pages)  # the null page (0) is never written
-        src_off = i.to(tl.int64) * page_numel
-        dst_off = page.to(tl.int64) * page_numel
-    mask = idx < tl.where(ok, page_numel, 0)  # (scalar & block masks break the interpreter)
-    tl.store(dst + dst_off + idx, tl.load(src + src_off + idx, mask=mask), mask=mask)
+@triton.jit(do_not_specialize=["count", "num_pages"])
+def _copy_kernel(
+    src, src_pages, dst, dst_pages, count, num_pages, page_numel, FROM_BLOCKS: tl.constexpr, BLOCK: tl.constexpr
+):
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    for i in range(tl.program_id(1), count, tl.num_programs(1)):
+        # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped.
+        if FROM_BLOCKS:
+            page = tl.load(src_pages + i)
+            ok = (page >= 0) & (page < num_pages)
+            src_off = page.to(tl.int64) * page_numel
+            dst_off = tl.cast(i, tl.int64) * page_numel
+        else:
+            page = tl.load(dst_pages + i)
+            ok = (page > 0) & (page < num_pages)  # the null page (0) is never written
+            src_off = tl.cast(i, tl.int64) * page_numel
+            dst_off = page.to(tl.int64) * page_numel
+        mask = idx < tl.where(ok, page_numel, 0)  # (scalar & block masks break the interpreter)
+        tl.store(dst + dst_off + idx, tl.load(src + src_off + idx, mask=mask), mask=mask)
 
 
-def plan_copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[Launch]:
-    """Two launches (sources to scratch, scratch to destinations); allocates the scratch."""
+def _grid(count: int, page_numel: int) -> tuple[int, int]:
+    """Chunks of a page on x, pages on y (capped: a program loops over every 65535th page)."""
+    return triton.cdiv(page_numel, BLOCK), min(count, MAX_GRID[1])
+
+
+def supports(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> bool:
+    """Calls whose grid CUDA can launch (shapes only): pages below 2**41 elements."""
+    page_numel = math.prod(blocks.shape[1:])
+    return src_pages.shape[0] == 0 or page_numel == 0 or grid_fits(_grid(src_pages.shape[0], page_numel))
+
+
+def plan_copy_pages(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> list[Launch]:
+    """Two launches per page tensor (sources to scratch, scratch to destinations): `blocks`, as raw
+    bytes for an FP8 cache, and per-granule `scales`, which move with their pages. Allocates the scratch."""
+    pools = [blocks.view(torch.uint8) if scales is not None else blocks]
+    if scales is not None and scales.dim() == 6:
+        pools.append(scales)
+    return [launch for pool in pools for launch in _plan_pool(pool, src_pages, dst_pages)]
+
+
+def _plan_pool(pool: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[Launch]:
     count = src_pages.shape[0]
     if count == 0:
         return []
-    page_numel = blocks[0].numel()
-    scratch = torch.empty((count, page_numel), dtype=blocks.dtype, device=blocks.device)
-    grid = (count, triton.cdiv(page_numel, BLOCK))
-    num_pages = blocks.shape[0]
+    page_numel = pool[0].numel()
+    scratch = torch.empty((count, page_numel), dtype=pool.dtype, device=pool.device)
+    grid = _grid(count, page_numel)
+    num_pages = pool.shape[0]
     return [
         Launch(
             _copy_kernel,
             grid,
-            (blocks, src_pages, scratch, dst_pages, num_pages, page_numel),
+            (pool, src_pages, scratch, dst_pages, count, num_pages, page_numel),
             dict(FROM_BLOCKS=True, BLOCK=BLOCK),
         ),
         Launch(
             _copy_kernel,
             grid,
-            (scratch, src_pages, blocks, dst_pages, num_pages, page_numel),
+            (scratch, src_pages, pool, dst_pages, count, num_pages, page_numel),
             dict(FROM_BLOCKS=False, BLOCK=BLOCK),
         ),
     ]
 
 
-def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> None:
-    for launch in plan_copy_pages(blocks, src_pages, dst_pages):
+def copy_pages(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> None:
+    for launch in plan_copy_pages(blocks, src_pages, dst_pages, scales):
         launch()

@@ -9,7 +9,8 @@ program walks `BLOCK_N`-key tiles from the first tile inside the sliding window 
 it are never visited) up to the causal limit. Decode deals those tiles round-robin to `splits`
 programs (flash-decoding: tile t goes to split t % splits, so the work is balanced whatever the
 actual lengths are below the shape-derived bound) whose partial results `flash_merge` combines by
-log-sum-exp.
+log-sum-exp. An FP8 cache's K/V tiles are read as bytes and dequantized in fp32 (`fp8.py`: exact),
+then fed to `tl.dot` in the query's dtype, like 16-bit pages.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, blocks_strides, is_interpreted, owning_sequence, search_steps
+from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, search_steps
 from .flash_merge import plan_merge
+from .fp8 import covered, fp8_bits_to_float, quantization
 
 MIN_SPLIT_TOKENS = 256
 """Fewest keys a decode split covers: below this the merge costs more than the parallelism gains."""
@@ -55,6 +57,11 @@ def _attention_kernel(
     stride_plane,
     stride_layer,
     stride_token,
+    scales,
+    scale_stride_page,
+    scale_stride_plane,
+    scale_stride_layer,
+    scale_stride_token,
     num_splits,
     softmax_scale,
     softcap,
@@ -71,6 +78,12 @@ def _attention_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     STEPS: tl.constexpr,
+    WIDE_PAGE: tl.constexpr,
+    QUANT: tl.constexpr,
+    GRAN: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -115,20 +128,50 @@ def _attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table_row = lookup_table + seq.to(tl.int64) * table_stride
-    plane0 = blocks + layer_idx * stride_layer + kv_head * HEAD_DIM
+    plane0 = blocks + layer_idx.to(tl.int64) * stride_layer + kv_head * HEAD_DIM  # int64: see store_kv
+    GROUPS: tl.constexpr = HEAD_DIM // GRAN  # scales per token and head (per-granule FP8)
+    scale0 = scales + layer_idx.to(tl.int64) * scale_stride_layer + kv_head * GROUPS
+    score_scale = softmax_scale
+    if QUANT == 2:  # a static pair: K's folds into the score scale, V's scales the output
+        score_scale = softmax_scale * tl.load(scales)
+        out_scale = tl.load(scales + 1)
     for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         col = j // page_size
         key_ok = (j < stop) & (col < table_width)
         page = tl.load(table_row + col, mask=key_ok, other=0)
         key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
-        kv_off = (page.to(tl.int64) * stride_page + (j % page_size) * stride_token)[:, None] + dim[None, :]
-        k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0.0)
-        v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0.0)
-        if UPCAST:
+        in_page = j % page_size
+        if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
+            in_page = in_page.to(tl.int64)
+        kv_off = (page.to(tl.int64) * stride_page + in_page * stride_token)[:, None] + dim[None, :]
+        k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0)
+        v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0)
+        if QUANT != 0:  # FP8 bytes -> their exact values; the scales are applied where cheapest
+            k = fp8_bits_to_float(k, MANT, BIAS)
+            v = fp8_bits_to_float(v, MANT, BIAS)
+            if QUANT == 1:
+                scale_row = scale0 + page.to(tl.int64) * scale_stride_page + in_page * scale_stride_token
+                if GROUPS == 1:  # one scale per key: applied to its score and its probability below
+                    k_scale = tl.load(scale_row, mask=key_ok, other=0.0)
+                    v_scale = tl.load(scale_row + scale_stride_plane, mask=key_ok, other=0.0)
+                else:  # a scale per granule of GRAN dims: applied to the tile
+                    granule = tl.arange(0, GROUPS)
+                    k_scale = tl.load(scale_row[:, None] + granule[None, :], mask=key_ok[:, None], other=0.0)
+                    v_scale = tl.load(
+                        scale_row[:, None] + scale_stride_plane + granule[None, :], mask=key_ok[:, None], other=0.0
+                    )
+                    k = tl.reshape(tl.reshape(k, [BLOCK_N, GROUPS, GRAN]) * k_scale[:, :, None], [BLOCK_N, HEAD_DIM])
+                    v = tl.reshape(tl.reshape(v, [BLOCK_N, GROUPS, GRAN]) * v_scale[:, :, None], [BLOCK_N, HEAD_DIM])
+            if not UPCAST:  # tensor cores in the query's dtype, as for 16-bit pages
+                k = k.to(qt.dtype)
+                v = v.to(qt.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * softmax_scale
+        s = tl.dot(qt, tl.trans(k), input_precision=PRECISION) * score_scale
+        if QUANT == 1 and GROUPS == 1:
+            s = s * k_scale[None, :]
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         allowed = row_ok[:, None] & key_ok[None, :]
@@ -142,11 +185,16 @@ def _attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        p_v = p
+        if QUANT == 1 and GROUPS == 1:
+            p_v = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if QUANT == 2:
+        o = o * out_scale
     if SPLIT:
         part_row = (split * total + row0 + tok).to(tl.int64) * num_q_heads + head
         tl.store(part_out + part_row[:, None] * HEAD_DIM + dim[None, :], o, mask=row_ok[:, None])
@@ -190,6 +238,40 @@ def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, devi
     return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
 
 
+def wide_page(blocks: torch.Tensor) -> bool:
+    """Whether offsets inside one page, `(page_size - 1) * stride_token`, pass int32. Only then does
+    the attention kernel widen each key's in-page offset to int64 (an i32 product is cheaper in its
+    inner loop, and the wider one moved ptxas's spill choices in a few fp32 variants)."""
+    return (blocks.shape[3] - 1) * blocks.stride(3) >= 2**31
+
+
+def supports(
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
+) -> bool:
+    """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it), FP8 granules the kernel
+    tiles, and grids CUDA can launch: the largest any tile choice plans (BLOCK_Q >= 1, MAX_SPLITS
+    splits, then the merge)."""
+    head_dim = blocks.shape[5]
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or not covered(blocks, scales):
+        return False
+    total, batch = q.shape[0], cache_lengths.shape[0]
+    return (
+        total == 0
+        or batch == 0
+        or (grid_fits((total + batch, blocks.shape[4], MAX_SPLITS)) and grid_fits((total, q.shape[1])))
+    )
+
+
 def plan_flash_attention(
     q: torch.Tensor,
     blocks: torch.Tensor,
@@ -201,6 +283,7 @@ def plan_flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output, allocated, and the launches that fill it (attention, then the split merge)."""
     total, num_q_heads, head_dim = q.shape
@@ -225,6 +308,7 @@ def plan_flash_attention(
         part_lse = torch.empty((splits, total, num_q_heads), dtype=torch.float32, device=q.device)
 
     grid = (total // block_q + batch, num_kv_heads, splits)
+    quant = quantization(blocks, scales)
     launches = [
         Launch(
             _attention_kernel,
@@ -234,7 +318,7 @@ def plan_flash_attention(
                 out,
                 part_out,
                 part_lse,
-                blocks,
+                quant.pool,
                 cache_lengths,
                 lookup_table,
                 input_row_offsets,
@@ -251,6 +335,8 @@ def plan_flash_attention(
                 out.stride(0),
                 out.stride(1),
                 *blocks_strides(blocks),
+                quant.scales,
+                *quant.scale_strides,
                 splits,
                 float(softmax_scale),
                 float(softcap),
@@ -269,6 +355,8 @@ def plan_flash_attention(
                 UPCAST=interpret,
                 PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
                 STEPS=search_steps(batch),
+                WIDE_PAGE=wide_page(blocks),
+                **quant.constexprs,
                 num_warps=num_warps,
             ),
         )
@@ -289,6 +377,7 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out, launches = plan_flash_attention(
         q,
@@ -301,6 +390,7 @@ def flash_attention(
         causal,
         sliding_window,
         softcap,
+        scales,
     )
     for launch in launches:
         launch()

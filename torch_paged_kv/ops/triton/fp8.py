@@ -13,6 +13,8 @@ e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -55,3 +57,34 @@ def float_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constex
     # into the exponent); a subnormal's is the mantissa field itself (2^MANT: the smallest normal)
     byte = tl.where(exponent >= lowest, ((exponent + BIAS) << MANT) + kept - (1 << MANT), kept)
     return tl.where(magnitude == 0, 0, byte) | sign
+
+
+class Quantization(NamedTuple):
+    """How a kernel reads or writes one cache's values: what it is launched with."""
+
+    pool: torch.Tensor  # `blocks`, as raw bytes (uint8) for an FP8 cache
+    scales: torch.Tensor  # the scales (a dummy pointer, `pool`, when there are none)
+    scale_strides: tuple[int, int, int, int]  # (page, plane, layer, token) of per-granule scales
+    constexprs: dict[str, int | float]  # QUANT (0 none, 1 per granule, 2 per tensor), GRAN, MANT, BIAS, FMAX
+
+
+def quantization(blocks: torch.Tensor, scales: torch.Tensor | None) -> Quantization:
+    """The launch arguments for `blocks` and its `scales` (see `ops/quant.py` for the layouts)."""
+    if scales is None:
+        return Quantization(blocks, blocks, (0, 0, 0, 0), dict(QUANT=0, GRAN=1, MANT=0, BIAS=0, FMAX=0.0))
+    mant, bias, top = FORMATS[blocks.dtype]
+    pool = blocks.view(torch.uint8)
+    if scales.dim() == 1:
+        return Quantization(pool, scales, (0, 0, 0, 0), dict(QUANT=2, GRAN=1, MANT=mant, BIAS=bias, FMAX=top))
+    granularity = blocks.shape[5] // scales.shape[5]
+    strides = (scales.stride(0), scales.stride(1), scales.stride(2), scales.stride(3))
+    return Quantization(pool, scales, strides, dict(QUANT=1, GRAN=granularity, MANT=mant, BIAS=bias, FMAX=top))
+
+
+def covered(blocks: torch.Tensor, scales: torch.Tensor | None) -> bool:
+    """Whether the Triton kernels handle this cache's quantization: per-granule granules must be a
+    power of two (they are reshaped as tiles); unquantized and per-tensor caches always are."""
+    if scales is None or scales.dim() == 1:
+        return True
+    granularity = blocks.shape[5] // scales.shape[5]
+    return granularity & (granularity - 1) == 0

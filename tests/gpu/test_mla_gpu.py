@@ -1,0 +1,88 @@
+"""Triton MLA kernels on CUDA at DeepSeek sizes (kv_lora_rank 512, rope 64), against the reference backend
+and the fp64 oracle (`torch_paged_kv.testing`), bf16 and FP8 rope-aware rows; a decode step under
+CUDA-graph capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_paged_kv as pk
+from torch_paged_kv.ops import reference_mla
+from torch_paged_kv.ops.triton import unavailable_reason
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch, mla_attention_fp64
+
+CUDA = torch.device("cuda")
+if torch.cuda.is_available() and unavailable_reason(CUDA) is not None:
+    pytest.skip(unavailable_reason(CUDA), allow_module_level=True)
+
+KINDS = {
+    "bf16": (torch.bfloat16, {}),
+    "fp8-per-token": (torch.float8_e4m3fn, {}),
+    "fp8-granule128": (torch.float8_e4m3fn, dict(quantization_granularity=128)),
+    "e5m2-static": (torch.float8_e5m2, dict(static_scales=(0.01,))),
+}
+
+
+@pytest.fixture(autouse=True)
+def force_triton(force_backend):
+    force_backend("triton")
+
+
+def _batch(cached, new, page_size, heads, kind, seed=0):
+    dtype, quantization = KINDS[kind]
+    return make_mla_batch(cached, new, page_size=page_size, num_heads=heads, kv_lora_rank=512, rope_dim=64,
+                          dtype=dtype, q_dtype=torch.bfloat16, seed=seed, device=CUDA, **quantization)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_store_latent_bit_exact(kind, page_size):
+    b = _batch([5, 0, 200], [3, 70, 1], page_size, 16, kind)
+    expected = [t.clone() for t in (b.blocks, b.scales) if t is not None]
+    reference_mla.store_latent(b.new_latent, b.new_rope, expected[0], *b.step, b.layer_idx, *expected[1:])
+    pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    torch.cuda.synchronize()
+    assert torch.equal(b.blocks.view(torch.uint8), expected[0].view(torch.uint8))
+    assert b.scales is None or torch.equal(b.scales, expected[1])
+
+
+CASES = {  # (cached, new, page_size, heads)
+    "decode-page1-h128": ([300, 17, 1000], [1, 1, 1], 1, 128),
+    "decode-split-page64-h16": ([5000, 3], [1, 1], 64, 16),
+    "prefill-page64-h16": ([0, 100], [150, 37], 64, 16),
+    "chunked-page1-h128": ([40, 0], [20, 9], 1, 128),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", CASES)
+def test_mla_attention_matches_reference_and_fp64(kind, name):
+    cached, new, page_size, heads = CASES[name]
+    b = _batch(cached, new, page_size, heads, kind, seed=len(name))
+    reference_mla.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    args = (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 192**-0.5, True, b.scales)
+    got = pk.mla_attention(*args)
+    torch.testing.assert_close(got, reference_mla.mla_attention(*args), **ATTENTION_TOLERANCE[got.dtype])
+    expected = mla_attention_fp64(b.q_nope, b.q_rope, b.latents, b.ropes, cached, 192**-0.5)
+    torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])
+def test_decode_step_replays_from_a_cuda_graph(kind):
+    b = _batch([33, 700], [1, 1], 64, 16, kind)
+    out = torch.empty_like(b.q_nope)
+
+    def step():
+        pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+        out.copy_(pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.1, True, b.scales))
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = mla_attention_fp64(b.q_nope, b.q_rope, b.latents, b.ropes, [33, 700], 0.1)
+    torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])

@@ -1,0 +1,150 @@
+"""Reference backend of the MLA ops (`store_latent`, `mla_attention`): pure, vectorised torch, fp32 math.
+
+An MLA row holds `kv_lora_rank` latent elements then `rope_dim` rope elements (in an FP8 pool: FP8
+latent bytes then the rope as bf16). Absorbed attention is multi-query attention with one KV head:
+the key is the whole row `[latent; rope]`, the query `[q_nope; q_rope]`, the value the latent. So
+each step gathers every sequence's rows once (fp32, dequantized), folds the heads into the query
+rows (all heads read the same row: no per-head copy of K), and runs torch's SDPA with the value set
+to the whole row, keeping the first `kv_lora_rank` output columns (SDPA's fast CPU path needs equal
+key and value widths; the rope columns cost 1/8 more of the value product at DeepSeek's shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import quant
+from .reference import CHUNK_BUDGET_BYTES, _allowed, _decode_allowed, _row_coordinates, _scratch, gather_tokens
+
+ROPE_DTYPE = torch.bfloat16  # the rope part of an FP8 row (params.ROPE_DTYPE; ops never import params)
+
+
+def _slots(
+    rows: int, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset in the page) of every new row."""
+    seq, tok = _row_coordinates(input_row_offsets, rows)
+    pos = cache_lengths.long()[seq] + tok
+    table = lookup_table.long()
+    pages = table[seq] if table.dim() == 1 else table[seq, pos // page_size]
+    return pages, pos % page_size
+
+
+def store_latent(
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    scales: torch.Tensor | None = None,
+) -> None:
+    index = _slots(latent.shape[0], cache_lengths, lookup_table, input_row_offsets, blocks.shape[3])
+    rows = blocks[:, 0, layer_idx, :, 0]  # [pages, page_size, row]
+    if scales is None:
+        rows.index_put_(index, torch.cat((latent, k_rope), dim=1))
+        return
+    if scales.dim() == 1:  # one static scale
+        q = quant.quantize_static(latent, blocks.dtype, scales[0])
+    else:
+        q, row_scales = quant.quantize(latent, blocks.dtype, latent.shape[1] // scales.shape[5])
+        scales[:, 0, layer_idx, :, 0].index_put_(index, row_scales)
+    packed = torch.cat((q.view(torch.uint8), k_rope.to(ROPE_DTYPE).view(torch.uint8)), dim=1)  # the rope-aware row
+    rows.view(torch.uint8).index_put_(index, packed)
+
+
+_fp8_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _fp8_to_fp32(codes: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> None:
+    """`out[...] = codes.view(dtype).float()` through a 256-entry table: torch's FP8 conversion runs
+    element by element on CPU (about 4x slower here than an int32 index_select from the table)."""
+    key = (dtype, codes.device)
+    if key not in _fp8_tables:
+        _fp8_tables[key] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().to(codes.device)
+    index = _scratch("fp8_index", tuple(codes.shape), torch.int32, codes.device).copy_(codes)
+    flat = _scratch("fp8_values", tuple(codes.shape), torch.float32, codes.device)
+    torch.index_select(_fp8_tables[key], 0, index.view(-1), out=flat.view(-1))
+    out.copy_(flat)
+
+
+def _gather_rows_fp32(
+    blocks: torch.Tensor,
+    layer_idx: int,
+    lookup_table: torch.Tensor,
+    max_len: int,
+    rank: int,
+    rope_dim: int,
+    scales: torch.Tensor | None,
+) -> torch.Tensor:
+    """`[batch, max_len, kv_lora_rank + rope_dim]` fp32 logical rows (latent dequantized, then rope),
+    in reused scratch (valid until the next call); contents past a sequence's length are arbitrary."""
+    tokens = gather_tokens(quant.indexable(blocks), 0, layer_idx, lookup_table, max_len, "mla_rows")
+    tokens = tokens[:, :max_len, 0]  # [batch, max_len, row]
+    out = _scratch("mla_fp32", (tokens.shape[0], tokens.shape[1], rank + rope_dim), torch.float32, blocks.device)
+    if scales is None:
+        return out.copy_(tokens)
+    _fp8_to_fp32(tokens[..., :rank], blocks.dtype, out[..., :rank])
+    out[..., rank:].copy_(tokens[..., rank:].view(ROPE_DTYPE))
+    latent = out[..., :rank]
+    if scales.dim() == 1:
+        latent.mul_(scales[0])
+    else:
+        token_scales = gather_tokens(scales, 0, layer_idx, lookup_table, max_len)[:, :max_len, 0]
+        groups = token_scales.shape[-1]
+        latent.view(*latent.shape[:-1], groups, rank // groups).mul_(token_scales[..., None])
+    return out
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    total, heads, rank = q_nope.shape
+    rope_dim = q_rope.shape[2]
+    batch = cache_lengths.shape[0]
+    if total == 0:
+        return q_nope.new_empty(q_nope.shape)
+    new = input_row_offsets.diff()
+    kv_len = cache_lengths + new
+    min_kv, max_kv, max_new = torch.stack((*torch.aminmax(kv_len), new.max())).tolist()  # one host sync
+    rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, rank, rope_dim, scales)[:, None]
+    key_pos = torch.arange(max_kv, device=q_nope.device)
+    q = torch.cat((q_nope.float(), q_rope.float()), dim=2)  # [total, heads, rank + rope]
+    if total == batch and max_new == 1:  # decode: each sequence's one query (at its last position) sees all its keys
+        allowed = None if min_kv == max_kv else _decode_allowed(kv_len, key_pos, -1)
+        out = _attend(q.view(batch, 1, heads, -1), rows, allowed, softmax_scale)
+        return q_nope.new_empty(q_nope.shape).copy_(out[..., :rank].view(q_nope.shape))  # contiguous, like the fake
+
+    seq, tok = _row_coordinates(input_row_offsets, total)
+    q_padded = q.new_zeros(batch, max_new, heads, rank + rope_dim)
+    q_padded[seq, tok] = q
+    out = q.new_empty(batch, max_new, heads, rank)
+    sees_all = min_kv == max_kv and not causal
+    chunk = max(1, CHUNK_BUDGET_BYTES // (batch * max_kv * heads))  # bytes of the per-(token, head) mask
+    for start in range(0, max_new, chunk):
+        stop = min(start + chunk, max_new)
+        n = stop - start
+        allowed = None
+        if not sees_all:  # [batch, 1, n, max_kv] -> one row per (token, head), the order of the folded queries
+            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, -1)
+            allowed = allowed[:, :, :, None].expand(batch, 1, n, heads, max_kv).reshape(batch, 1, n * heads, max_kv)
+        q_chunk = q_padded[:, start:stop].reshape(batch, 1, n * heads, -1)
+        out[:, start:stop] = _attend(q_chunk, rows, allowed, softmax_scale)[..., :rank].view(batch, n, heads, rank)
+    return out[seq, tok].to(q_nope.dtype)
+
+
+def _attend(q: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """fp32 attention of `q` `[batch, 1, m, width]` over `rows` `[batch, 1, s, width]` as keys and values;
+    rows of `q` that may see no key (padding) are garbage."""
+    return F.scaled_dot_product_attention(q, rows, rows, attn_mask=allowed, scale=scale)

@@ -1,0 +1,323 @@
+"""`mla_attention`: absorbed MLA (one latent row per token, shared by every head) for ragged prefill,
+chunked prefill and decode, with split-KV for decode.
+
+Grid `(query tiles, head blocks, splits)`. A query tile packs `BLOCK_Q` tokens of one sequence times
+`BLOCK_H` heads (`BLOCK_M = BLOCK_Q * BLOCK_H >= 16` rows, the `tl.dot` minimum), so each key tile
+(`BLOCK_N` rows: `kv_lora_rank` latent + `rope_dim` rope elements) is loaded once per program and
+serves all its rows: scores `q_nope . latent + q_rope . rope`, then `p . latent` into a `[BLOCK_M,
+kv_lora_rank]` fp32 accumulator (the latent is both key and value). Heads beyond `BLOCK_H` are
+other programs over the same rows (served from L2). Tiles and the causal key range are those of
+`flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
+`mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
+one scale per token the scale multiplies the scores and the probabilities instead of every element
+(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import Launch, is_interpreted, owning_sequence, search_steps
+from .flash_attention import num_splits
+from .fp8 import fp8_bits_to_float
+from .mla_merge import plan_mla_merge
+from .mla_store import mla_views, quant_mode, view_strides
+
+
+# per-call sizes: no specialisation on ==1 or %16, so a new batch or total compiles nothing
+@triton.jit(do_not_specialize=["batch", "total", "layer_idx"])
+def _mla_attention_kernel(
+    q_nope,
+    q_rope,
+    out,
+    part_out,
+    part_lse,
+    latent_cache,
+    rope_cache,
+    scales,
+    cache_lengths,
+    lookup_table,
+    input_row_offsets,
+    batch,
+    total,
+    num_heads,
+    num_pages,
+    table_width,
+    table_stride,
+    page_size,
+    layer_idx,
+    q_nope_stride_row,
+    q_nope_stride_head,
+    q_rope_stride_row,
+    q_rope_stride_head,
+    out_stride_row,
+    out_stride_head,
+    cache_stride_page,
+    cache_stride_layer,
+    cache_stride_token,
+    rope_cache_stride_page,
+    rope_cache_stride_layer,
+    rope_cache_stride_token,
+    scales_stride_page,
+    scales_stride_layer,
+    scales_stride_token,
+    num_splits,
+    softmax_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_P: tl.constexpr,
+    GROUPS: tl.constexpr,
+    FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SCALES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
+    tile = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = owning_sequence(input_row_offsets, batch, tile, BLOCK_Q, 1, STEPS)  # each sequence starts a tile
+    row0 = tl.load(input_row_offsets + seq)
+    new = tl.load(input_row_offsets + seq + 1) - row0
+    q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q
+    if q_start >= new:
+        return
+    cache_len = tl.load(cache_lengths + seq)
+    kv_len = cache_len + new
+
+    m = tl.arange(0, BLOCK_M)
+    tok = q_start + m // BLOCK_H
+    head = head_block * BLOCK_H + m % BLOCK_H
+    row_ok = (tok < new) & (head < num_heads)
+    pos = cache_len + tok
+    dim = tl.arange(0, RANK)
+    rd = tl.arange(0, ROPE_P)
+    q_rows = (row0 + tok).to(tl.int64)
+    qn = tl.load(
+        q_nope + (q_rows * q_nope_stride_row + head * q_nope_stride_head)[:, None] + dim[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    qr = tl.load(
+        q_rope + (q_rows * q_rope_stride_row + head * q_rope_stride_head)[:, None] + rd[None, :],
+        mask=row_ok[:, None] & (rd[None, :] < ROPE),
+        other=0.0,
+    )
+    if UPCAST:
+        qn = qn.to(tl.float32)
+        qr = qr.to(tl.float32)
+
+    k_hi = cache_len + tl.minimum(q_start + BLOCK_Q, new) if CAUSAL else kv_len
+    start = split * BLOCK_N  # split s takes key tiles s, s + num_splits, ...
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, RANK], tl.float32)
+    table_row = lookup_table + seq.to(tl.int64) * table_stride
+    latent_cache += layer_idx.to(tl.int64) * cache_stride_layer
+    rope_cache += layer_idx.to(tl.int64) * rope_cache_stride_layer
+    scales += layer_idx.to(tl.int64) * scales_stride_layer
+    for j0 in range(start, k_hi, num_splits * BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        col = j // page_size
+        key_ok = (j < k_hi) & (col < table_width)
+        page = tl.load(table_row + col, mask=key_ok, other=0)
+        key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
+        offset = j % page_size
+        slot = page.to(tl.int64) * cache_stride_page + offset * cache_stride_token
+        latent = tl.load(latent_cache + slot[:, None] + dim[None, :], mask=key_ok[:, None], other=0)
+        rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
+        rope = tl.load(rope_cache + rope_slot[:, None] + rd[None, :], mask=key_ok[:, None] & (rd[None, :] < ROPE))
+        if FP8:
+            latent = fp8_bits_to_float(latent, MANT, BIAS)  # exact
+            if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
+                scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
+                granule = tl.load(
+                    scales + scale_slot[:, None] + tl.arange(0, GROUPS)[None, :], mask=key_ok[:, None], other=0.0
+                )
+                latent = tl.reshape(latent, (BLOCK_N, GROUPS, RANK // GROUPS)) * granule[:, :, None]
+                latent = tl.reshape(latent, (BLOCK_N, RANK))
+            latent = latent.to(qn.dtype)
+            rope = rope.to(qn.dtype)
+        elif UPCAST:
+            latent = latent.to(tl.float32)
+            rope = rope.to(tl.float32)
+        s = tl.dot(qn, tl.trans(latent), input_precision=PRECISION)
+        if FP8 and (SCALES == 2 or GROUPS == 1):  # one scale per token (or tensor): scale the scores
+            if SCALES == 2:
+                token_scale = tl.load(scales + tl.zeros([BLOCK_N], tl.int32))
+            else:
+                scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
+                token_scale = tl.load(scales + scale_slot, mask=key_ok, other=0.0)
+            s = s * token_scale[None, :]
+        if ROPE > 0:
+            s += tl.dot(qr, tl.trans(rope), input_precision=PRECISION)
+        allowed = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & (j[None, :] <= pos[:, None])
+        s = tl.where(allowed, s * (softmax_scale * 1.4426950408889634), float("-inf"))  # base-2 softmax
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if FP8 and (SCALES == 2 or GROUPS == 1):
+            p = p * token_scale[None, :]  # the value rows' scale, folded into the probabilities
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SPLIT:
+        part_row = (split * total + row0 + tok).to(tl.int64) * num_heads + head
+        tl.store(part_out + part_row[:, None] * RANK + dim[None, :], o, mask=row_ok[:, None])
+        tl.store(
+            part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok
+        )
+    else:
+        out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
+        tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _blocks_for(
+    rank: int, heads: int, decode: bool, interpret: bool, fp32: bool, fp8: bool
+) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps). The `[BLOCK_M, kv_lora_rank]` fp32 accumulator and the
+    query (held by every warp as the first `tl.dot` operand) dominate the registers: 16 rows at
+    rank >= 256 (as vLLM's and SGLang's Triton MLA decode), up to 64 at small ranks. fp32 (FMAs, no
+    tensor cores) and FP8 rows (decoded in registers) take 16-key tiles over 8 warps: the largest
+    that compile without spills for sm_80 and sm_90 (see `aot`)."""
+    heads_p = triton.next_power_of_2(heads)
+    if interpret:
+        rows, block_n, warps = 16, 16, 4
+    elif rank >= 256:
+        rows, block_n, warps = 16, (16 if fp32 or fp8 else 32), (4 if decode and not (fp32 or fp8) else 8)
+    else:
+        rows, block_n, warps = (16 if decode else 64 if rank <= 64 else 32), (16 if fp32 or fp8 else 64), 4
+    block_h = min(heads_p, rows)
+    return block_h, max(1, rows // block_h), block_n, warps
+
+
+def plan_mla_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    scales: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[Launch]]:
+    """The output, allocated, and the launches that fill it (attention, then the split merge)."""
+    total, heads, rank = q_nope.shape
+    rope = q_rope.shape[2]
+    batch, page_size = cache_lengths.shape[0], blocks.shape[3]
+    out = torch.empty((total, heads, rank), dtype=q_nope.dtype, device=q_nope.device)
+    if total == 0 or batch == 0:
+        return out, []
+    q_nope = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
+    q_rope = q_rope if q_rope.stride(2) == 1 or rope == 0 else q_rope.contiguous()
+    interpret = is_interpreted(q_nope)
+    decode = total <= batch
+    fp32 = q_nope.dtype == torch.float32
+    block_h, block_q, block_n, num_warps = _blocks_for(rank, heads, decode, interpret, fp32, scales is not None)
+    head_blocks = triton.cdiv(heads, block_h)
+    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
+    splits = num_splits(batch, head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
+    if splits == 1:
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty((splits, total, heads, rank), dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty((splits, total, heads), dtype=torch.float32, device=q_nope.device)
+    latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
+    quant = quant_mode(blocks, scales)
+    scales_kind = quant["SCALES"]
+    launches = [
+        Launch(
+            _mla_attention_kernel,
+            (total // block_q + batch, head_blocks, splits),
+            (
+                q_nope,
+                q_rope,
+                out,
+                part_out,
+                part_lse,
+                latent_cache,
+                rope_cache,
+                pool_scales,
+                cache_lengths,
+                lookup_table,
+                input_row_offsets,
+                batch,
+                total,
+                heads,
+                blocks.shape[0],
+                width,
+                table_stride,
+                page_size,
+                layer_idx,
+                q_nope.stride(0),
+                q_nope.stride(1),
+                q_rope.stride(0),
+                q_rope.stride(1),
+                out.stride(0),
+                out.stride(1),
+                *view_strides(latent_cache),
+                *view_strides(rope_cache),
+                *view_strides(pool_scales, scales_kind == 1),
+                splits,
+                float(softmax_scale),
+            ),
+            dict(
+                BLOCK_H=block_h,
+                BLOCK_Q=block_q,
+                BLOCK_N=block_n,
+                RANK=rank,
+                ROPE=rope,
+                ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
+                GROUPS=scales.shape[5] if scales_kind == 1 else 1,
+                **quant,
+                CAUSAL=bool(causal),
+                SPLIT=splits > 1,
+                UPCAST=interpret,
+                PRECISION="ieee" if interpret or q_nope.dtype == torch.float32 else "tf32",
+                STEPS=search_steps(batch),
+                num_warps=num_warps,
+            ),
+        )
+    ]
+    if splits > 1:
+        launches.append(plan_mla_merge(part_out, part_lse, out))
+    return out, launches
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool = True,
+    scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    out, launches = plan_mla_attention(
+        q_nope, q_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, scales
+    )
+    for launch in launches:
+        launch()
+    return out

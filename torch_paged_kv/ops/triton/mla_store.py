@@ -1,0 +1,200 @@
+"""`store_latent`: one program per new row writes its latent and rope key into the token's MLA row.
+
+An FP8 pool gets MAX's rope-aware row: the latent quantized with the rule of `ops/quant.py` (per
+granule: scale = amax / dtype max, code = round(x / scale) clamped; or one static scale), its codes
+as bytes, then the rope as bf16; the scales go to `scales`. The kernel sees the pool through two
+views of one layer (latent columns and rope columns, `mla_views`), so FP8 and 16/32-bit rows take
+the same addressing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import Launch, owning_sequence, search_steps
+from .fp8 import FORMATS, float_to_fp8_bits
+
+
+def mla_views(blocks: torch.Tensor, rank: int, scales: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(latent, rope, scales) views of the pool, each `[pages, layers, page_size, columns]`: the latent
+    columns (uint8 codes in an FP8 pool), the rope columns (bf16 after the FP8 bytes in an FP8 pool),
+    and the per-granule scales (or the static `[1]` scale; the latent view itself when unquantized).
+    Kernels add `layer_idx` times the layer stride themselves: a layer-sliced view would move the
+    pointers' 16-byte alignment with the layer (a recompile per layer on some page sizes)."""
+    rows = blocks[:, 0, :, :, 0]  # [pages, layers, page_size, row]
+    if scales is None:
+        return rows[..., :rank], rows[..., rank:], rows
+    raw = rows.view(torch.uint8)
+    pool_scales = scales[:, 0, :, :, 0] if scales.dim() == 6 else scales
+    return raw[..., :rank], raw[..., rank:].view(torch.bfloat16), pool_scales
+
+
+def view_strides(view: torch.Tensor, per_granule: bool = True) -> tuple[int, int, int]:
+    """(page, layer, token) strides of a `mla_views` view, in its elements (zeros for a static scale)."""
+    return tuple(view.stride()[:3]) if per_granule else (0, 0, 0)
+
+
+def quant_mode(blocks: torch.Tensor, scales: torch.Tensor | None) -> dict:
+    """The FP8 constexprs of a launch: `FP8` (the rows are FP8 codes), the format (`MANT`, `BIAS`,
+    `FP8_MAX`: `fp8.FORMATS`) and `SCALES` (0 none, 1 per granule, 2 one static scale)."""
+    if scales is None:
+        return dict(FP8=False, MANT=0, BIAS=0, FP8_MAX=0.0, SCALES=0)
+    mant, bias, top = FORMATS[blocks.dtype]
+    return dict(FP8=True, MANT=mant, BIAS=bias, FP8_MAX=top, SCALES=1 if scales.dim() == 6 else 2)
+
+
+# per-call sizes: no specialisation on ==1 or %16, so a new batch compiles nothing
+@triton.jit(do_not_specialize=["batch", "layer_idx"])
+def _store_latent_kernel(
+    latent,
+    k_rope,
+    latent_cache,
+    rope_cache,
+    scales,
+    cache_lengths,
+    lookup_table,
+    input_row_offsets,
+    batch,
+    num_pages,
+    table_width,
+    table_stride,
+    page_size,
+    layer_idx,
+    latent_stride_row,
+    rope_stride_row,
+    cache_stride_page,
+    cache_stride_layer,
+    cache_stride_token,
+    rope_cache_stride_page,
+    rope_cache_stride_layer,
+    rope_cache_stride_token,
+    scales_stride_page,
+    scales_stride_layer,
+    scales_stride_token,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_P: tl.constexpr,
+    GROUPS: tl.constexpr,
+    FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    SCALES: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
+    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
+    col = pos // page_size
+    page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(tl.maximum(col, 0), table_width - 1))
+    # A page id outside `blocks` or the null page 0 (possible only if data checks were off) writes nothing.
+    in_range = (col >= 0) & (col < table_width) & (page > 0) & (page < num_pages)
+    offset = pos % page_size
+    dim = tl.arange(0, RANK)
+    latent_ok = dim < tl.where(in_range, RANK, 0)  # (scalar & block masks break the interpreter)
+    x = tl.load(latent + row.to(tl.int64) * latent_stride_row + dim)
+    slot = (
+        page.to(tl.int64) * cache_stride_page
+        + layer_idx.to(tl.int64) * cache_stride_layer
+        + offset * cache_stride_token
+    )
+    if not FP8:
+        tl.store(latent_cache + slot + dim, x, mask=latent_ok)
+    else:
+        x = x.to(tl.float32)
+        if SCALES == 1:  # one scale per granule of RANK // GROUPS elements
+            granules = tl.reshape(x, (GROUPS, RANK // GROUPS))
+            scale = tl.math.div_rn(tl.max(tl.abs(granules), 1), FP8_MAX)  # [GROUPS]
+            safe = tl.where(scale > 0, scale, 1.0)
+            q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, safe[:, None]), 0.0)
+            q = tl.reshape(q, (RANK,))
+            g = tl.arange(0, GROUPS)
+            scale_slot = page.to(tl.int64) * scales_stride_page + layer_idx.to(tl.int64) * scales_stride_layer
+            scale_slot += offset * scales_stride_token
+            tl.store(scales + scale_slot + g, scale, mask=g < tl.where(in_range, GROUPS, 0))
+        else:  # one static scale
+            q = tl.math.div_rn(x, tl.load(scales))
+        tl.store(latent_cache + slot + dim, float_to_fp8_bits(q, MANT, BIAS, FP8_MAX).to(tl.uint8), mask=latent_ok)
+    if ROPE > 0:
+        r = tl.arange(0, ROPE_P)
+        rope_ok = r < tl.where(in_range, ROPE, 0)
+        kr = tl.load(k_rope + row.to(tl.int64) * rope_stride_row + r, mask=r < ROPE)
+        rope_slot = page.to(tl.int64) * rope_cache_stride_page + layer_idx.to(tl.int64) * rope_cache_stride_layer
+        rope_slot += offset * rope_cache_stride_token
+        tl.store(rope_cache + rope_slot + r, kr.to(rope_cache.dtype.element_ty), mask=rope_ok)
+
+
+def plan_store_latent(
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    scales: torch.Tensor | None = None,
+) -> list[Launch]:
+    total, rank = latent.shape
+    rope = k_rope.shape[1]
+    batch = cache_lengths.shape[0]
+    if total == 0 or batch == 0:
+        return []
+    latent = latent if latent.stride(1) == 1 else latent.contiguous()
+    k_rope = k_rope if k_rope.stride(1) == 1 or rope == 0 else k_rope.contiguous()
+    latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
+    quant = quant_mode(blocks, scales)
+    scales_kind = quant["SCALES"]
+    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
+    return [
+        Launch(
+            _store_latent_kernel,
+            (total,),
+            (
+                latent,
+                k_rope,
+                latent_cache,
+                rope_cache,
+                pool_scales,
+                cache_lengths,
+                lookup_table,
+                input_row_offsets,
+                batch,
+                blocks.shape[0],
+                width,
+                table_stride,
+                blocks.shape[3],
+                layer_idx,
+                latent.stride(0),
+                k_rope.stride(0),
+                *view_strides(latent_cache),
+                *view_strides(rope_cache),
+                *view_strides(pool_scales, scales_kind == 1),
+            ),
+            dict(
+                RANK=rank,
+                ROPE=rope,
+                ROPE_P=triton.next_power_of_2(max(rope, 1)),
+                GROUPS=scales.shape[5] if scales_kind == 1 else 1,
+                **quant,
+                STEPS=search_steps(batch),
+            ),
+        )
+    ]
+
+
+def store_latent(
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    scales: torch.Tensor | None = None,
+) -> None:
+    for launch in plan_store_latent(
+        latent, k_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales
+    ):
+        launch()
