@@ -18,7 +18,14 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops.cpu import build, kernels
-from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_mla_batch, make_paged_batch
+from torch_paged_kv.testing import (
+    ATTENTION_TOLERANCE,
+    PagedBatch,
+    attention_fp64,
+    make_fp8_batch,
+    make_mla_batch,
+    make_paged_batch,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -297,3 +304,60 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
         assert (fast_store, fast_read) == (slow_store, slow_read), (trial, broken, cached, new)
         agree += not slow_read
     assert agree > 50  # a good share of the steps were bad ones
+
+
+# -- FP8 caches ----------------------------------------------------------------------------------
+
+FP8_CASES = [  # dtype, scales per granularity (None: a static pair), head_dim, query dtype
+    (torch.float8_e4m3fn, 64, 64, torch.bfloat16),  # one scale per token and head
+    (torch.float8_e4m3fn, 16, 64, torch.float16),
+    (torch.float8_e5m2, 8, 40, torch.float32),  # odd head_dim: partial vectors
+    (torch.float8_e5m2, None, 64, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("dtype, granularity, head_dim, q_dtype", FP8_CASES)
+@pytest.mark.parametrize("split", [False, True])
+def test_fp8_attention_matches_fp64_on_the_dequantized_cache(
+    monkeypatch, force_backend, dtype, granularity, head_dim, q_dtype, split
+):
+    """Decodes, a chunked and a fresh prefill over FP8 pages (random bytes and scales in every
+    unused slot), causal and windowed, against fp64 attention over what the cache holds; split key
+    ranges merged after, or not."""
+    if split:
+        monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 16)
+        monkeypatch.setattr(kernels, "WANT_ITEMS", 64)
+    b, new_keys, new_values = make_fp8_batch(
+        [300, 37, 90, 0], [1, 1, 6, 20], dtype=dtype, granularity=granularity, head_dim=head_dim,
+        page_size=16, group=4, seed=7,
+    )  # fmt: skip
+    force_backend(None)  # the reference quantizes the new rows
+    ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
+    force_backend("cpu")
+    q = b.q.to(q_dtype)
+    for window in (-1, 50):
+        got = ops.flash_attention(q, b.blocks, *b.step, b.layer_idx, 0.2, True, window, 0.0, b.scales)
+        assert got.dtype == q_dtype and got.is_contiguous()
+        want = attention_fp64(q, b.keys, b.values, b.cache_lengths.tolist(), 0.2, True, window)
+        torch.testing.assert_close(got.double(), want, **ATTENTION_TOLERANCE[q_dtype])
+
+
+def test_fp8_copy_pages_moves_scales_with_their_pages():
+    b, _, _ = make_fp8_batch([40, 9], [0, 0], granularity=16, page_size=8)
+    blocks, scales = b.blocks.view(torch.uint8).clone(), b.scales.clone()
+    src, dst = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([3, 1, 4], dtype=torch.int32)
+    ops.copy_pages(b.blocks, src, dst, b.scales)
+    assert torch.equal(b.blocks.view(torch.uint8)[[3, 1, 4]], blocks[[1, 2, 3]])
+    assert torch.equal(b.scales[[3, 1, 4]], scales[[1, 2, 3]])
+    untouched = [p for p in range(blocks.shape[0]) if p not in (1, 3, 4)]
+    assert torch.equal(b.blocks.view(torch.uint8)[untouched], blocks[untouched])
+    assert torch.equal(b.scales[untouched], scales[untouched])
+
+
+def test_fp8_store_and_gather_run_on_the_reference_and_say_so(force_backend):
+    force_backend(None)
+    params = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 64, 16, quantization_granularity=16)
+    info = pk.backend_info("cpu", params)
+    assert info["flash_attention"] == info["copy_pages"] == "cpu"
+    assert info["store_kv"].startswith("reference (cpu: FP8 caches quantize on write")
+    assert info["gather_kv"].startswith("reference (cpu: FP8 gathers")

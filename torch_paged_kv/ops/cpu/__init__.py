@@ -32,20 +32,31 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-UNQUANTIZED_ARITY = {"store_kv": 7, "flash_attention": 10, "gather_kv": 6, "copy_pages": 3}
-"""Arguments of each op before its FP8 ones (`scales`, and `out_dtype` for gather_kv)."""
+UNQUANTIZED_ARITY = {"store_kv": 7, "gather_kv": 6}
+"""Arguments before the FP8 ones (`scales`, and `out_dtype` for gather_kv) of the ops that run only
+on unquantized caches here; flash_attention and copy_pages take FP8 pools too."""
 
 
 def _supports(op: str) -> Callable[..., bool]:
-    """The kernels cover unquantized caches (an FP8 call, or a gather to another dtype, runs on the
-    reference backend); they would dequantize in `load_row`'s place (kernels.cpp)."""
+    """store_kv and gather_kv cover unquantized caches (an FP8 call, or a gather to another dtype,
+    runs on the reference backend); flash_attention and copy_pages cover every cache."""
+    if op not in UNQUANTIZED_ARITY:
+        return lambda *args: True
     arity = UNQUANTIZED_ARITY[op]
     return lambda *args: all(a is None for a in args[arity:])
 
 
-def _declines(params: Any) -> str | None:
-    return "FP8 caches run on the reference backend until the CPU kernels dequantize" if params.quantized else None
+def _declines(op: str) -> Callable[[Any], str | None]:
+    """Why `op` skips an FP8 cache described by `params` (backend_info), or None."""
+    if op not in UNQUANTIZED_ARITY:
+        return lambda params: None
+    reason = (
+        "FP8 caches quantize on write with the reference backend's exact rule"
+        if op == "store_kv"
+        else "FP8 gathers, a debugging path, run on the reference backend"
+    )
+    return lambda params: reason if params.quantized else None
 
 
-KERNELS = {op: (getattr(kernels, op), _supports(op), _declines) for op in _OPS}
+KERNELS = {op: (getattr(kernels, op), _supports(op), _declines(op)) for op in _OPS}
 """op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "cpu"."""

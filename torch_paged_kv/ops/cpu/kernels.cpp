@@ -15,10 +15,10 @@
 // pages, no copy); per block, scores = Q K^T with fp32 accumulation, softcap, the contract's mask
 // (causal / window / lengths), an online softmax, and O += P V. Long key ranges are split across
 // items when there are too few items for the threads, and the splits merged after. Storage
-// dtypes: fp32, bf16, fp16, converted to fp32 as they are loaded (`load`, `load2`, `load_part`
-// are the only reads of K/V elements: an FP8 cache would add a storage type there that
-// dequantizes with its per token/head or per granule scale; until then FP8 calls go to the
-// reference backend).
+// dtypes: fp32, bf16, fp16, converted to fp32 as they are loaded (`load`, `load2`, `load_part`).
+// FP8 caches (e4m3fn, e5m2): each key block's rows are dequantized (a code's exact value times
+// its scale, the reference's fp32 product) into a per-thread fp32 block, which the fp32 path then
+// reads; queries and output are fp32 (kernels.py converts).
 
 #include <algorithm>
 #include <atomic>
@@ -69,6 +69,35 @@ template <>
 struct Storage<F32> {
   using T = float;
 };
+
+enum Fp8 : int { NOT_FP8 = 0, E4M3FN = 1, E5M2 = 2 };
+
+// The exact fp32 value of every FP8 code of one format (NaN codes give NaN, e5m2's inf codes inf).
+struct Fp8Values {
+  float value[256];
+  Fp8Values(int mant, int bias, bool finite_only) {
+    const int exp_mask = (1 << (7 - mant)) - 1, mant_mask = (1 << mant) - 1;
+    for (int code = 0; code < 256; ++code) {
+      const int e = (code >> mant) & exp_mask, m = code & mant_mask;
+      float v;
+      if (finite_only && e == exp_mask && m == mant_mask) {
+        v = std::numeric_limits<float>::quiet_NaN();
+      } else if (!finite_only && e == exp_mask) {
+        v = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+      } else if (e == 0) {
+        v = std::ldexp(static_cast<float>(m), 1 - bias - mant);
+      } else {
+        v = std::ldexp(static_cast<float>(m + (1 << mant)), e - bias - mant);
+      }
+      value[code] = code & 0x80 ? -v : v;
+    }
+  }
+};
+
+inline const float* fp8_values(int format) {
+  static const Fp8Values e4m3fn(3, 7, true), e5m2(2, 15, false);
+  return format == E4M3FN ? e4m3fn.value : e5m2.value;
+}
 
 inline vf splat(float x) {
 #if defined(__AVX512F__)
@@ -469,6 +498,9 @@ struct AttnArgs {
   float softcap;
   void* out;
   int64_t out_stride_row, out_stride_head;
+  int fp8;               // an FP8 pool (Fp8; then the kernels run as F32 on dequantized blocks)
+  const float* scales;   // its scales: [pages, 2, layers, page_size, kv_heads, groups], or a static K/V pair
+  int64_t scale_groups;  // scales per token and kv head (0: the static pair)
 };
 
 struct Item {
@@ -487,6 +519,7 @@ struct Scratch {
   std::vector<float> q, o, s, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<const void*> kp, vp;
+  std::vector<float> deq;  // FP8 pools: K and V of the current and the next key block, dequantized
   void reserve(int64_t rows, int64_t Dp) {
     if (static_cast<int64_t>(m.size()) < rows) {
       m.resize(rows);
@@ -572,8 +605,35 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const int64_t vshift = g.plane_stride(), token_stride = g.kv_heads * D;
   const int64_t span_bytes = heads * D * static_cast<int64_t>(sizeof(T));  // of one token, heads h0..h1
   const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
-  // Row pointers (at kv head h0) of key positions [k0, k0 + n), a page at a time.
-  auto fill = [&](int64_t k0, int n, const void** kp, const void** vp) {
+  const int64_t span = heads * D;  // elements of one key's rows of heads h0..h1
+  if (a.fp8 && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
+  // Row pointers (at kv head h0) of key positions [k0, k0 + n) into key block buffer `buf`, a page
+  // at a time; for an FP8 pool, pointers to the rows dequantized into sc.deq.
+  auto fill = [&](int64_t k0, int n, int buf) {
+    const void** kp = sc.kp.data() + buf * KEY_BLOCK;
+    const void** vp = sc.vp.data() + buf * KEY_BLOCK;
+    if (a.fp8) {
+      const float* values = fp8_values(a.fp8);
+      const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
+      const int64_t G = a.scale_groups, gran = G ? D / G : D;
+      for (int t = 0; t < n; ++t) {
+        const int64_t off = g.offset(it.b, k0 + t, it.h0);
+        float* kd = sc.deq.data() + ((2 * buf) * KEY_BLOCK + t) * span;
+        float* vd = sc.deq.data() + ((2 * buf + 1) * KEY_BLOCK + t) * span;
+        for (int plane = 0; plane < 2; ++plane) {
+          const uint8_t* src = codes + off + plane * vshift;
+          float* dst = plane ? vd : kd;
+          const float* scale = G ? a.scales + (off + plane * vshift) / D * G : a.scales + plane;
+          for (int64_t j = 0; j < span; j += gran) {
+            const float s = G ? scale[j / gran] : *scale;
+            for (int64_t e = j; e < j + gran; ++e) dst[e] = values[src[e]] * s;
+          }
+        }
+        kp[t] = kd;
+        vp[t] = vd;
+      }
+      return;
+    }
     for (int t = 0; t < n;) {
       const int64_t pos = k0 + t;
       const T* row = blocks + g.offset(it.b, pos, it.h0);
@@ -590,7 +650,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       if (sc.lo[r0 + r] < k0 + n && sc.hi[r0 + r] > k0) return true;
     return false;
   };
-  if (klo < khi) fill(klo, static_cast<int>(std::min<int64_t>(kb, khi - klo)), sc.kp.data(), sc.vp.data());
+  if (klo < khi) fill(klo, static_cast<int>(std::min<int64_t>(kb, khi - klo)), 0);
   for (int64_t k0 = klo, block = 0; k0 < khi; k0 += kb, ++block) {
     const int n = static_cast<int>(std::min<int64_t>(kb, khi - k0));
     const void** kp = sc.kp.data() + (block & 1) * KEY_BLOCK;  // filled by the previous block
@@ -600,10 +660,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const void** next_kp = sc.kp.data() + ((block + 1) & 1) * KEY_BLOCK;
       const void** next_vp = sc.vp.data() + ((block + 1) & 1) * KEY_BLOCK;
       ahead.n = static_cast<int>(std::min<int64_t>(kb, khi - k0 - kb));
-      fill(k0 + kb, ahead.n, next_kp, next_vp);
+      fill(k0 + kb, ahead.n, (block + 1) & 1);
       ahead.kp = next_kp;
       ahead.vp = next_vp;
       ahead.bytes = D * static_cast<int64_t>(sizeof(T));
+      if (a.fp8) ahead.n = 0;  // dequantized already: in cache
     }
     // Scores, CHUNK keys at a time through every kv head: a chunk's rows of all heads are one
     // contiguous span per key (a head's row alone is a 2^k-strided sliver), read together.
@@ -855,7 +916,7 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
                          int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
                          double scale, int causal, int64_t window, double softcap, void* out, int64_t out_stride_row,
                          int64_t out_stride_head, int64_t min_split, int64_t want_items, int64_t min_work,
-                         int nthreads) {
+                         int nthreads, int fp8, const float* scales, int64_t scale_groups) {
   AttnArgs a;
   a.dtype = dtype;
   a.q = q;
@@ -874,6 +935,9 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   a.out = out;
   a.out_stride_row = out_stride_row;
   a.out_stride_head = out_stride_head;
+  a.fp8 = fp8;
+  a.scales = scales;
+  a.scale_groups = scale_groups;
   const Tuning tune{min_split, want_items, min_work};
   switch (dtype) {
     case F32: flash_attention<F32>(a, tune, nthreads); break;
@@ -1044,7 +1108,7 @@ void pkv_flash_attention(const unsigned char* packed) {
                       a.i(6), a.i(7), a.i(8), a.i(9), a.ptr<const int32_t>(10), a.ptr<const int32_t>(11), a.i(12),
                       a.i(13), a.ptr<const int32_t>(14), a.i(15), a.i(16), a.i(17), a.d(27), static_cast<int>(a.i(18)),
                       a.i(19), a.d(28), a.ptr<void>(20), a.i(21), a.i(22), a.i(23), a.i(24), a.i(25),
-                      static_cast<int>(a.i(26)));
+                      static_cast<int>(a.i(26)), static_cast<int>(a.i(29)), a.ptr<const float>(30), a.i(31));
 }
 
 void pkv_store_kv(const unsigned char* packed) {

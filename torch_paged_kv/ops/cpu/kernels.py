@@ -19,6 +19,7 @@ import torch
 from . import build
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 # Attention work split (read per call, so tests can force each path):
 MIN_SPLIT_KEYS = 256
@@ -110,8 +111,13 @@ def flash_attention(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
-    scales: None = None,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Over an FP8 pool the kernels dequantize key blocks and run in fp32: the queries go in as fp32
+    and the fp32 output comes back in q's dtype."""
+    result_dtype = q.dtype
+    if scales is not None:
+        q = q.float()
     qs = q.stride()
     if qs[2] != 1:
         q = q.contiguous()
@@ -128,9 +134,17 @@ def flash_attention(
             table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
             layer_idx, q.shape[1], causal, sliding_window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
             WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), softmax_scale, softcap,
+            *_fp8_arguments(blocks, scales),
         )
     )  # fmt: skip
-    return out
+    return out if out.dtype == result_dtype else out.to(result_dtype)
+
+
+def _fp8_arguments(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int, int]:
+    """(FP8 format code or 0, scales pointer, scales per token and kv head or 0 for a static pair)."""
+    if scales is None:
+        return 0, 0, 0
+    return FP8_CODES[blocks.dtype], scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0
 
 
 def gather_kv(
@@ -159,19 +173,25 @@ def gather_kv(
     return key, value
 
 
-def copy_pages(blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: None = None) -> None:
+def copy_pages(
+    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
+) -> None:
+    """Whole pages, every source read before any write; an FP8 pool's scales rows move with them
+    (a static pair has none)."""
     if src_pages.shape[0] == 0:
         return
-    (_lib or load()).pkv_copy_pages(
-        _COPY_PAGES.pack(
-            blocks.data_ptr(), blocks.stride(0) * blocks.element_size(), blocks.shape[0], src_pages.data_ptr(),
-            dst_pages.data_ptr(), src_pages.shape[0], torch.get_num_threads(),
-        )
-    )  # fmt: skip
+    pools = (blocks,) if scales is None or scales.dim() != 6 else (blocks, scales)
+    for pool in pools:
+        (_lib or load()).pkv_copy_pages(
+            _COPY_PAGES.pack(
+                pool.data_ptr(), pool.stride(0) * pool.element_size(), pool.shape[0], src_pages.data_ptr(),
+                dst_pages.data_ptr(), src_pages.shape[0], torch.get_num_threads(),
+            )
+        )  # fmt: skip
 
 
 # The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d")
+_FLASH_ATTENTION = struct.Struct("@27q2d3q")
 _STORE_KV = struct.Struct("@21q")
 _GATHER_KV = struct.Struct("@18q")
 _COPY_PAGES = struct.Struct("@7q")
