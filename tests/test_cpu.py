@@ -361,3 +361,39 @@ def test_fp8_store_and_gather_run_on_the_reference_and_say_so(force_backend):
     assert info["flash_attention"] == info["copy_pages"] == "cpu"
     assert info["store_kv"].startswith("reference (cpu: FP8 caches quantize on write")
     assert info["gather_kv"].startswith("reference (cpu: FP8 gathers")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("groups", [0, 1, 17, 34])  # static pair; per token; granules of 8 and of 4 (scalar)
+def test_fp8_codes_dequantize_exactly(dtype, groups):
+    """Every FP8 code (subnormals, -0, e5m2's infinities, the NaN codes) as V of the only key a
+    query sees: fp32 attention returns that V row, so it must equal code value x scale, exactly."""
+    head_dim, batch = 136, 2  # 272 slots: every code, the vector path and (AVX-512) the scalar tail
+    blocks = torch.full((3, 2, 1, 4, 1, head_dim), 0x38, dtype=torch.uint8)  # K: 1.0 (e4m3) / 0.5 (e5m2)
+    codes = torch.arange(batch * head_dim, dtype=torch.int64).remainder(256).to(torch.uint8)
+    blocks[1:, 1, 0, 0, 0] = codes.view(batch, head_dim)  # V of position 0 of pages 1 and 2
+    blocks = blocks.view(dtype)
+    gen = torch.Generator().manual_seed(5)
+    scales = torch.rand(*blocks.shape[:5], groups, generator=gen) + 0.5 if groups else torch.tensor([0.7, 1.3])
+    step = (
+        torch.zeros(batch, dtype=torch.int32),
+        torch.tensor([[1], [2]], dtype=torch.int32),
+        torch.arange(batch + 1, dtype=torch.int32),
+    )
+    q = torch.randn(batch, 1, head_dim, generator=gen)
+    got = ops.flash_attention(q, blocks, *step, 0, 0.1, True, -1, 0.0, scales)
+    v = blocks[1:, 1, 0, 0, 0].float()  # torch's own conversion, then the scale
+    scale = scales[1:, 1, 0, 0, 0].repeat_interleave(head_dim // groups, -1) if groups else scales[1]
+    torch.testing.assert_close(got[:, 0], v * scale, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", ["x86-64", "haswell", "skylake-avx512", "sapphirerapids"])
+def test_kernels_compile_for_other_x86_targets(arch):
+    """`-march=native` builds only for this machine's vector width; the others (AVX-512's 16-float
+    vectors, plain SSE) must compile too, or the build falls back to generic code there."""
+    compiler = build.find_compiler()
+    if compiler is None or "x86_64" not in os.uname().machine:
+        pytest.skip("needs an x86-64 C++ compiler")
+    flags = [*build.BASE_FLAGS, "-fopenmp", f"-march={arch}", "-fsyntax-only"]  # types and templates, no code
+    done = subprocess.run([compiler, *flags, str(build.SOURCE)], capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]

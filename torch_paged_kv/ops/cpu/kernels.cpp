@@ -130,6 +130,50 @@ inline vf f16_bits_to_f32(vu h) {
   return (vf)(bits | ((h & 0x8000u) << 16));
 }
 
+typedef uint8_t vb __attribute__((vector_size(W)));
+
+// fp16 bit patterns (W lanes) to fp32: exact for every value.
+inline vf f16_to_f32(vh h) {
+#if defined(__AVX512F__)
+  __m256i bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  return (vf)_mm512_cvtph_ps(bits);
+#elif defined(__F16C__)
+  __m128i bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  return (vf)_mm256_cvtph_ps(bits);
+#else
+  return f16_bits_to_f32(__builtin_convertvector(h, vu));
+#endif
+}
+
+// The exact fp32 values of the W FP8 codes at p, through fp16 (as fp8_values gives them one at a
+// time): an e5m2 code is the top byte of the fp16 of the same value; an e4m3fn code's exponent and
+// mantissa fit fp16's (its value / 2^8, subnormals included), its NaN code becoming an fp16 NaN.
+template <int FORMAT>
+inline vf fp8_to_f32(const uint8_t* p) {
+  vb raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const vh x = __builtin_convertvector(raw, vh);
+  if constexpr (FORMAT == E5M2) {
+    return f16_to_f32(x << 8);
+  } else {
+    const vh rest = x & 0x7F;
+    vh h = ((x & 0x80) << 8) | (rest << 7);
+    h = rest == 0x7F ? (h | 0x7E00) : h;
+    return f16_to_f32(h) * 256.0f;  // exact: a power of two, far from overflow
+  }
+}
+
+// dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product).
+template <int FORMAT>
+inline void dequantize(const uint8_t* src, int64_t n, float s, float* dst) {
+  int64_t e = 0;
+  for (; e + W <= n; e += W) store_f32(dst + e, fp8_to_f32<FORMAT>(src + e) * splat(s));
+  const float* values = fp8_values(FORMAT);
+  for (; e < n; ++e) dst[e] = values[src[e]] * s;
+}
+
 template <int DT>
 inline vf load(const typename Storage<DT>::T* p) {
   static_assert(DT != BF16_PAIRS, "BF16_PAIRS is read with load2");
@@ -283,13 +327,12 @@ inline float hmax(vf v) {
   return m;
 }
 
-inline v8 to8(vf a) {
-  if constexpr (W == 8) {
-    return a;
-  } else {
-    return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  }
+inline v8 to8(vf a) {  // (#if: a discarded `if constexpr` branch outside a template must still compile)
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a;
+#endif
 }
 
 // out[i] = sum of a[i]'s lanes, for 8 vectors at once (a transposing add tree).
@@ -613,9 +656,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const void** kp = sc.kp.data() + buf * KEY_BLOCK;
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
     if (a.fp8) {
-      const float* values = fp8_values(a.fp8);
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
-      const int64_t G = a.scale_groups, gran = G ? D / G : D;
+      const int64_t G = a.scale_groups, gran = G ? D / G : span;
       for (int t = 0; t < n; ++t) {
         const int64_t off = g.offset(it.b, k0 + t, it.h0);
         float* kd = sc.deq.data() + ((2 * buf) * KEY_BLOCK + t) * span;
@@ -626,7 +668,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
           const float* scale = G ? a.scales + (off + plane * vshift) / D * G : a.scales + plane;
           for (int64_t j = 0; j < span; j += gran) {
             const float s = G ? scale[j / gran] : *scale;
-            for (int64_t e = j; e < j + gran; ++e) dst[e] = values[src[e]] * s;
+            if (a.fp8 == E4M3FN) {
+              dequantize<E4M3FN>(src + j, gran, s, dst + j);
+            } else {
+              dequantize<E5M2>(src + j, gran, s, dst + j);
+            }
           }
         }
         kp[t] = kd;
