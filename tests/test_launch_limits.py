@@ -19,6 +19,7 @@ import torch_paged_kv
 
 pytest.importorskip("triton")
 
+from torch_paged_kv.ops import splits as split_rule
 from torch_paged_kv.ops.triton import copy_pages, flash_attention, gather_kv, store_kv
 from torch_paged_kv.ops.triton.common import MAX_GRID
 
@@ -139,7 +140,7 @@ def test_cute_launch_grids_fit_at_the_largest_decode_batch():
     for rows in (MANY, INT32_MAX):
         q = meta(rows, 32, 128)
         assert attention.covers("sm_90a", q, blocks, rows)
-        assert variants.grid_fits(variants.decode_grid(rows, 8, attention.MAX_SPLITS))
+        assert variants.grid_fits(variants.decode_grid(rows, 8, split_rule.MAX_SPLITS))
         assert variants.grid_fits(variants.combine_grid(rows, 32))
     blocks = meta(2, 2, 1, 64, 65536, 64)
     assert not attention.covers("sm_90a", meta(1, 65536, 64), blocks, 1)  # KV heads past grid y

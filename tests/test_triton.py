@@ -18,6 +18,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
+from torch_paged_kv.ops import splits as split_rule
 from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
@@ -244,7 +245,7 @@ def test_flash_attention_matches_reference_and_fp64(name):
 
 @pytest.mark.parametrize("window, softcap, dtype", [(-1, 0.0, torch.float32), (21, 4.0, torch.bfloat16)])
 def test_split_kv_decode_matches_fp64(monkeypatch, window, softcap, dtype):
-    monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(split_rule, "MIN_SPLIT_KEYS", 16)
     batch = make_paged_batch(
         [70, 5, 33], [1, 1, 1], page_size=8, num_kv_heads=1, head_dim=16, group=4, layer_idx=0, dtype=dtype, seed=3
     )
@@ -312,11 +313,10 @@ def test_fp8_attention_matches_fp64(dtype, granularity, continuous):
 
 
 def test_fp8_split_decode_and_copy_pages_move_scales(monkeypatch):
-    from torch_paged_kv.ops.triton import flash_attention as triton_flash
 
-    monkeypatch.setattr(triton_flash, "_target_programs", lambda device: 64)  # force several splits
+    monkeypatch.setattr(split_rule, "sm_count", lambda device: 16)  # force several splits
     b, new_keys, new_values = make_fp8_batch([300, 97], [1, 1], granularity=16, page_size=16, seed=4)
-    _, launches = triton_flash.plan_flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
+    _, launches = triton_attention.plan_flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
     assert len(launches) == 2  # split attention, then the merge
     ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
     out = ops.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)

@@ -15,7 +15,7 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 import torch_paged_kv as pk
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import reference_mla
-from torch_paged_kv.ops.triton import flash_attention as triton_attention
+from torch_paged_kv.ops import splits as split_rule
 from torch_paged_kv.ops.triton import mla_attention as triton_mla
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch, mla_attention_fp64
@@ -124,7 +124,7 @@ def test_mla_attention_matches_reference_and_fp64(name):
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])
 def test_split_kv_decode_matches_fp64(monkeypatch, kind):
-    monkeypatch.setattr(triton_attention, "MIN_SPLIT_TOKENS", 16)
+    monkeypatch.setattr(split_rule, "MIN_SPLIT_KEYS", 16)
     dtype, quantization = QUANT[kind]
     b = make_mla_batch([70, 5, 33], [1, 1, 1], page_size=8, num_heads=4, dtype=dtype, seed=3, **quantization)
     launches = triton_mla.plan_mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales)[1]

@@ -7,29 +7,18 @@ kernel into fp32 partials and merges them with the combine kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 import torch
 
+from .. import splits as split_rule
 from . import device_arch, device_index, unverified_reason, variants
 from .operand import KVCacheMHAOperand
 
-MAX_SPLITS = 64
+PROGRAMS_PER_SM = 2
+"""Decode CTAs one SM runs at once (the split rule's occupancy target; ops/splits.py)."""
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_splits(device_index: int, rows: int, kv_heads: int, max_keys: int, tile_n: int) -> int:
-    """Splits of each row's keys so that about two CTAs per SM run; from shapes only."""
-    ctas = max(rows * kv_heads, 1)
-    tiles = max(-(-max_keys // tile_n), 1)
-    return max(1, min(-(-2 * _sm_count(device_index) // ctas), tiles, MAX_SPLITS))
 
 
 def supports(
@@ -64,7 +53,7 @@ def covers(arch: str | None, q: torch.Tensor, blocks: torch.Tensor, batch: int) 
     group = q_heads // kv_heads
     return (
         0 < rows == batch
-        and variants.grid_fits(variants.decode_grid(rows, kv_heads, MAX_SPLITS))  # CUDA's launch limits
+        and variants.grid_fits(variants.decode_grid(rows, kv_heads, split_rule.MAX_SPLITS))  # CUDA's launch limits
         and variants.grid_fits(variants.combine_grid(rows, q_heads))
         and head_dim in variants.HEAD_DIMS
         and group in variants.GROUPS
@@ -97,7 +86,7 @@ def flash_attention(
     max_keys = operand.lookup_table.shape[1] * operand.page_size
     if causal and sliding_window > 0:  # a query sees at most the window, plus a tile of alignment
         max_keys = min(max_keys, sliding_window + key.tile_n)
-    splits = num_splits(index, rows, operand.num_kv_heads, max_keys, key.tile_n)
+    splits = split_rule.num_splits(rows * operand.num_kv_heads, max_keys, key.tile_n, q.device, PROGRAMS_PER_SM)
     return launch(
         variants.get(key),
         variants.get(variants.combine_key(arch, dtype, head_dim)),

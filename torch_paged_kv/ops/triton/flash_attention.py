@@ -15,19 +15,17 @@ then fed to `tl.dot` in the query's dtype, like 16-bit pages.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .. import splits as split_rule
 from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, search_steps
 from .flash_merge import plan_merge
 from .fp8 import covered, fp8_bits_to_float, quantization
 
-MIN_SPLIT_TOKENS = 256
-"""Fewest keys a decode split covers: below this the merge costs more than the parallelism gains."""
-MAX_SPLITS = 64
+PROGRAMS_PER_SM = 4
+"""Attention programs one SM runs at once (the split rule's occupancy target; ops/splits.py)."""
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
@@ -206,17 +204,6 @@ def _attention_kernel(
         tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
-@functools.cache
-def _target_programs(device: torch.device) -> int:
-    """Programs that keep `device` busy: a few per SM on CUDA (on "meta", used to plan launches
-    for ahead-of-time compiles, an H100's 132 SMs), a handful under the interpreter."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    if device.type == "meta":
-        return 4 * 132
-    return 16
-
-
 def _blocks_for(head_dim: int, group: int, decode: bool, interpret: bool, fp32: bool) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_N, num_warps): decode packs >= 16 rows; prefill ~64 rows x 64 keys.
     fp32 `tl.dot` runs on FMAs with every operand in registers: 16-32 rows x 16-32 keys over
@@ -232,10 +219,9 @@ def _blocks_for(head_dim: int, group: int, decode: bool, interpret: bool, fp32: 
     return max(1, rows // group_p), block_n, 4 if decode or head_dim <= 64 else 8
 
 
-def num_splits(batch: int, num_kv_heads: int, key_bound: int, block_n: int, device: torch.device) -> int:
-    """Decode splits, from shapes alone: enough programs to fill the device, >= MIN_SPLIT_TOKENS keys each."""
-    wanted = triton.cdiv(_target_programs(device), max(1, batch * num_kv_heads))
-    return max(1, min(wanted, triton.cdiv(key_bound, max(MIN_SPLIT_TOKENS, block_n)), MAX_SPLITS))
+def num_splits(programs: int, key_bound: int, block_n: int, device: torch.device) -> int:
+    """Decode splits for `programs` (sequences x kv heads or head blocks): ops/splits.py's rule."""
+    return split_rule.num_splits(programs, key_bound, block_n, device, PROGRAMS_PER_SM)
 
 
 def wide_page(blocks: torch.Tensor) -> bool:
@@ -268,7 +254,7 @@ def supports(
     return (
         total == 0
         or batch == 0
-        or (grid_fits((total + batch, blocks.shape[4], MAX_SPLITS)) and grid_fits((total, q.shape[1])))
+        or (grid_fits((total + batch, blocks.shape[4], split_rule.MAX_SPLITS)) and grid_fits((total, q.shape[1])))
     )
 
 
@@ -300,7 +286,7 @@ def plan_flash_attention(
     window = sliding_window > 0
     key_bound = min(max_context, sliding_window + block_q + block_n) if causal and window else max_context
 
-    splits = num_splits(batch, num_kv_heads, key_bound, block_n, q.device) if total <= batch else 1
+    splits = num_splits(batch * num_kv_heads, key_bound, block_n, q.device) if total <= batch else 1
     if splits == 1:
         part_out = part_lse = out  # unused
     else:

@@ -235,7 +235,7 @@ def plan_mla_attention(
     block_h, block_q, block_n, num_warps = _blocks_for(rank, heads, decode, interpret, fp32, scales is not None)
     head_blocks = triton.cdiv(heads, block_h)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
-    splits = num_splits(batch, head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
+    splits = num_splits(batch * head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
     if splits == 1:
         part_out = part_lse = out  # unused
     else:
