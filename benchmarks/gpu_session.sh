@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_session.sh [STAGE ...]     # default: every stage, in this order
 #
-# Stages: env paths triton cute examples bench-triton bench-cute bench-mla bench-hf. LOGS is $OUT when set
+# Stages: env paths triton cute examples bench-triton bench-cute bench-mla bench-fp8 bench-hf. LOGS is $OUT when set
 # (the device tool brings it back), else gpu_logs/. Per-stage limit: STAGE_TIMEOUT seconds (180;
 # 300 for the compile-heavy triton and cute stages).
 set -u
@@ -26,9 +26,10 @@ declare -A commands=(
   [bench-triton]="python benchmarks/bench_decode_gpu.py && python benchmarks/bench_decode.py --device cuda --dtypes bfloat16 --batch 64 --context 4096 --page-sizes 1,16,128"
   [bench-cute]="$need_cute && python benchmarks/bench_cute_decode.py"
   [bench-mla]="python benchmarks/bench_mla_gpu.py && python benchmarks/bench_mla.py --device cuda --batch 64 --context 4096"
+  [bench-fp8]="python benchmarks/bench_fp8.py --device cuda --batch 64 --context 4096"
   [bench-hf]="python benchmarks/bench_hf.py --dtype bfloat16 $hf_large && python benchmarks/bench_hf.py --dtype bfloat16 $hf_large --compile"
 )
-order=(env paths triton cute examples bench-triton bench-cute bench-mla bench-hf)
+order=(env paths triton cute examples bench-triton bench-cute bench-mla bench-fp8 bench-hf)
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=("${order[@]}")
 
