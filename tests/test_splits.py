@@ -27,13 +27,21 @@ def test_split_counts(programs, keys, tile, per_sm, expected):
     assert splits.num_splits(programs, keys, tile, META, per_sm) == expected
 
 
-def test_both_gpu_backends_use_the_shared_rule():
+def test_triton_plans_its_decode_grid_by_the_shared_rule(monkeypatch):
+    """The split count reaches the planned launch (grid z) and follows the rule's inputs: a device
+    with fewer SMs, or a shorter table, gets fewer splits."""
     pytest.importorskip("triton")
-    from torch_paged_kv.ops.cute import attention as cute_attention
     from torch_paged_kv.ops.triton import flash_attention as triton_attention
 
-    for programs, keys in ((8, 32768), (64, 4096), (2048, 300)):
-        assert triton_attention.num_splits(programs, keys, 64, META) == splits.num_splits(
-            programs, keys, 64, META, triton_attention.PROGRAMS_PER_SM
-        )
-    assert not hasattr(cute_attention, "num_splits") and cute_attention.PROGRAMS_PER_SM == 2
+    def planned_splits(table_width: int) -> int:
+        q = torch.empty(1, 32, 128, dtype=torch.bfloat16, device=META)
+        blocks = torch.empty(table_width + 1, 2, 1, 16, 8, 128, dtype=torch.bfloat16, device=META)
+        lengths, offsets = (torch.empty(n, dtype=torch.int32, device=META) for n in (1, 2))
+        table = torch.empty(1, table_width, dtype=torch.int32, device=META)
+        _, launches = triton_attention.plan_flash_attention(q, blocks, lengths, table, offsets, 0, 0.1)
+        return launches[0].grid[2]
+
+    assert planned_splits(2048) == 64  # 32k keys, 8 kv heads on 132 SMs: the cap
+    assert planned_splits(32) == 2  # 512 keys: 256 a split
+    monkeypatch.setattr(splits, "sm_count", lambda device: 4)
+    assert planned_splits(2048) == 2  # 16 programs wanted over 8 kv heads

@@ -59,6 +59,18 @@ def float_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constex
     return tl.where(magnitude == 0, 0, byte) | sign
 
 
+@triton.jit
+def quantize_granules(x, N: tl.constexpr, GRAN: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
+                      MAX: tl.constexpr):  # fmt: skip
+    """(FP8 bytes, scales) of fp32 `x` `[N]` quantized per granule of GRAN elements by the rule of
+    `ops/quant.py`: scale = granule amax / MAX in IEEE division (`/` compiles to the approximate
+    `div.full.f32`), values divided by it; an all-zero granule gets scale 0 and zero bytes."""
+    granules = tl.reshape(x, (N // GRAN, GRAN))
+    scale = tl.math.div_rn(tl.max(tl.abs(granules), 1), MAX)
+    q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, tl.where(scale > 0, scale, 1.0)[:, None]), 0.0)
+    return float_to_fp8_bits(tl.reshape(q, (N,)), MANT, BIAS, MAX), scale
+
+
 class Quantization(NamedTuple):
     """How a kernel reads or writes one cache's values: what it is launched with."""
 

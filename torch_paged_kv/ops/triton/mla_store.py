@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import Launch, owning_sequence, search_steps
-from .fp8 import FORMATS, float_to_fp8_bits
+from .fp8 import FORMATS, float_to_fp8_bits, quantize_granules
 
 
 def mla_views(blocks: torch.Tensor, rank: int, scales: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -105,18 +105,15 @@ def _store_latent_kernel(
     else:
         x = x.to(tl.float32)
         if SCALES == 1:  # one scale per granule of RANK // GROUPS elements
-            granules = tl.reshape(x, (GROUPS, RANK // GROUPS))
-            scale = tl.math.div_rn(tl.max(tl.abs(granules), 1), FP8_MAX)  # [GROUPS]
-            safe = tl.where(scale > 0, scale, 1.0)
-            q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, safe[:, None]), 0.0)
-            q = tl.reshape(q, (RANK,))
+            GRAN: tl.constexpr = RANK // GROUPS
+            bits, scale = quantize_granules(x, RANK, GRAN, MANT, BIAS, FP8_MAX)
             g = tl.arange(0, GROUPS)
             scale_slot = page.to(tl.int64) * scales_stride_page + layer_idx.to(tl.int64) * scales_stride_layer
             scale_slot += offset * scales_stride_token
             tl.store(scales + scale_slot + g, scale, mask=g < tl.where(in_range, GROUPS, 0))
         else:  # one static scale
-            q = tl.math.div_rn(x, tl.load(scales))
-        tl.store(latent_cache + slot + dim, float_to_fp8_bits(q, MANT, BIAS, FP8_MAX).to(tl.uint8), mask=latent_ok)
+            bits = float_to_fp8_bits(tl.math.div_rn(x, tl.load(scales)), MANT, BIAS, FP8_MAX)
+        tl.store(latent_cache + slot + dim, bits.to(tl.uint8), mask=latent_ok)
     if ROPE > 0:
         r = tl.arange(0, ROPE_P)
         rope_ok = r < tl.where(in_range, ROPE, 0)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .common import Launch, blocks_strides, grid_fits, owning_sequence, search_steps
-from .fp8 import covered, float_to_fp8_bits, quantization
+from .fp8 import covered, float_to_fp8_bits, quantization, quantize_granules
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
@@ -100,13 +100,11 @@ def _quantize(x, scales, scale_slot, plane, live, BLOCK: tl.constexpr, QUANT: tl
     `live` elements are real)."""
     if QUANT == 2:
         return float_to_fp8_bits(tl.math.div_rn(x, tl.load(scales + plane)), MANT, BIAS, FMAX)
+    bits, scale = quantize_granules(x, BLOCK, GRAN, MANT, BIAS, FMAX)
     NG: tl.constexpr = BLOCK // GRAN
-    groups = tl.reshape(x, (NG, GRAN))
-    scale = tl.math.div_rn(tl.max(tl.abs(groups), 1), FMAX)  # IEEE division, as the reference (`/` is approximate)
     group = tl.program_id(1) * NG + tl.arange(0, NG)
     tl.store(scales + scale_slot + group, scale, mask=group * GRAN < live)
-    q = tl.where(scale[:, None] > 0, tl.math.div_rn(groups, tl.where(scale > 0, scale, 1.0)[:, None]), 0.0)
-    return float_to_fp8_bits(tl.reshape(q, (BLOCK,)), MANT, BIAS, FMAX)
+    return bits
 
 
 def _grid(total: int, row: int, granularity: int = 1) -> tuple[tuple[int, int], int]:
