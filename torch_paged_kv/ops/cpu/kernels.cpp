@@ -43,6 +43,7 @@ constexpr int W = 8;
 #endif
 constexpr int KEY_BLOCK = 128;  // most key positions per softmax block (a multiple of W)
 constexpr int ROW_TILE = 4;     // query rows per micro-kernel tile
+constexpr int PREFETCH_LOCALITY = 2;  // prefetches go to L2 (prefetcht1): the block is too big for L1
 
 typedef float vf __attribute__((vector_size(W * 4)));
 typedef int32_t vi __attribute__((vector_size(W * 4)));
@@ -416,24 +417,37 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
   }
 }
 
-// The K and V rows of the next key block to ask the memory for while this block computes: a few
-// at a time, spread through the score loop (a burst of thousands of prefetches at the start of a
-// block stalls the core until they have all been issued, and nothing overlaps).
+// Rows the memory is asked for ahead of their use, PIECE bytes at a time, `quota` pieces per call
+// of `step`, in address order (row by row, each from its first byte). The item's loops call `step`
+// between micro-kernel tiles, so the fetches spread over the work they overlap: a burst of
+// thousands of prefetches stalls the core until all are issued. Out of line: inlined into the
+// tile loops it cost the tiles their register allocation (~15% of a decode step, measured).
 struct Ahead {
-  const void* const* kp = nullptr;
-  const void* const* vp = nullptr;
-  int n = 0;              // rows in the next block (0: nothing to fetch)
-  int base = 0;           // the row of the next block that row 0 of the scored chunk fetches
-  int64_t ofs_bytes = 0;  // this kv head's column in a row
-  int64_t bytes = 0;      // of one row of one kv head
+  static constexpr int64_t PIECE = 256;
+  const void* const* rows = nullptr;
+  int n = 0;              // rows to fetch (0: nothing)
+  int64_t row_bytes = 0;  // of one row (the item's kv heads)
+  int64_t quota = 0;      // pieces per step
+  int row = 0;            // the next piece: row and byte in it
+  int64_t byte = 0;
 
-  void fetch(int t0, int t1) const {
-    for (int t = base + t0; t < std::min(base + t1, n); ++t) {
-      const char* k = static_cast<const char*>(kp[t]) + ofs_bytes;
-      const char* v = static_cast<const char*>(vp[t]) + ofs_bytes;
-      for (int64_t c = 0; c < bytes; c += 64) {
-        __builtin_prefetch(k + c);
-        __builtin_prefetch(v + c);
+  // Fetch `count` rows of `bytes` over `steps` calls of step().
+  void start(const void* const* r, int count, int64_t bytes, int64_t steps) {
+    rows = r;
+    n = count;
+    row_bytes = bytes;
+    steps = std::max<int64_t>(steps, 1);
+    quota = (count * ((bytes + PIECE - 1) / PIECE) + steps - 1) / steps;
+  }
+
+  __attribute__((noinline)) void step() {
+    for (int64_t left = quota; left > 0 && row < n; --left) {
+      const char* p = static_cast<const char*>(rows[row]) + byte;
+      for (int64_t c = 0; c < PIECE; c += 64) __builtin_prefetch(p + c, 0, PREFETCH_LOCALITY);
+      byte += PIECE;
+      if (byte >= row_bytes) {
+        byte = 0;
+        ++row;
       }
     }
   }
@@ -441,20 +455,20 @@ struct Ahead {
 
 template <int DT, int RT>
 inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t ofs, int n, int nfull, int tail,
-                    float* S, int64_t ldS, const Ahead& ahead) {
+                    float* S, int64_t ldS, Ahead& ahead) {
   using T = typename Storage<DT>::T;
   const T* const* rows = reinterpret_cast<const T* const*>(kp);
   constexpr int NT = 8 / RT > 0 ? 8 / RT : 1;
   int t = 0;
   if constexpr (NT > 1) {
     for (; t + NT <= n; t += NT) {
-      ahead.fetch(t, t + NT);
       qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+      ahead.step();
     }
   }
   for (; t < n; ++t) {
-    ahead.fetch(t, t + 1);
     qk_tile<DT, RT, 1>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+    ahead.step();
   }
 }
 
@@ -467,7 +481,7 @@ constexpr int CHUNK = 16;  // keys per pass through every kv head of an item (se
 
 template <int DT, int RT>
 inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64_t ofs, int n, int nfull, int tail,
-                    float* O, int64_t Dp) {
+                    float* O, int64_t Dp, Ahead& ahead) {
   using T = typename Storage<DT>::T;
   const T* vp[PV_GROUP];
   for (int t0 = 0; t0 < n; t0 += PV_GROUP) {
@@ -493,6 +507,7 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
         store_f32(O + r * Dp + j * W, acc[r][0]);
         store_f32(O + r * Dp + (j + 1) * W, acc[r][1]);
       }
+      ahead.step();
     }
     if constexpr (DT == BF16_PAIRS) continue;  // head_dim is a multiple of 2W
     constexpr int SDT = scalar_dtype<DT>();
@@ -558,7 +573,13 @@ struct Task {  // the rows of an Item whose key range is split over `parts` item
   int64_t first_part, parts;
 };
 
+struct Tile {  // query rows [r0, r0 + rt) of an item, of the kv head at column `ofs` of a row
+  int64_t r0, ofs;
+  int rt;
+};
+
 struct Scratch {
+  std::vector<Tile> tiles;
   std::vector<float> q, o, s, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<const void*> kp, vp;
@@ -701,43 +722,39 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int n = static_cast<int>(std::min<int64_t>(kb, khi - k0));
     const void** kp = sc.kp.data() + (block & 1) * KEY_BLOCK;  // filled by the previous block
     const void** vp = sc.vp.data() + (block & 1) * KEY_BLOCK;
-    Ahead ahead;
-    if (k0 + kb < khi) {  // the next block's rows, fetched while this one computes
-      const void** next_kp = sc.kp.data() + ((block + 1) & 1) * KEY_BLOCK;
-      const void** next_vp = sc.vp.data() + ((block + 1) & 1) * KEY_BLOCK;
-      ahead.n = static_cast<int>(std::min<int64_t>(kb, khi - k0 - kb));
-      fill(k0 + kb, ahead.n, (block + 1) & 1);
-      ahead.kp = next_kp;
-      ahead.vp = next_vp;
-      ahead.bytes = D * static_cast<int64_t>(sizeof(T));
-      if (a.fp8) ahead.n = 0;  // dequantized already: in cache
+    // The row tiles with a key of this block to see (per kv head, ROW_TILE rows at a time).
+    std::vector<Tile>& tiles = sc.tiles;
+    tiles.clear();
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
+        const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
+        if (live(r0, rt, k0, n)) tiles.push_back({r0, hh * D, rt});
+      }
     }
-    // Scores, CHUNK keys at a time through every kv head: a chunk's rows of all heads are one
-    // contiguous span per key (a head's row alone is a 2^k-strided sliver), read together.
-    const Ahead none;
+    // Memory traffic spread over the block's work: this block's V rows while the scores compute,
+    // the next block's K rows while P V does (each phase reads what the other fetched).
+    const int64_t tile_steps = static_cast<int64_t>(tiles.size()) * ((n + CHUNK - 1) / CHUNK);
+    const int keys_per_tile = static_cast<int>(8 / std::min<int64_t>(ROW_TILE, per_head));  // qk_rows' NT
+    Ahead v_now, k_next;
+    if (!a.fp8) v_now.start(vp, n, span_bytes, tile_steps * ((CHUNK + keys_per_tile - 1) / keys_per_tile));
+    if (k0 + kb < khi) {
+      const int n_next = static_cast<int>(std::min<int64_t>(kb, khi - k0 - kb));
+      fill(k0 + kb, n_next, (block + 1) & 1);
+      const void* const* next_kp = sc.kp.data() + ((block + 1) & 1) * KEY_BLOCK;
+      if (!a.fp8) k_next.start(next_kp, n_next, span_bytes, tile_steps * (nfull / 2));  // FP8: in cache
+    }
+    // Scores, CHUNK keys at a time through every row tile.
     for (int c0 = 0; c0 < n; c0 += CHUNK) {
-      const int c1 = std::min(n, c0 + CHUNK);
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        Ahead fetch = ahead;
-        fetch.ofs_bytes = hh * ahead.bytes;
-        fetch.base = c0;
-        for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
-          const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
-          const Ahead& f = r0 == hh * per_head ? fetch : none;  // the head's first row tile fetches
-          if (!live(r0, rt, k0, n)) {
-            f.fetch(0, c1 - c0);
-            continue;
-          }
-          const float* q = Q + r0 * Dp;
-          float* sp = S + r0 * KEY_BLOCK + c0;
-          const void* const* kc = kp + c0;
-          const int64_t ofs = hh * D;
-          switch (rt) {
-            case 4: qk_rows<DT, 4>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
-            case 3: qk_rows<DT, 3>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
-            case 2: qk_rows<DT, 2>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
-            default: qk_rows<DT, 1>(q, Dp, kc, ofs, c1 - c0, nfull, tail, sp, KEY_BLOCK, f); break;
-          }
+      const int nt = std::min(n - c0, CHUNK);
+      const void* const* kc = kp + c0;
+      for (const Tile& tile : tiles) {
+        const float* q = Q + tile.r0 * Dp;
+        float* sp = S + tile.r0 * KEY_BLOCK + c0;
+        switch (tile.rt) {
+          case 4: qk_rows<DT, 4>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
+          case 3: qk_rows<DT, 3>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
+          case 2: qk_rows<DT, 2>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
+          default: qk_rows<DT, 1>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
         }
       }
     }
@@ -774,22 +791,17 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         for (int64_t d = 0; d < Dp; d += W) store_f32(o + d, load_f32(o + d) * alpha);
       }
     }
-    for (int c0 = 0; c0 < n; c0 += CHUNK) {  // O += P V, CHUNK keys at a time through every kv head
-      const int c1 = std::min(n, c0 + CHUNK);
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
-          const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
-          if (!live(r0, rt, k0, n)) continue;
-          const float* p = S + r0 * KEY_BLOCK + c0;
-          float* o = O + r0 * Dp;
-          const void* const* vc = vp + c0;
-          const int64_t ofs = hh * D;
-          switch (rt) {
-            case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
-            case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
-            case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
-            default: pv_rows<DT, 1>(p, KEY_BLOCK, vc, ofs, c1 - c0, nfull, tail, o, Dp); break;
-          }
+    for (int c0 = 0; c0 < n; c0 += CHUNK) {  // O += P V, CHUNK keys at a time through every row tile
+      const int nt = std::min(n - c0, CHUNK);
+      const void* const* vc = vp + c0;
+      for (const Tile& tile : tiles) {
+        const float* p = S + tile.r0 * KEY_BLOCK + c0;
+        float* o = O + tile.r0 * Dp;
+        switch (tile.rt) {
+          case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
+          case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
+          case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
+          default: pv_rows<DT, 1>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
         }
       }
     }
