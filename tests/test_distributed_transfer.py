@@ -18,7 +18,7 @@ import torch.distributed as dist
 from distributed_ranks import Ranks, assert_same, check_contents, kv_rows, run_step, snapshot
 
 import torch_paged_kv as pk
-from torch_paged_kv.distributed import TransferError, TransferRejected, receive_sequences, send_sequences
+from torch_paged_kv.distributed import TransferError, TransferRejected, receive_sequences, send_sequences, wire
 from torch_paged_kv.distributed import transfer as transfer_module
 from torch_paged_kv.manager import OutOfPagesError
 
@@ -368,7 +368,8 @@ def _corrupted(rank: int, world: int) -> str:
     with pytest.raises(TransferError, match="checksum") as info:
         receive_sequences(dst, 0)
     assert_same(before, snapshot(dst))
-    assert info.value.pages_written == 1  # chunk 1 went in, then was given back
+    # chunk 1 went in; chunk 2 too where it is checked while copied (the fused CPU path); all given back
+    assert info.value.pages_written == (2 if wire.has_copy_sum64() else 1)
     receive_sequences(dst, 0)
     check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
     return str(info.value)
@@ -378,3 +379,94 @@ def test_a_corrupted_chunk_is_refused_and_the_channel_stays_usable(rank_groups):
     sender, receiver = rank_groups.get(2).run(_corrupted)
     assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
     assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
+
+
+def _corrupted_into_cached_pages(rank: int, world: int) -> int:
+    """The receiver fills its 4 free pages, then 2 cached pages it evicts; chunk 6 (one page each) is
+    corrupted. Written cached pages lose their cache entries; every page the cache keeps is intact."""
+    one_page, prompt = PS * PARAMS.bytes_per_token, list(range(100, 132))
+    if rank == 0:
+        src, model = make(), {"s": []}
+        src.claim("s")
+        run_step(src, ["s"], [list(range(24))], model)
+        gather, calls = transfer_module._PagePipe.gather, [0]
+
+        def corrupting_gather(self, message, pages, kind):
+            gather(self, message, pages, kind)
+            calls[0] += 1
+            if calls[0] == 6:
+                message[5] ^= 0x01
+
+        transfer_module._PagePipe.gather = corrupting_gather
+        try:
+            with pytest.raises(TransferError, match="mismatch in chunk 6"):
+                send_sequences(src, ["s"], 1, chunk_bytes=one_page)
+        finally:
+            transfer_module._PagePipe.gather = gather
+        return 0
+    dst, model = make(num_pages=12), {"c": []}
+    dst.claim("c", prompt)
+    run_step(dst, ["c"], [prompt], model)
+    dst.release("c")
+    pool, blocks = dst.page_pool, dst.collection.blocks
+    assert (len(pool.free), len(pool.evictable)) == (4, 8)
+    cached = {page: blocks[page].clone() for page in pool.key_of}
+    with pytest.raises(TransferError, match="mismatch in chunk 6") as info:
+        receive_sequences(dst, 0)
+    written = info.value.pages_written
+    assert written == (6 if wire.has_copy_sum64() else 5)  # the fused path wrote chunk 6 while checking it
+    assert len(cached) - len(pool.key_of) == written - 4 and not dst.sequences
+    assert all(torch.equal(blocks[page], cached[page]) for page in pool.key_of)
+    model = {"again": prompt[: dst.claim("again", prompt)]}
+    check_contents(dst, model, ["again"])  # what the cache still serves is right
+    return written
+
+
+def test_a_corrupted_chunk_in_evicted_cached_pages_drops_their_cache_entries(rank_groups):
+    rank_groups.get(2).run(_corrupted_into_cached_pages)
+
+
+WIDE = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=3, head_dim=40, page_size=16)
+"""15 KiB pages: not whole 4 KiB rows; a chunk of 12 crosses the fused copy's 128 KiB slabs."""
+
+
+def _fused(rank: int, world: int) -> None:
+    """sum64 transfers between CPU pools take the fused copy-and-checksum path and are bit-exact
+    (interleaved sequences: runs of consecutive pages and gaps), also when one side takes the numpy
+    path instead (same wire format)."""
+    gen, ids = random.Random(17), ["a", "b", "c", "d"]
+    steps = [[[gen.randrange(50) for _ in range(gen.randint(5, 30))] for _ in ids] for _ in range(4)]
+    model = {i: [] for i in ids}
+    src = make(params=WIDE)
+    for i in ids:
+        src.claim(i)
+    for news in steps:
+        run_step(src, ids, news, model)
+    copy_sum64, has_copy_sum64 = wire.copy_sum64, wire.has_copy_sum64
+    for fused in [(True, True), (True, False), (False, True)]:  # (sender, receiver)
+        calls = [0]
+
+        def counting(*args, calls=calls, **kwargs):
+            calls[0] += 1
+            return copy_sum64(*args, **kwargs)
+
+        wire.copy_sum64, wire.has_copy_sum64 = counting, (has_copy_sum64 if fused[rank] else lambda: False)
+        try:
+            if rank == 0:
+                stats = send_sequences(src, ids, 1, chunk_bytes=12 * WIDE.page_size * WIDE.bytes_per_token)
+            else:
+                dst, mine = make(params=WIDE), {"live": []}
+                dst.claim("live")
+                run_step(dst, ["live"], [[1] * 37], mine)
+                stats = receive_sequences(dst, 0)
+        finally:
+            wire.copy_sum64, wire.has_copy_sum64 = copy_sum64, has_copy_sum64
+        assert calls[0] == (-(-stats.pages_sent // 12) if fused[rank] else 0) and stats.pages_sent > 12, fused
+        if rank == 1:
+            check_contents(dst, {**model, **mine}, [*ids, "live"])
+
+
+def test_sum64_transfers_between_cpu_pools_are_fused_and_bit_exact(rank_groups):
+    if not wire.has_copy_sum64():
+        pytest.skip("no C++ compiler: transfers take the numpy path")
+    rank_groups.get(2).run(_fused)

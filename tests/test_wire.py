@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +91,76 @@ def test_sum64_is_the_same_in_numpy_and_in_torch():
     for n in (0, 1, 4095, 4096, 4097, 3 * 4096 + 17):
         payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
         assert wire._sum64_numpy(payload) == wire._sum64_torch(payload), n
+
+
+# -- the fused copy and sum64 of the CPU library ------------------------------------------------------
+
+SLAB = 128 << 10  # wire_copy.cpp's slab; the lengths below cross several
+LENGTHS = [0, 1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 17, SLAB - 1, SLAB, SLAB + 8, 3 * SLAB + 5 * 4096 + 13]
+
+needs_library = pytest.mark.skipif(not wire.has_copy_sum64(), reason="no C++ compiler: no fused copy")
+
+
+def _scattered(n: int, rng: np.random.Generator) -> tuple[torch.Tensor, np.ndarray]:
+    """A pool with the `n` payload bytes cut into random pieces (some cut at 4 KiB rows and slabs,
+    +-1), placed in shuffled order with gaps; and the `copy_sum64` segments of those pieces."""
+    near = [b + d for b in (4096, 8192, SLAB, 2 * SLAB) for d in (-1, 0, 1)]
+    cuts = {int(c) for c in rng.integers(1, max(n, 2), size=min(n, 12))} | {b for b in near if 0 < b < n}
+    bounds = np.array(sorted({0, n} | {c for c in cuts if c < n}), dtype=np.int64)
+    sizes = np.diff(bounds)
+    gaps = rng.integers(0, 64, size=len(sizes))
+    order = rng.permutation(len(sizes))
+    place = np.empty(len(sizes), dtype=np.int64)
+    place[order] = np.cumsum(np.append(0, (sizes + gaps)[order]))[:-1]
+    pool = torch.from_numpy(rng.integers(0, 256, size=int(sizes.sum() + gaps.sum()), dtype=np.uint8))
+    segments = np.stack([bounds[:-1], pool.data_ptr() + place, sizes], axis=1) if n else np.zeros((0, 3), np.int64)
+    return pool, segments
+
+
+def _pool_spans(pool: torch.Tensor, segments: np.ndarray) -> list[tuple[int, int]]:
+    """(start in `pool`, bytes) of each segment's piece."""
+    return [(address - pool.data_ptr(), size) for _, address, size in segments.tolist()]
+
+
+@needs_library
+@pytest.mark.parametrize("n", LENGTHS)
+def test_copy_sum64_packs_and_unpacks_exactly_with_the_checksum_of_sum64(n):
+    rng = np.random.default_rng(n)
+    pool, segments = _scattered(n, rng)
+    spans = _pool_spans(pool, segments)
+    message = torch.from_numpy(rng.integers(0, 256, size=n, dtype=np.uint8))  # stale bytes to overwrite
+    packed = wire.copy_sum64(segments, message, to_payload=True)
+    assert torch.equal(message, torch.cat([torch.zeros(0, dtype=torch.uint8), *(pool[a : a + k] for a, k in spans)]))
+    assert packed == wire.sum64(message)
+
+    received = torch.from_numpy(rng.integers(0, 256, size=n, dtype=np.uint8))
+    before, covered = pool.clone(), torch.zeros(pool.numel(), dtype=torch.bool)
+    assert wire.copy_sum64(segments, received, to_payload=False) == wire.sum64(received)
+    for (a, k), offset in zip(spans, segments[:, 0].tolist(), strict=True):
+        assert torch.equal(pool[a : a + k], received[offset : offset + k])
+        covered[a : a + k] = True
+    assert torch.equal(pool[~covered], before[~covered])  # the gaps between the pieces are untouched
+
+
+@needs_library
+@pytest.mark.parametrize("to_payload", [True, False])
+def test_copy_sum64_notices_a_flipped_bit(to_payload):
+    n = 2 * SLAB + 777
+    pool, segments = _scattered(n, np.random.default_rng(3))
+    message = torch.zeros(n, dtype=torch.uint8)
+    base = wire.copy_sum64(segments, message, to_payload)
+    starts = [a for a, _ in _pool_spans(pool, segments)]
+    for i in (0, 4095, SLAB + 3, n - 1):  # message byte i, in the message or in the pool piece it comes from
+        piece = int(np.searchsorted(segments[:, 0], i, side="right")) - 1
+        data, j = (pool, starts[piece] + i - int(segments[piece, 0])) if to_payload else (message, i)
+        data[j] ^= 0x10
+        assert wire.copy_sum64(segments, message, to_payload) != base, i
+        data[j] ^= 0x10
+
+
+def test_copy_sum64_refuses_segments_that_do_not_cover_the_payload():
+    payload = torch.zeros(100, dtype=torch.uint8)
+    source = torch.zeros(100, dtype=torch.uint8)
+    for bad in ([[0, source.data_ptr(), 99]], [[0, source.data_ptr(), 50], [51, source.data_ptr(), 49]]):
+        with pytest.raises(ValueError, match="segments"):
+            wire.copy_sum64(np.array(bad, dtype=np.int64), payload, to_payload=True)

@@ -140,18 +140,6 @@ LOOP_MIN_PAGE_BYTES = 64 << 10
 than `index_select`/`index_copy_` on 2 MiB pages); smaller ones with one indexed copy per chunk."""
 
 
-def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """`(position, first page, count)` for each run of consecutive ids in `pages`."""
-    runs: list[tuple[int, int, int]] = []
-    for position, page in enumerate(pages):
-        if runs and page == runs[-1][1] + runs[-1][2]:
-            pos, first, count = runs[-1]
-            runs[-1] = (pos, first, count + 1)
-        else:
-            runs.append((position, page, 1))
-    return runs
-
-
 def _widest(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two uint8 `[rows, bytes]` arrays viewed as the widest integer type their rows allow (fewer
     elements for the indexed copies)."""
@@ -161,8 +149,16 @@ def _widest(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
+def _runs(pages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions in `pages`, first pages and counts of its runs of consecutive ids (int64 arrays)."""
+    index = np.asarray(pages, dtype=np.int64)
+    starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # -2: a page id is never -1
+    return starts, index[starts], np.diff(starts, append=len(index))
+
+
 class _PagePipe:
-    """Moves pages between a pool (`blocks`, plus `scales` if any) and two reused wire buffers."""
+    """Moves pages between a pool (`blocks`, plus `scales` if any) and the reused wire buffers. A CPU
+    pool and wire with the SUM64 checksum copy and checksum in one pass (`wire.copy_sum64`)."""
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor | None, wire_dev: torch.device, chunk_pages: int):
         self.blocks = _byte_pages(blocks)
@@ -174,6 +170,11 @@ class _PagePipe:
         size = chunk_pages * (self.page_bytes + self.scale_bytes) + wire.TRAILER_BYTES
         pin = wire_dev.type == "cpu" and self.pool_device.type == "cuda"
         self.buffers = _wire_buffers(wire_dev, pin, size)
+        self.fusable = self.pool_device.type == wire_dev.type == "cpu" and wire.has_copy_sum64()
+
+    def _fuses(self, kind: int) -> bool:
+        """Whether messages with checksum `kind` are copied and checked in one pass."""
+        return self.fusable and kind == wire.SUM64
 
     def message(self, k: int, n: int) -> torch.Tensor:
         """Buffer `k % PIPELINE_DEPTH` cut to a chunk of `n` pages (with its trailer)."""
@@ -194,7 +195,7 @@ class _PagePipe:
         if self.pool_device.type == self.wire_device.type == "cpu":
             pool_np, data_np = pool.numpy(), data.numpy()
             if pool.shape[1] >= LOOP_MIN_PAGE_BYTES:
-                for position, first, count in _runs(pages):
+                for position, first, count in zip(*_runs(pages), strict=True):
                     a, b = data_np[position : position + count], pool_np[first : first + count]
                     np.copyto(a, b) if to_wire else np.copyto(b, a)
                 return
@@ -213,19 +214,40 @@ class _PagePipe:
         else:
             data.copy_(pool.index_select(0, index))
 
+    def _segments(self, pages: list[int]) -> np.ndarray:
+        """`wire.copy_sum64` segments of a message of `pages`: one per run of consecutive pages,
+        blocks then scales (message order)."""
+        positions, firsts, counts = _runs(pages)
+        pools = [self.blocks] if self.scales is None else [self.blocks, self.scales]
+        parts, offset = [], 0
+        for pool in pools:
+            width = pool.shape[1]
+            parts.append(np.stack([offset + positions * width, pool.data_ptr() + firsts * width, counts * width], 1))
+            offset += len(pages) * width
+        return np.concatenate(parts)
+
     def gather(self, message: torch.Tensor, pages: list[int], kind: int) -> None:
-        """Pages `pages` of the pool into `message`, then the checksum into its trailer."""
+        """Pages `pages` of the pool into `message`, and the checksum into its trailer."""
+        payload = message[: -wire.TRAILER_BYTES]
+        if self._fuses(kind):
+            wire.put_trailer(message, wire.copy_sum64(self._segments(pages), payload, to_payload=True))
+            return
         for pool, data in self._parts(message, len(pages)):
             self._move(pool, data, pages, to_wire=True)
-        wire.put_trailer(message, wire.checksum(message[: -wire.TRAILER_BYTES], kind))
+        wire.put_trailer(message, wire.checksum(payload, kind))
 
-    def verify(self, message: torch.Tensor, kind: int) -> bool:
-        return wire.checksum(message[: -wire.TRAILER_BYTES], kind) == wire.get_trailer(message)
-
-    def scatter(self, message: torch.Tensor, pages: list[int]) -> None:
-        """The pages of a verified `message` into pool pages `pages`."""
+    def scatter(self, message: torch.Tensor, pages: list[int], kind: int) -> tuple[bool, int]:
+        """The pages of `message` into pool pages `pages` if its checksum matches; returns whether it
+        matched and how many pages were written. The fused path writes the pages while it checks
+        them: all of them, match or not (the caller's own fresh pages, dropped on a mismatch)."""
+        payload, expected = message[: -wire.TRAILER_BYTES], wire.get_trailer(message)
+        if self._fuses(kind):
+            return wire.copy_sum64(self._segments(pages), payload, to_payload=False) == expected, len(pages)
+        if wire.checksum(payload, kind) != expected:
+            return False, 0
         for pool, data in self._parts(message, len(pages)):
             self._move(pool, data, pages, to_wire=False)
+        return True, len(pages)
 
 
 def _used_pages(manager: KVCacheManager, seq_ids: list) -> tuple[list[int], list[list[int]], list[int]]:
@@ -382,6 +404,8 @@ def receive_sequences(
     start = time.perf_counter()
     dev = wire_device(group, manager.collection.blocks.device)
     vote_device = wire_device(consensus_group, manager.collection.blocks.device) if consensus_group else dev
+    if dev.type == manager.collection.blocks.device.type == "cpu":
+        wire.has_copy_sum64()  # a machine's first call builds the library: now, not while the sender waits
     state = {"replied": False, "voted": False}
     preamble_tensor = wire.empty_preamble(dev)
     try:
@@ -493,12 +517,10 @@ def _receive_chunks(
         post(k + PIPELINE_DEPTH - 1)
         if bad is not None:  # drain the rest, so the sender hears why and the channel stays usable
             continue
-        message = pipe.message(k, n)
-        if not pipe.verify(message, preamble.checksum):
+        matched, filled = pipe.scatter(pipe.message(k, n), pages[written : written + n], preamble.checksum)
+        written += filled  # with a mismatch too: `adopt` must forget cached pages that were written
+        if not matched:
             bad = f"checksum ({wire.CHECKSUM_NAMES[preamble.checksum]}) mismatch in chunk {k + 1} of {len(sizes)}"
-            continue
-        pipe.scatter(message, pages[written : written + n])
-        written += n
     if bad is not None:
         raise TransferError(f"{bad} from rank {src}", written)
     return written

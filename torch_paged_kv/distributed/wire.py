@@ -21,7 +21,8 @@ order (S: sender, R: receiver); every message is one tensor, sizes known to both
 
 Checksums: `SUM64` (`sum64`, a position-weighted 64-bit sum: numpy on the CPU, torch reductions on
 a GPU, no device-to-host copy; the default) or `CRC32` (zlib's CRC-32 of the bytes, on the host:
-stronger against reordered bytes, several times slower).
+stronger against reordered bytes, several times slower). On the CPU `copy_sum64` moves pages into
+or out of a message and takes its sum64 in the same pass (C++), the same value as `sum64`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ..ops.cpu import build
 
 MAGIC = 0x4B5650_41474553  # "KVPAGES"
 VERSION = 1
@@ -228,6 +231,32 @@ def _sum64_torch(payload: torch.Tensor) -> int:
 
 
 _COLUMN_WEIGHTS = np.arange(1, 2 * _ROW_WORDS + 1, 2, dtype=np.uint64)
+
+
+def has_copy_sum64() -> bool:
+    """Whether `copy_sum64` runs here: the CPU library builds (the answer is kept for the process)."""
+    try:
+        build.library()
+    except build.BuildError:
+        return False
+    return True
+
+
+def copy_sum64(segments: np.ndarray, payload: torch.Tensor, to_payload: bool) -> int:
+    """Copy `segments` into the CPU uint8 tensor `payload` (contiguous; `to_payload`) or out of it and
+    return `sum64(payload)`, in one pass over the bytes (`ops/cpu/wire_copy.cpp`).
+
+    `segments`: int64 `[n, 3]` rows (offset in `payload`, host address, bytes) in payload order,
+    covering `payload` without gaps or overlaps (the addresses are the caller's to get right).
+    Raises `build.BuildError` where the library cannot be built (see `has_copy_sum64`)."""
+    if payload.device.type != "cpu" or payload.dtype != torch.uint8 or not payload.is_contiguous():
+        raise ValueError(f"payload: expected a contiguous uint8 CPU tensor, got {payload.dtype} on {payload.device}")
+    segments = np.ascontiguousarray(segments, dtype=np.int64).reshape(-1, 3)
+    starts = np.cumsum(np.append(0, segments[:, 2]))
+    if (segments[:, 2] < 0).any() or not np.array_equal(segments[:, 0], starts[:-1]) or starts[-1] != payload.numel():
+        raise ValueError(f"segments: expected runs covering the payload's {payload.numel()} bytes in order")
+    lib = build.library()
+    return lib.pkv_wire_copy(segments.ctypes.data, len(segments), payload.data_ptr(), payload.numel(), int(to_payload))
 
 
 def checksum(payload: torch.Tensor, kind: int) -> int:

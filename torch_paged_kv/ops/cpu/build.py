@@ -1,10 +1,11 @@
-"""Compile `kernels.cpp` once per machine, cache the shared library on disk, load it with ctypes.
+"""Compile `kernels.cpp` and `wire_copy.cpp` once per machine into one shared library, cache it on
+disk, load it with ctypes.
 
 The library has no torch headers (it compiles in seconds and does not depend on torch's C++ ABI):
 the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++` on `PATH`) builds it with `-O3
 -march=native` and OpenMP when the compiler supports it; `-fopenmp` links `libgomp.so.1`, which is
 the OpenMP runtime torch itself loaded, so the kernels share torch's threads. The file is keyed by
-the source, the compiler (path, size, mtime), the flags and the CPU (`-march=native` code must not
+the sources, the compiler (path, size, mtime), the flags and the CPU (`-march=native` code must not
 run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
 `$XDG_CACHE_HOME/torch_paged_kv` or `~/.cache/torch_paged_kv`), written to a temporary name and
 renamed, so concurrent first calls in several processes at worst compile twice. A warm cache loads
@@ -24,6 +25,8 @@ import tempfile
 import threading
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
+SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
+"""Compiled together, in one compiler call; the cache key hashes the bytes of each."""
 LIBRARY_NAME = "paged_kv_cpu"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
 # Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
@@ -62,22 +65,22 @@ def _cpu_identity() -> str:
         return platform.processor() + platform.machine()
 
 
-def _key(compiler: str, flags: list[str], source: bytes) -> str:
+def _key(compiler: str, flags: list[str], sources: list[bytes]) -> str:
     real = os.path.realpath(compiler)
     st = os.stat(real)
-    parts = [source, real.encode(), f"{st.st_size}:{st.st_mtime_ns}".encode(), " ".join(flags).encode()]
+    parts = [*sources, real.encode(), f"{st.st_size}:{st.st_mtime_ns}".encode(), " ".join(flags).encode()]
     parts += [_cpu_identity().encode(), platform.machine().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
 
 
-def _compile(compiler: str, flags: list[str], source: pathlib.Path, target: pathlib.Path) -> str | None:
+def _compile(compiler: str, flags: list[str], sources: tuple[pathlib.Path, ...], target: pathlib.Path) -> str | None:
     """Compile into `target` (atomically); None on success, else the compiler's complaint."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *BASE_FLAGS, *flags, str(source), "-o", tmp], capture_output=True, text=True, check=False
+            [compiler, *BASE_FLAGS, *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
             return (result.stderr or result.stdout).strip()[-2000:]
@@ -114,12 +117,12 @@ def _build_and_load() -> ctypes.CDLL:
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     errors = []
     for flags in VARIANT_FLAGS:
-        path = cache_dir() / "cpu" / _key(compiler, flags, source) / f"lib{LIBRARY_NAME}.so"
+        path = cache_dir() / "cpu" / _key(compiler, flags, sources) / f"lib{LIBRARY_NAME}.so"
         if not path.exists():
-            error = _compile(compiler, flags, SOURCE, path)
+            error = _compile(compiler, flags, SOURCES, path)
             if error is not None:
                 errors.append(f"{' '.join(flags) or '(no extra flags)'}: {error.splitlines()[-1] if error else ''}")
                 continue
@@ -130,7 +133,7 @@ def _build_and_load() -> ctypes.CDLL:
     raise BuildError(f"could not build the CPU kernels with {compiler}: " + "; ".join(errors))
 
 
-SIGNATURES = {  # name -> (argument types, result type); the kernels take one packed argument block
+SIGNATURES = {  # name -> (argument types, result type); the op kernels take one packed argument block
     "pkv_vector_width": ([], ctypes.c_int),
     "pkv_openmp": ([], ctypes.c_int),
     "pkv_flash_attention": ([ctypes.c_char_p], None),
@@ -138,6 +141,11 @@ SIGNATURES = {  # name -> (argument types, result type); the kernels take one pa
     "pkv_gather_kv": ([ctypes.c_char_p], None),
     "pkv_copy_pages": ([ctypes.c_char_p], None),
     "pkv_step_ok": ([ctypes.c_char_p], ctypes.c_int),
+    # segments (int64 [n, 3]), n, message, payload bytes, to_message -> the payload's sum64
+    "pkv_wire_copy": (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
+        ctypes.c_uint64,
+    ),
 }
 
 
