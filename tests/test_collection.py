@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_paged_kv as pk
-from torch_paged_kv import layout
+from torch_paged_kv import huge_pages, layout
 
 
 def test_params_round_trip_and_equality():
@@ -150,3 +150,36 @@ def test_view_rejects_bad_layer():
     c = pk.PagedKVCacheCollection(p, 2, 1, 8)
     with pytest.raises(ValueError, match="layer_idx"):
         c.get_key_cache(2)
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _mapping_flags(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="Linux transparent huge pages are off here")
+def test_a_large_cpu_pool_asks_for_huge_pages_and_starts_zeroed():
+    params = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=8, head_dim=128, page_size=16)
+    c = pk.PagedKVCacheCollection(params, 128, 4, 256)  # 16 MiB of pages
+    assert c.blocks.count_nonzero() == 0
+    assert _mapping_flags(c.blocks.data_ptr() + c.blocks.nbytes // 2).get("THPeligible") == "1"
+    assert not huge_pages.advise(torch.empty(1024))  # too small to hold an aligned huge page

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import layout
+from . import huge_pages, layout
 from .params import FP8_DTYPES, KVCacheParams
 
 
@@ -66,7 +66,7 @@ class _Collection:
         self.params = params
         device = torch.device(device if device is not None else "cpu")
         p = params
-        self.blocks = torch.zeros(
+        self.blocks = huge_pages.zeros(
             physical_pages,
             p.num_planes,
             p.num_layers,
