@@ -6,11 +6,13 @@ builds the sender's state from a seed, so the receiver checks what arrived again
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -340,27 +342,32 @@ def test_fp8_pages_travel_with_their_scales(rank_groups):
     rank_groups.get(2).run(_fp8)
 
 
+@contextlib.contextmanager
+def corrupted_chunk(chunk: int, byte: int, bit: int) -> Iterator[None]:
+    """Within: the sender's `chunk`-th message (1-based) gets `bit` flipped in `byte` after its checksum."""
+    gather, calls = transfer_module._PagePipe.gather, [0]
+
+    def corrupting_gather(self, message, pages, kind):
+        gather(self, message, pages, kind)
+        calls[0] += 1
+        if calls[0] == chunk:
+            message[byte] ^= bit
+
+    transfer_module._PagePipe.gather = corrupting_gather
+    try:
+        yield
+    finally:
+        transfer_module._PagePipe.gather = gather
+
+
 def _corrupted(rank: int, world: int) -> str:
     """A byte flipped in chunk 2 after its checksum: the receiver drains the rest, says why, and is
     unchanged; the sender hears the reason; the next transfer on the same channel works."""
     src, model, ids, _ = sender_state(5)
     one_page = PS * PARAMS.bytes_per_token
     if rank == 0:
-        calls = [0]
-        gather = transfer_module._PagePipe.gather
-
-        def corrupting_gather(self, message, pages, kind):
-            gather(self, message, pages, kind)
-            calls[0] += 1
-            if calls[0] == 2:
-                message[3] ^= 0x40
-
-        transfer_module._PagePipe.gather = corrupting_gather
-        try:
-            with pytest.raises(TransferError) as info:
-                send_sequences(src, ids, 1, chunk_bytes=one_page)
-        finally:
-            transfer_module._PagePipe.gather = gather
+        with corrupted_chunk(2, byte=3, bit=0x40), pytest.raises(TransferError) as info:
+            send_sequences(src, ids, 1, chunk_bytes=one_page)
         send_sequences(src, ids, 1, chunk_bytes=one_page)
         return str(info.value)
     dst, dst_model = receiver_state(5, [1, 2, 3, 4])
@@ -389,20 +396,8 @@ def _corrupted_into_cached_pages(rank: int, world: int) -> int:
         src, model = make(), {"s": []}
         src.claim("s")
         run_step(src, ["s"], [list(range(24))], model)
-        gather, calls = transfer_module._PagePipe.gather, [0]
-
-        def corrupting_gather(self, message, pages, kind):
-            gather(self, message, pages, kind)
-            calls[0] += 1
-            if calls[0] == 6:
-                message[5] ^= 0x01
-
-        transfer_module._PagePipe.gather = corrupting_gather
-        try:
-            with pytest.raises(TransferError, match="mismatch in chunk 6"):
-                send_sequences(src, ["s"], 1, chunk_bytes=one_page)
-        finally:
-            transfer_module._PagePipe.gather = gather
+        with corrupted_chunk(6, byte=5, bit=0x01), pytest.raises(TransferError, match="mismatch in chunk 6"):
+            send_sequences(src, ["s"], 1, chunk_bytes=one_page)
         return 0
     dst, model = make(num_pages=12), {"c": []}
     dst.claim("c", prompt)
