@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import glob
 import os
 import pathlib
@@ -84,9 +85,9 @@ def read_bandwidth_gbps(nbytes: int = 2**30, repeats: int = 10) -> tuple[float, 
 # -- the contenders ---------------------------------------------------------------------------------
 
 
-def page_stream(x: DecodeInputs) -> Callable[[], int]:
-    """The bound for memory: `page_stream.cpp` reads every K and V page of layer 0 in table order, no
-    arithmetic, on torch's threads (compiled here with the CPU library's compiler and flags)."""
+@functools.cache
+def _page_stream_library() -> ctypes.CDLL:
+    """`page_stream.cpp`, compiled once per run with the CPU library's compiler and flags."""
     compiler = build.find_compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler")
@@ -95,9 +96,16 @@ def page_stream(x: DecodeInputs) -> Callable[[], int]:
     subprocess.run(
         [compiler, *flags, str(HERE / "page_stream.cpp"), "-o", str(target)], check=True, capture_output=True
     )
-    fn = ctypes.CDLL(str(target)).page_stream
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_int]
-    fn.restype = ctypes.c_uint64
+    lib = ctypes.CDLL(str(target))
+    lib.page_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 6, ctypes.c_int]
+    lib.page_stream.restype = ctypes.c_uint64
+    return lib
+
+
+def page_stream(x: DecodeInputs) -> Callable[[], int]:
+    """The bound for memory: `page_stream.cpp` reads every K and V page of layer 0 in table order, no
+    arithmetic, on torch's threads."""
+    fn = _page_stream_library().page_stream
     blocks, table = x.collection.blocks, x.page_table()
     _, _, layers, page, heads, head_dim = blocks.shape
     row = page * heads * head_dim * blocks.element_size()  # one page's K (or V) of one layer

@@ -13,6 +13,7 @@ runs (a `TorchDispatchMode` around the op's Python implementation).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -102,20 +103,10 @@ def main() -> None:
     row("  value checks, store_kv", "-", lambda: validate.check_store_kv_data(b.new_keys, b.blocks, *b.step))
     row("  value checks, flash_attention", "-", lambda: validate.check_read_data(b.blocks, *b.step, b.q.shape[0]))
     row("  dispatch.select", "cpu", lambda: dispatch.select("flash_attention", b.blocks.device, attn))
-    row("  kernel: store_kv", "cpu", lambda: kernels.store_kv(*store), lambda: kernels.store_kv(*store))
-    row(
-        "  kernel: flash_attention",
-        "cpu",
-        lambda: kernels.flash_attention(*attn),
-        lambda: kernels.flash_attention(*attn),
-    )
-    row("  kernel: store_kv", "reference", lambda: reference.store_kv(*store), lambda: reference.store_kv(*store))
-    row(
-        "  kernel: flash_attention",
-        "reference",
-        lambda: reference.flash_attention(*attn),
-        lambda: reference.flash_attention(*attn),
-    )
+    for backend, module in (("cpu", kernels), ("reference", reference)):
+        for op, op_args in (("store_kv", store), ("flash_attention", attn)):
+            call = functools.partial(getattr(module, op), *op_args)
+            row(f"  kernel: {op}", backend, call, call)
     setup = {"shape": "batch 4, 8 q / 2 kv heads, head_dim 32, ~30 cached tokens, page 16, fp32", "threads": 1}
     print(report("bench_op_overhead", rows, setup))
 
