@@ -454,6 +454,20 @@ struct Ahead {
   }
 };
 
+// The first L1_AHEAD bytes of `count` key rows (from element `ofs`) into L1: qk_rows asks for the
+// next tile's rows while a tile computes, where the hardware's prefetchers miss the jump between
+// rows (measured, interleaved A/B: a decode step 2-6% faster in bf16, 1-4% in fp32; fetching all
+// of an fp32 row was slower).
+constexpr int64_t L1_AHEAD = 256;
+
+template <typename T>
+inline void prefetch_rows_l1(const T* const* rows, int count, int64_t ofs) {
+  for (int t = 0; t < count; ++t) {
+    const char* p = reinterpret_cast<const char*>(rows[t] + ofs);
+    for (int64_t c = 0; c < L1_AHEAD; c += 64) __builtin_prefetch(p + c, 0, 3);
+  }
+}
+
 template <int DT, int RT>
 inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t ofs, int n, int nfull, int tail,
                     float* S, int64_t ldS, Ahead& ahead) {
@@ -463,6 +477,7 @@ inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t o
   int t = 0;
   if constexpr (NT > 1) {
     for (; t + NT <= n; t += NT) {
+      if (t + 2 * NT <= n) prefetch_rows_l1(rows + t + NT, NT, ofs);
       qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
       ahead.step();
     }
