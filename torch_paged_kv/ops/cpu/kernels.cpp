@@ -166,10 +166,42 @@ inline vf fp8_to_f32(const uint8_t* p) {
   }
 }
 
-// dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product).
+#if defined(__AVX2__) && defined(__F16C__)
+// 16 FP8 codes (zero-extended to 16-bit lanes) as fp16 bit patterns: of the same value for e5m2 (its
+// code is the fp16's top byte), of the value / 2^8 for e4m3fn (sign kept, exponent and mantissa one
+// bit lower: they then fit fp16's, subnormals included; the NaN codes become fp16 NaNs). Three to
+// five integer ops per 16 codes, where fp8_to_f32's generic vectors compile to about fifteen per 8.
+template <int FORMAT>
+inline __m256i fp8_to_f16_bits(__m256i x) {
+  const __m256i top = _mm256_slli_epi16(x, 8);
+  if constexpr (FORMAT == E5M2) return top;
+  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(top, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_slli_epi16(h, 1), _mm256_set1_epi16(0x7F00));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
+}
+#endif
+
+// dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). The
+// 16-code path multiplies value / 2^8 by s * 2^8 for e4m3fn: the same real product, so the same
+// rounding (s * 2^8 is exact short of overflow, which takes the generic path).
 template <int FORMAT>
 inline void dequantize(const uint8_t* src, int64_t n, float s, float* dst) {
   int64_t e = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  const float mul = FORMAT == E4M3FN ? s * 256.0f : s;
+  if (std::isfinite(mul) || !std::isfinite(s)) {
+    for (; e + 16 <= n; e += 16) {
+      const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e)));
+      const __m256i h = fp8_to_f16_bits<FORMAT>(codes);
+#if defined(__AVX512F__)
+      store_f32(dst + e, (vf)_mm512_cvtph_ps(h) * splat(mul));
+#else
+      store_f32(dst + e, (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h)) * splat(mul));
+      store_f32(dst + e + 8, (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)) * splat(mul));
+#endif
+    }
+  }
+#endif
   for (; e + W <= n; e += W) store_f32(dst + e, fp8_to_f32<FORMAT>(src + e) * splat(s));
   const float* values = fp8_values(FORMAT);
   for (; e < n; ++e) dst[e] = values[src[e]] * s;
