@@ -365,9 +365,11 @@ def test_fp8_store_and_gather_run_on_the_reference_and_say_so(force_backend):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("groups", [0, 1, 17, 34])  # static pair; per token; granules of 8 and of 4 (scalar)
-def test_fp8_codes_dequantize_exactly(dtype, groups):
+@pytest.mark.parametrize("magnitude", [1.0, 1e-40, 2e36])  # scales near 1; subnormal; scale x 2^8 overflows
+def test_fp8_codes_dequantize_exactly(dtype, groups, magnitude):
     """Every FP8 code (subnormals, -0, e5m2's infinities, the NaN codes) as V of the only key a
-    query sees: fp32 attention returns that V row, so it must equal code value x scale, exactly."""
+    query sees: fp32 attention returns that V row, so it must equal code value x scale, exactly
+    (also where the product is subnormal or overflows)."""
     head_dim, batch = 136, 2  # 272 slots: every code, the vector path and (AVX-512) the scalar tail
     blocks = torch.full((3, 2, 1, 4, 1, head_dim), 0x38, dtype=torch.uint8)  # K: 1.0 (e4m3) / 0.5 (e5m2)
     codes = torch.arange(batch * head_dim, dtype=torch.int64).remainder(256).to(torch.uint8)
@@ -375,6 +377,7 @@ def test_fp8_codes_dequantize_exactly(dtype, groups):
     blocks = blocks.view(dtype)
     gen = torch.Generator().manual_seed(5)
     scales = torch.rand(*blocks.shape[:5], groups, generator=gen) + 0.5 if groups else torch.tensor([0.7, 1.3])
+    scales = scales * magnitude
     step = (
         torch.zeros(batch, dtype=torch.int32),
         torch.tensor([[1], [2]], dtype=torch.int32),
