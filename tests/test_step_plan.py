@@ -1,5 +1,6 @@
-"""`StepPlan`: the first layer checks the step through the ops; later eager layers call the kernel
-the first layer ran, after the checks of what changes per layer, unless something watches the ops."""
+"""`StepPlan`: the first layer checks the step in full (eager: the ops' checks without the
+dispatcher); later eager layers call the kernel the first layer ran, after the checks of what
+changes per layer, unless something watches the ops."""
 
 from __future__ import annotations
 
@@ -88,3 +89,17 @@ def test_later_layers_keep_their_shape_checks():
         plan.flash_attention(b.q, 1, float("inf"))
     with pytest.raises(ValueError, match="^layer_idx:"):
         plan.store_kv(b.new_keys, b.new_values, LAYERS)
+
+
+def test_the_first_layer_checks_the_step_values_and_changes_nothing():
+    """The first layer's eager call skips the dispatcher, not the value checks: a bad step raises
+    naming the argument, before anything is written."""
+    shared, batches = _batches()
+    shared.lookup_table[2, 4] = shared.blocks.shape[0]  # past the pool: the page of sequence 2's new token
+    plan = pk.StepPlan(shared.blocks, pk.StepTensors(*shared.step))
+    before = shared.blocks.clone()
+    with pytest.raises(ValueError, match="^lookup_table:"):
+        plan.store_kv(batches[0].new_keys, batches[0].new_values, 0)
+    with pytest.raises(ValueError, match="^lookup_table:"):
+        plan.flash_attention(batches[0].q, 0, 0.3)
+    assert torch.equal(shared.blocks, before) and not plan.kernels  # nothing kept from a failed step

@@ -7,15 +7,15 @@ checks still run). This is the one place that rule lives; model code, the transf
 and the examples all go through a plan (as FlashInfer's wrappers plan once and run per layer).
 The choice is made from `layer_idx`, a Python constant per layer, so it holds in a compiled graph.
 
-Eager calls at the later layers skip what the first layer settled for the whole step: the plan
-keeps the kernel the dispatcher chose there (`dispatch.select`) and calls it directly, after the
-shape checks of what changes per layer (the new rows, the layer index); the pool and the step
-tensors are the same objects, checked in full at the first layer. That saves the dispatcher round
-trip into Python, the kernel choice and the step's shape checks per layer (tens of microseconds
-per layer on a CPU, where a small model's decode step is a few milliseconds). It applies only
-where the op call would run that same kernel with nothing watching: eager, plain tensors, no torch
-function or dispatch mode, no profiler; anything else (a compiled graph, FakeTensor, a
-`TorchDispatchMode`) gets the ops.
+Eager calls skip the dispatcher: the first layer runs the op's own full checks and kernel choice
+(`library.checked_kernel`, what the registered op would do) and keeps the kernel; the later layers
+call that kernel directly, after the shape checks of what changes per layer (the new rows, the
+layer index); the pool and the step tensors are the same objects, checked in full at the first
+layer. That saves the dispatcher round trip into Python per call and, at the later layers, the
+kernel choice and the step's shape checks (tens of microseconds per layer on a CPU, where a small
+model's decode step is a few milliseconds). It applies only where the op call would run that same
+kernel with nothing watching: eager, plain tensors, no torch function or dispatch mode, no
+profiler; anything else (a compiled graph, FakeTensor, a `TorchDispatchMode`) gets the ops.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
-from .ops import dispatch, library, validate  # noqa: F401  (library registers torch.ops.paged_kv)
+from .ops import library, validate
 
 _OPS = torch.ops.paged_kv
 
@@ -76,10 +76,16 @@ class StepPlan:
             return None  # the op raises the error
         return kernel
 
-    def _remember(self, op: str, layer_idx: int, args: tuple, *tensors: Tensor) -> None:
-        """After the first layer's checked call: keep the kernel it ran, for the later layers."""
+    def _first(self, op: str, layer_idx: int, args: tuple, *tensors: Tensor) -> Any:
+        """The first layer's call, checked in full. Eager and plain, the op's own checks and kernel
+        choice without the dispatcher's round trip (which costs more than the checks), keeping the
+        kernel for the later layers; otherwise the checked op. Later layers with no kernel kept (a
+        compiled graph, a mode watching) call the `.unchecked` op."""
         if layer_idx == self.first_layer and _eager_plain(*tensors):
-            self.kernels[op] = dispatch.select(op, self.blocks.device, args)
+            kernel, args = library.checked_kernel(op, args)
+            self.kernels[op] = kernel
+            return kernel(*args)
+        return getattr(getattr(_OPS, op), self._checked(layer_idx))(*args)
 
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
@@ -89,8 +95,7 @@ class StepPlan:
             validate.check_store_kv_rows(key, value, self.blocks)
             kernel(*args)
             return
-        getattr(_OPS.store_kv, self._checked(layer_idx))(*args)
-        self._remember("store_kv", layer_idx, args, key, value)
+        self._first("store_kv", layer_idx, args, key, value)
 
     def flash_attention(
         self,
@@ -107,9 +112,7 @@ class StepPlan:
         if kernel is not None:
             validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap)
             return kernel(*args)
-        out = getattr(_OPS.flash_attention, self._checked(layer_idx))(*args)
-        self._remember("flash_attention", layer_idx, args, q)
-        return out
+        return self._first("flash_attention", layer_idx, args, q)
 
     def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
         """`api.store_latent` of this step's latents `[total_new, kv_lora_rank]` and rotated rope keys
@@ -131,7 +134,6 @@ class StepPlan:
         args = (self.blocks, *self.step, layer_idx, max_kv_len, self.scales, out_dtype)
         if kernel is not None and max_kv_len >= 0:
             return kernel(*args)
-        out = getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
-        if out_dtype is None:
-            self._remember("gather_kv", layer_idx, args)
-        return out
+        if out_dtype is not None:  # kernels are kept for the plan's own dtype only
+            return getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
+        return self._first("gather_kv", layer_idx, args)

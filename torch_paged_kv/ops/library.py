@@ -148,6 +148,7 @@ def _mla_attention_fake(
 # -- implementations: validate, then the selected backend's kernel ----------------------------
 # Each takes the op's arguments in schema order, completed with the schema's defaults (a Python
 # kernel receives only the arguments its caller passed), plus whether the value checks run.
+# `checked_kernel` is that path up to the kernel, for `step.StepPlan`'s eager calls.
 
 
 def _with_defaults(name: str) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
@@ -166,66 +167,86 @@ def _with_defaults(name: str) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
 _complete = {name: _with_defaults(name) for name in api.OPS}
 
 
-def _store_kv(*args: Any, value_checks: bool = True) -> None:
-    args = _complete["store_kv"](args)
+def _check_store_kv(args: tuple[Any, ...], value_checks: bool) -> torch.device:
     key, _, blocks, cache_lengths, lookup_table, input_row_offsets, _, _ = args
     validate.check_store_kv_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets)
-    dispatch.select("store_kv", blocks.device, args)(*args)
+    return blocks.device
 
 
-def _flash_attention(*args: Any, value_checks: bool = True) -> Tensor:
-    args = _complete["flash_attention"](args)
+def _check_flash_attention(args: tuple[Any, ...], value_checks: bool) -> torch.device:
     q, blocks, cache_lengths, lookup_table, input_row_offsets = args[:5]
     validate.check_flash_attention_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, q.shape[0])
-    return dispatch.select("flash_attention", blocks.device, args)(*args)
+    return blocks.device
 
 
-def _gather_kv(*args: Any, value_checks: bool = True) -> tuple[Tensor, Tensor]:
-    args = _complete["gather_kv"](args)
+def _check_gather_kv(args: tuple[Any, ...], value_checks: bool) -> torch.device:
     blocks, cache_lengths, lookup_table, input_row_offsets, _, max_kv_len, _, _ = args
     validate.check_gather_kv_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, None, max_kv_len)
-    return dispatch.select("gather_kv", blocks.device, args)(*args)
+    return blocks.device
 
 
-def _copy_pages(*args: Any, value_checks: bool = True) -> None:
-    args = _complete["copy_pages"](args)
+def _check_copy_pages(args: tuple[Any, ...], value_checks: bool) -> torch.device:
     validate.check_copy_pages_meta(*args)
     if value_checks and validate.data_checks_enabled(args[0].device):
         validate.check_copy_pages_data(*args[:3])
-    dispatch.select("copy_pages", args[0].device, args)(*args)
+    return args[0].device
 
 
-def _store_latent(*args: Any, value_checks: bool = True) -> None:
-    args = _complete["store_latent"](args)
+def _check_store_latent(args: tuple[Any, ...], value_checks: bool) -> torch.device:
     latent, _, blocks, cache_lengths, lookup_table, input_row_offsets, _, _ = args
     validate.check_store_latent_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_store_kv_data(latent, blocks, cache_lengths, lookup_table, input_row_offsets)
-    dispatch.select("store_latent", blocks.device, args)(*args)
+    return blocks.device
 
 
-def _mla_attention(*args: Any, value_checks: bool = True) -> Tensor:
-    args = _complete["mla_attention"](args)
+def _check_mla_attention(args: tuple[Any, ...], value_checks: bool) -> torch.device:
     q_nope, _, blocks, cache_lengths, lookup_table, input_row_offsets = args[:6]
     validate.check_mla_attention_meta(*args)
     if value_checks and validate.data_checks_enabled(blocks.device):
         validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, q_nope.shape[0])
-    return dispatch.select("mla_attention", blocks.device, args)(*args)
+    return blocks.device
 
 
-for _name, _impl in (
-    ("store_kv", _store_kv),
-    ("flash_attention", _flash_attention),
-    ("gather_kv", _gather_kv),
-    ("copy_pages", _copy_pages),
-    ("store_latent", _store_latent),
-    ("mla_attention", _mla_attention),
-):
+_CHECKS: dict[str, Callable[[tuple[Any, ...], bool], torch.device]] = {
+    # op name -> its checks (shapes; values too when asked): returns the device of its pool
+    "store_kv": _check_store_kv,
+    "flash_attention": _check_flash_attention,
+    "gather_kv": _check_gather_kv,
+    "copy_pages": _check_copy_pages,
+    "store_latent": _check_store_latent,
+    "mla_attention": _check_mla_attention,
+}
+
+
+def checked_kernel(
+    name: str, args: tuple[Any, ...], value_checks: bool = True
+) -> tuple[dispatch.Kernel, tuple[Any, ...]]:
+    """What op `name`'s implementation does before it runs: complete `args` with the schema's
+    defaults, validate them (shapes; values too with `value_checks`, unless turned off by
+    `TORCH_PAGED_KV_VALIDATE`) and select the kernel. Returns (kernel, completed arguments)."""
+    args = _complete[name](args)
+    device = _CHECKS[name](args, value_checks)
+    return dispatch.select(name, device, args), args
+
+
+def _implementation(name: str) -> Callable[..., Any]:
+    """The registered implementation of op `name`: check, then run the selected kernel."""
+
+    def run(*args: Any, value_checks: bool = True) -> Any:
+        kernel, args = checked_kernel(name, args, value_checks)
+        return kernel(*args)
+
+    return run
+
+
+for _name in api.OPS:
+    _impl = _implementation(_name)
     lib.impl(_name, _impl, "CompositeExplicitAutograd")
     lib.impl(f"{_name}.unchecked", functools.partial(_impl, value_checks=False), "CompositeExplicitAutograd")
