@@ -76,11 +76,11 @@ class StepPlan:
             return None  # the op raises the error
         return kernel
 
-    def _first(self, op: str, layer_idx: int, args: tuple, *tensors: Tensor) -> Any:
-        """The first layer's call, checked in full. Eager and plain, the op's own checks and kernel
-        choice without the dispatcher's round trip (which costs more than the checks), keeping the
-        kernel for the later layers; otherwise the checked op. Later layers with no kernel kept (a
-        compiled graph, a mode watching) call the `.unchecked` op."""
+    def _call(self, op: str, layer_idx: int, args: tuple, *tensors: Tensor) -> Any:
+        """A call with no kept kernel to run directly. At the first layer, eager and plain: the op's
+        own full checks and kernel choice without the dispatcher's round trip (which costs more than
+        the checks), keeping the kernel for the later layers. Otherwise the op: checked at the first
+        layer, `.unchecked` after (a compiled graph, a mode watching the ops)."""
         if layer_idx == self.first_layer and _eager_plain(*tensors):
             kernel, args = library.checked_kernel(op, args)
             self.kernels[op] = kernel
@@ -95,7 +95,7 @@ class StepPlan:
             validate.check_store_kv_rows(key, value, self.blocks)
             kernel(*args)
             return
-        self._first("store_kv", layer_idx, args, key, value)
+        self._call("store_kv", layer_idx, args, key, value)
 
     def flash_attention(
         self,
@@ -112,7 +112,7 @@ class StepPlan:
         if kernel is not None:
             validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap)
             return kernel(*args)
-        return self._first("flash_attention", layer_idx, args, q)
+        return self._call("flash_attention", layer_idx, args, q)
 
     def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
         """`api.store_latent` of this step's latents `[total_new, kv_lora_rank]` and rotated rope keys
@@ -136,4 +136,4 @@ class StepPlan:
             return kernel(*args)
         if out_dtype is not None:  # kernels are kept for the plan's own dtype only
             return getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
-        return self._first("gather_kv", layer_idx, args)
+        return self._call("gather_kv", layer_idx, args)
