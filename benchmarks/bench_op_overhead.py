@@ -4,10 +4,11 @@
 
 The shape is the tiny model's (bench_hf.py defaults): batch 4, 8 q / 2 kv heads, head_dim 32,
 about 30 cached tokens, page 16, fp32. Rows: each op through `torch.ops.paged_kv` (checked and
-`.unchecked`) on the `cpu` and the `reference` backends, then the parts of a call: the shape
-checks, the value checks, `dispatch.select`, and the backend's kernel called directly. `us` is
-the best of `--repeats` loops of `--calls` calls; `aten ops` counts the torch operators one call
-runs (a `TorchDispatchMode` around the op's Python implementation).
+`.unchecked`) on the `cpu` and the `reference` backends, and checked without the dispatcher (the
+op's implementation called directly, as `StepPlan`'s first eager layer does); then the parts of a
+call: the shape checks, the value checks, `dispatch.select`, and the backend's kernel called
+directly. `us` is the best of `--repeats` loops of `--calls` calls; `aten ops` counts the torch
+operators one call runs (a `TorchDispatchMode` around the op's Python implementation).
 """
 
 from __future__ import annotations
@@ -78,26 +79,26 @@ def main() -> None:
             n = aten_ops(count) if count is not None else None
         rows.append({"what": what, "backend": backend, "us": us, "aten ops": n})
 
+    def without_dispatcher(op: str, op_args: tuple, value_checks: bool = True) -> Callable[[], Any]:
+        """The op's implementation called directly (what `StepPlan`'s first eager layer does)."""
+
+        def call() -> Any:
+            kernel, completed = library.checked_kernel(op, op_args, value_checks)
+            return kernel(*completed)
+
+        return call
+
     for backend in ("cpu", "reference"):
-        row("store_kv", backend, lambda: ops.store_kv.default(*store), lambda: library._store_kv(*store))
-        row(
-            "store_kv.unchecked",
-            backend,
-            lambda: ops.store_kv.unchecked(*store),
-            lambda: library._store_kv(*store, value_checks=False),
-        )
-        row(
-            "flash_attention",
-            backend,
-            lambda: ops.flash_attention.default(*attn),
-            lambda: library._flash_attention(*attn),
-        )
-        row(
-            "flash_attention.unchecked",
-            backend,
-            lambda: ops.flash_attention.unchecked(*attn),
-            lambda: library._flash_attention(*attn, value_checks=False),
-        )
+        for op, op_args in (("store_kv", store), ("flash_attention", attn)):
+            overloads = getattr(ops, op)
+            row(op, backend, functools.partial(overloads.default, *op_args), without_dispatcher(op, op_args))
+            row(
+                f"{op}.unchecked",
+                backend,
+                functools.partial(overloads.unchecked, *op_args),
+                without_dispatcher(op, op_args, value_checks=False),
+            )
+            row(f"{op}, no dispatcher", backend, without_dispatcher(op, op_args))
     row("  shape checks, store_kv", "-", lambda: validate.check_store_kv_meta(*store))
     row("  shape checks, flash_attention", "-", lambda: validate.check_flash_attention_meta(*attn))
     row("  value checks, store_kv", "-", lambda: validate.check_store_kv_data(b.new_keys, b.blocks, *b.step))
