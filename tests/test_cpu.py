@@ -354,13 +354,47 @@ def test_fp8_copy_pages_moves_scales_with_their_pages():
     assert torch.equal(b.scales[untouched], scales[untouched])
 
 
-def test_fp8_store_and_gather_run_on_the_reference_and_say_so(force_backend):
+def test_fp8_store_runs_here_and_gather_on_the_reference_and_backend_info_says_so(force_backend):
     force_backend(None)
     params = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 64, 16, quantization_granularity=16)
     info = pk.backend_info("cpu", params)
-    assert info["flash_attention"] == info["copy_pages"] == "cpu"
-    assert info["store_kv"].startswith("reference (cpu: FP8 caches quantize on write")
+    assert info["flash_attention"] == info["copy_pages"] == info["store_kv"] == "cpu"
     assert info["gather_kv"].startswith("reference (cpu: FP8 gathers")
+
+
+def _awkward_rows(n: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random rows, wide in magnitude, with the cases the rule has to get right: a zero granule,
+    values far below the format's smallest step, one row with an infinity, one with a NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, heads, head_dim, generator=gen) * torch.exp2(
+        torch.randint(-20, 20, (n, heads, 1), generator=gen)
+    )
+    rows[0, 0, :8] = 0.0
+    rows[1, 0] *= 1e-30
+    rows[2, 1, 3] = float("inf")
+    rows[3, 0, 5] = float("nan")
+    return rows.to(dtype)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("granularity", [None, 8, 32])  # static pair; per 8; per token and head
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_store_quantizes_exactly_as_the_reference(force_backend, fp8, granularity, rows_dtype):
+    """Codes and scales of every written slot equal the reference's bit for bit (NaN scales as NaN),
+    across ragged new rows and pages; every other byte of the pool and its scales is untouched."""
+    b, _, _ = make_fp8_batch([13, 0, 30], [4, 9, 3], dtype=fp8, granularity=granularity, page_size=8, head_dim=32)
+    total = int(b.step[2][-1])
+    key, value = _awkward_rows(total, 2, 32, rows_dtype, 1), _awkward_rows(total, 2, 32, rows_dtype, 2)
+    pools = {}
+    for backend in ("reference", "cpu"):
+        blocks, scales = b.blocks.clone(), b.scales.clone()
+        force_backend(backend)
+        ops.store_kv(key, value, blocks, *b.step, b.layer_idx, scales)
+        pools[backend] = blocks.view(torch.uint8), scales
+    (ref_codes, ref_scales), (got_codes, got_scales) = pools["reference"], pools["cpu"]
+    assert not torch.equal(ref_codes, b.blocks.view(torch.uint8))  # the store wrote something
+    assert torch.equal(got_codes, ref_codes)
+    torch.testing.assert_close(got_scales, ref_scales, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

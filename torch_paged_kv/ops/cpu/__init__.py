@@ -32,14 +32,14 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-UNQUANTIZED_ARITY = {"store_kv": 7, "gather_kv": 6}
-"""Arguments before the FP8 ones (`scales`, and `out_dtype` for gather_kv) of the ops that run only
-on unquantized caches here; flash_attention and copy_pages take FP8 pools too."""
+UNQUANTIZED_ARITY = {"gather_kv": 6}
+"""Arguments before the FP8 ones (`scales`, `out_dtype`) of the ops that run only on unquantized
+caches here; the others take FP8 pools too."""
 
 
 def _supports(op: str) -> Callable[..., bool]:
-    """store_kv and gather_kv cover unquantized caches (an FP8 call, or a gather to another dtype,
-    runs on the reference backend); flash_attention and copy_pages cover every cache."""
+    """gather_kv covers unquantized caches in their own dtype (an FP8 gather, or one to another
+    dtype, runs on the reference backend); the other ops cover every cache."""
     if op not in UNQUANTIZED_ARITY:
         return lambda *args: True
     arity = UNQUANTIZED_ARITY[op]
@@ -50,12 +50,7 @@ def _declines(op: str) -> Callable[[Any], str | None]:
     """Why `op` skips an FP8 cache described by `params` (backend_info), or None."""
     if op not in UNQUANTIZED_ARITY:
         return lambda params: None
-    reason = (
-        "FP8 caches quantize on write with the reference backend's exact rule"
-        if op == "store_kv"
-        else "FP8 gathers, a debugging path, run on the reference backend"
-    )
-    return lambda params: reason if params.quantized else None
+    return lambda params: "FP8 gathers, a debugging path, run on the reference backend" if params.quantized else None
 
 
 KERNELS = {op: (getattr(kernels, op), _supports(op), _declines(op)) for op in _OPS}

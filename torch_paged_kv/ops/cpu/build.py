@@ -138,6 +138,7 @@ SIGNATURES = {  # name -> (argument types, result type); the op kernels take one
     "pkv_openmp": ([], ctypes.c_int),
     "pkv_flash_attention": ([ctypes.c_char_p], None),
     "pkv_store_kv": ([ctypes.c_char_p], None),
+    "pkv_store_kv_fp8": ([ctypes.c_char_p], None),
     "pkv_gather_kv": ([ctypes.c_char_p], None),
     "pkv_copy_pages": ([ctypes.c_char_p], None),
     "pkv_step_ok": ([ctypes.c_char_p], ctypes.c_int),

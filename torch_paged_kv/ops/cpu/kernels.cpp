@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -1088,6 +1089,122 @@ void run_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64
   });
 }
 
+// fp32 -> the FP8 code of its round-to-nearest-even value, as torch converts (c10's rule): NaN
+// keeps its sign (e4m3fn's NaN code, e5m2's); callers clamp finite values to the format's range
+// first. Normal results: round the mantissa in the fp32 bits, then rebias; subnormal ones: adding
+// 2^(bias + mantissa bits - 1) (a power of two) rounds the value to the subnormal step in the add.
+template <int FORMAT>
+inline uint8_t f32_to_fp8(float f) {
+  constexpr int MANT = FORMAT == E4M3FN ? 3 : 2, BIAS = FORMAT == E4M3FN ? 7 : 15;
+  constexpr int SHIFT = 23 - MANT;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint32_t code;
+  if (bits > 0x7f800000u) {
+    code = 0x7f;  // NaN, in either format
+  } else if (bits < static_cast<uint32_t>(127 - BIAS + 1) << 23) {  // below the smallest normal
+    const uint32_t magic_bits = static_cast<uint32_t>(127 + 24 - BIAS - MANT) << 23;  // its ulp: the step
+    float magic, x;
+    std::memcpy(&magic, &magic_bits, 4);
+    std::memcpy(&x, &bits, 4);
+    x += magic;
+    uint32_t sum;
+    std::memcpy(&sum, &x, 4);
+    code = sum - magic_bits;
+  } else {
+    bits += (static_cast<uint32_t>(BIAS - 127) << 23) + ((1u << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1u);
+    code = bits >> SHIFT;
+  }
+  return static_cast<uint8_t>(code | (sign >> 24));
+}
+
+// New rows of K and V (fp32, bf16 or fp16, strides as run_store_kv) into an FP8 pool, quantized by
+// the reference's rule (quant.py), bit for bit: per granule of head_dim / groups elements, scale =
+// amax / the format's largest value in fp32 (NaN if an element is), codes = x / scale clamped to
+// that value and rounded (all zero, with that scale stored, where the scale is not > 0); with
+// groups == 0 the static pair scales[plane] instead (no amax, nothing stored but codes). Rows
+// whose page is out of range or the null page are skipped.
+template <int SRC, int FORMAT>
+void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, const void* value, int64_t v_stride_row,
+               int64_t v_stride_head, uint8_t* blocks, float* scales, int64_t groups, int64_t num_pages,
+               int64_t num_layers, int64_t page_size, int64_t kv_heads, int64_t head_dim, const int32_t* cache_lengths,
+               const int32_t* table, int64_t table_stride, int64_t table_width, const int32_t* offsets, int64_t batch,
+               int64_t layer, int threads) {
+  using T = typename Storage<SRC>::T;
+  const float top = FORMAT == E4M3FN ? 448.0f : 57344.0f;
+  const int64_t plane = num_layers * page_size * kv_heads * head_dim, gran = groups ? head_dim / groups : head_dim;
+  parallel_for<false>(batch, threads, [&](int64_t b) {
+    std::vector<float> x(head_dim);
+    for (int64_t row = offsets[b]; row < offsets[b + 1]; ++row) {
+      const int64_t pos = cache_lengths[b] + (row - offsets[b]);
+      const int64_t col = pos / page_size;
+      if (pos < 0 || col >= table_width) continue;
+      const int64_t page = table[b * table_stride + col];
+      if (page <= 0 || page >= num_pages) continue;
+      const int64_t slot = ((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads;
+      for (int p = 0; p < 2; ++p) {
+        const T* src = static_cast<const T*>(p ? value : key) + row * (p ? v_stride_row : k_stride_row);
+        const int64_t head_stride = p ? v_stride_head : k_stride_head;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          for (int64_t d = 0; d < head_dim; ++d) x[d] = load_scalar<SRC>(src + h * head_stride + d);
+          const int64_t at = (slot + h) * head_dim + p * plane;  // the row's first code
+          for (int64_t g0 = 0; g0 < head_dim; g0 += gran) {
+            float s;
+            if (groups) {
+              float amax = 0.0f;
+              bool nan = false;
+              for (int64_t d = g0; d < g0 + gran; ++d) {
+                nan |= std::isnan(x[d]);
+                amax = std::max(amax, std::fabs(x[d]));
+              }
+              s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / top;
+              scales[at / head_dim * groups + g0 / gran] = s;
+            } else {
+              s = scales[p];
+            }
+            const bool zero = groups && !(s > 0.0f);
+            for (int64_t d = g0; d < g0 + gran; ++d) {
+              const float q = zero ? 0.0f : x[d] / s;
+              blocks[at + d] = f32_to_fp8<FORMAT>(std::isnan(q) ? q : std::clamp(q, -top, top));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+void run_store_kv_fp8(int src, int fp8, const void* key, int64_t k_stride_row, int64_t k_stride_head,
+                      const void* value, int64_t v_stride_row, int64_t v_stride_head, void* blocks, float* scales,
+                      int64_t groups, int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
+                      int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
+                      int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int nthreads) {
+  const double work = static_cast<double>(offsets[batch] - offsets[0]) * kv_heads * head_dim * 2;
+  const int threads = thread_count(nthreads, work, 1 << 16);
+  auto run = [&](auto src_tag, auto fp8_tag) {
+    store_fp8<decltype(src_tag)::value, decltype(fp8_tag)::value>(
+        key, k_stride_row, k_stride_head, value, v_stride_row, v_stride_head, static_cast<uint8_t*>(blocks), scales,
+        groups, num_pages, num_layers, page_size, kv_heads, head_dim, cache_lengths, table, table_stride, table_width,
+        offsets, batch, layer, threads);
+  };
+  using e4m3 = std::integral_constant<int, E4M3FN>;
+  using e5m2 = std::integral_constant<int, E5M2>;
+  auto with_src = [&](auto fp8_tag) {
+    switch (src) {
+      case F32: run(std::integral_constant<int, F32>{}, fp8_tag); break;
+      case BF16: run(std::integral_constant<int, BF16>{}, fp8_tag); break;
+      default: run(std::integral_constant<int, F16>{}, fp8_tag); break;
+    }
+  };
+  if (fp8 == E4M3FN) {
+    with_src(e4m3{});
+  } else {
+    with_src(e5m2{});
+  }
+}
+
 // K and V of every sequence's first kv_len tokens into key_out / value_out ([batch, max_kv_len,
 // kv_heads, head_dim], contiguous), zeros after.
 void run_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int64_t num_layers, int64_t page_size,
@@ -1222,6 +1339,14 @@ void pkv_store_kv(const unsigned char* packed) {
   run_store_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5), a.i(6), a.ptr<void>(7),
                a.i(8), a.i(9), a.i(10), a.i(11), a.i(12), a.ptr<const int32_t>(13), a.ptr<const int32_t>(14), a.i(15),
                a.i(16), a.ptr<const int32_t>(17), a.i(18), a.i(19), static_cast<int>(a.i(20)));
+}
+
+void pkv_store_kv_fp8(const unsigned char* packed) {
+  const Packed a{packed};
+  run_store_kv_fp8(static_cast<int>(a.i(0)), static_cast<int>(a.i(1)), a.ptr<const void>(2), a.i(3), a.i(4),
+                   a.ptr<const void>(5), a.i(6), a.i(7), a.ptr<void>(8), a.ptr<float>(9), a.i(10), a.i(11), a.i(12),
+                   a.i(13), a.i(14), a.i(15), a.ptr<const int32_t>(16), a.ptr<const int32_t>(17), a.i(18), a.i(19),
+                   a.ptr<const int32_t>(20), a.i(21), a.i(22), static_cast<int>(a.i(23)));
 }
 
 void pkv_gather_kv(const unsigned char* packed) {

@@ -78,8 +78,11 @@ def store_kv(
     lookup_table: torch.Tensor,
     input_row_offsets: torch.Tensor,
     layer_idx: int,
-    scales: None = None,  # FP8 only: declined (see __init__._supports)
+    scales: torch.Tensor | None = None,
 ) -> None:
+    """An FP8 pool (with `scales`) quantizes the rows by the reference's rule, bit for bit."""
+    if scales is not None:
+        return _store_kv_fp8(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales)
     # (a decode step calls this once per layer: each tensor attribute is read once)
     ks, vs = key.stride(), value.stride()
     if ks[2] != 1:
@@ -96,6 +99,32 @@ def store_kv(
             pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
             lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
             cache_lengths.shape[0], layer_idx, torch.get_num_threads(),
+        )
+    )  # fmt: skip
+
+
+def _store_kv_fp8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    scales: torch.Tensor,
+) -> None:
+    key = key if key.stride(2) == 1 else key.contiguous()
+    value = value if value.stride(2) == 1 else value.contiguous()
+    pages, _, layers, page_size, heads, head_dim = blocks.shape
+    table_shape = lookup_table.shape
+    (_lib or load()).pkv_store_kv_fp8(
+        _STORE_KV_FP8.pack(
+            DTYPE_CODES[key.dtype], FP8_CODES[blocks.dtype], key.data_ptr(), key.stride(0), key.stride(1),
+            value.data_ptr(), value.stride(0), value.stride(1), blocks.data_ptr(), scales.data_ptr(),
+            scales.shape[-1] if scales.dim() == 6 else 0, pages, layers, page_size, heads, head_dim,
+            cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
+            table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
+            layer_idx, torch.get_num_threads(),
         )
     )  # fmt: skip
 
@@ -193,6 +222,7 @@ def copy_pages(
 # The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
 _FLASH_ATTENTION = struct.Struct("@27q2d3q")
 _STORE_KV = struct.Struct("@21q")
+_STORE_KV_FP8 = struct.Struct("@24q")
 _GATHER_KV = struct.Struct("@18q")
 _COPY_PAGES = struct.Struct("@7q")
 _STEP_OK = struct.Struct("@12q")
