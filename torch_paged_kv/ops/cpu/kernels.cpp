@@ -1120,6 +1120,50 @@ inline uint8_t f32_to_fp8(float f) {
   return static_cast<uint8_t>(code | (sign >> 24));
 }
 
+#if defined(__AVX2__)
+// f32_to_fp8 for 8 values at once, each lane's code in its low byte (the same integer steps).
+template <int FORMAT>
+inline __m256i f32_to_fp8_x8(__m256 f) {
+  constexpr int MANT = FORMAT == E4M3FN ? 3 : 2, BIAS = FORMAT == E4M3FN ? 7 : 15, SHIFT = 23 - MANT;
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i mag = _mm256_xor_si256(bits, sign);
+  const __m256i magic = _mm256_set1_epi32((127 + 24 - BIAS - MANT) << 23);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(magic))), magic);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, SHIFT), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_set1_epi32(static_cast<int>((static_cast<uint32_t>(BIAS - 127) << 23) + (1u << (SHIFT - 1)) - 1));
+  const __m256i norm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, bias), odd), SHIFT);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((127 - BIAS + 1) << 23), mag);
+  const __m256i is_nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+  __m256i code = _mm256_blendv_epi8(norm, sub, is_sub);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), is_nan);
+  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+}
+#endif
+
+// dst[0, n) = the FP8 codes of x[0, n) / s clamped to the format's largest value (NaN stays NaN).
+template <int FORMAT>
+inline void quantize(const float* x, int64_t n, float s, uint8_t* dst) {
+  const float top = FORMAT == E4M3FN ? 448.0f : 57344.0f;
+  int64_t d = 0;
+#if defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
+  for (; d + 8 <= n; d += 8) {
+    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(x + d), vs);
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    const __m256 kept = _mm256_blendv_ps(clamped, q, _mm256_cmp_ps(q, q, _CMP_UNORD_Q));  // NaN stays NaN
+    const __m256i code = f32_to_fp8_x8<FORMAT>(kept);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packus_epi16(words, words));
+  }
+#endif
+  for (; d < n; ++d) {
+    const float q = x[d] / s;
+    dst[d] = f32_to_fp8<FORMAT>(std::isnan(q) ? q : std::clamp(q, -top, top));
+  }
+}
+
 // New rows of K and V (fp32, bf16 or fp16, strides as run_store_kv) into an FP8 pool, quantized by
 // the reference's rule (quant.py), bit for bit: per granule of head_dim / groups elements, scale =
 // amax / the format's largest value in fp32 (NaN if an element is), codes = x / scale clamped to
@@ -1135,40 +1179,41 @@ void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, con
   using T = typename Storage<SRC>::T;
   const float top = FORMAT == E4M3FN ? 448.0f : 57344.0f;
   const int64_t plane = num_layers * page_size * kv_heads * head_dim, gran = groups ? head_dim / groups : head_dim;
-  parallel_for<false>(batch, threads, [&](int64_t b) {
-    std::vector<float> x(head_dim);
-    for (int64_t row = offsets[b]; row < offsets[b + 1]; ++row) {
-      const int64_t pos = cache_lengths[b] + (row - offsets[b]);
-      const int64_t col = pos / page_size;
-      if (pos < 0 || col >= table_width) continue;
-      const int64_t page = table[b * table_stride + col];
-      if (page <= 0 || page >= num_pages) continue;
-      const int64_t slot = ((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads;
-      for (int p = 0; p < 2; ++p) {
-        const T* src = static_cast<const T*>(p ? value : key) + row * (p ? v_stride_row : k_stride_row);
-        const int64_t head_stride = p ? v_stride_head : k_stride_head;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          for (int64_t d = 0; d < head_dim; ++d) x[d] = load_scalar<SRC>(src + h * head_stride + d);
-          const int64_t at = (slot + h) * head_dim + p * plane;  // the row's first code
-          for (int64_t g0 = 0; g0 < head_dim; g0 += gran) {
-            float s;
-            if (groups) {
-              float amax = 0.0f;
-              bool nan = false;
-              for (int64_t d = g0; d < g0 + gran; ++d) {
-                nan |= std::isnan(x[d]);
-                amax = std::max(amax, std::fabs(x[d]));
-              }
-              s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / top;
-              scales[at / head_dim * groups + g0 / gran] = s;
-            } else {
-              s = scales[p];
-            }
-            const bool zero = groups && !(s > 0.0f);
+  parallel_for<false>(offsets[batch] - offsets[0], threads, [&](int64_t i) {  // row by row: a prefill is one sequence
+    const int64_t row = offsets[0] + i;
+    const int64_t b = std::upper_bound(offsets, offsets + batch + 1, row) - offsets - 1;
+    thread_local std::vector<float> x;
+    x.resize(head_dim);
+    const int64_t pos = cache_lengths[b] + (row - offsets[b]);
+    const int64_t col = pos / page_size;
+    if (pos < 0 || col >= table_width) return;
+    const int64_t page = table[b * table_stride + col];
+    if (page <= 0 || page >= num_pages) return;
+    const int64_t slot = ((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads;
+    for (int p = 0; p < 2; ++p) {
+      const T* src = static_cast<const T*>(p ? value : key) + row * (p ? v_stride_row : k_stride_row);
+      const int64_t head_stride = p ? v_stride_head : k_stride_head;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t d = 0; d < head_dim; ++d) x[d] = load_scalar<SRC>(src + h * head_stride + d);
+        const int64_t at = (slot + h) * head_dim + p * plane;  // the row's first code
+        for (int64_t g0 = 0; g0 < head_dim; g0 += gran) {
+          float s;
+          if (groups) {
+            float amax = 0.0f;
+            bool nan = false;
             for (int64_t d = g0; d < g0 + gran; ++d) {
-              const float q = zero ? 0.0f : x[d] / s;
-              blocks[at + d] = f32_to_fp8<FORMAT>(std::isnan(q) ? q : std::clamp(q, -top, top));
+              nan |= std::isnan(x[d]);
+              amax = std::max(amax, std::fabs(x[d]));
             }
+            s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / top;
+            scales[at / head_dim * groups + g0 / gran] = s;
+          } else {
+            s = scales[p];
+          }
+          if (groups && !(s > 0.0f)) {
+            std::memset(blocks + at + g0, 0, gran);
+          } else {
+            quantize<FORMAT>(x.data() + g0, gran, s, blocks + at + g0);
           }
         }
       }
