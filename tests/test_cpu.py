@@ -354,12 +354,30 @@ def test_fp8_copy_pages_moves_scales_with_their_pages():
     assert torch.equal(b.scales[untouched], scales[untouched])
 
 
-def test_fp8_store_runs_here_and_gather_on_the_reference_and_backend_info_says_so(force_backend):
+def test_every_op_runs_here_on_an_fp8_cache_and_backend_info_says_so(force_backend):
     force_backend(None)
     params = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 64, 16, quantization_granularity=16)
-    info = pk.backend_info("cpu", params)
-    assert info["flash_attention"] == info["copy_pages"] == info["store_kv"] == "cpu"
-    assert info["gather_kv"].startswith("reference (cpu: FP8 gathers")
+    assert set(pk.backend_info("cpu", params).values()) == {"cpu"}
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("granularity", [None, 8, 32])
+def test_fp8_gather_dequantizes_exactly_as_the_reference(force_backend, fp8, granularity):
+    """fp32 K/V of every cached and new token equal the reference's bit for bit (random codes,
+    NaN codes included), zeros past each length; a gather to bf16 still runs (on the reference)."""
+    b, _, _ = make_fp8_batch([13, 0, 30], [4, 9, 3], dtype=fp8, granularity=granularity, page_size=8, head_dim=32)
+    first = int(b.lookup_table[0, 0])  # sequence 0's position 0: NaN codes, e5m2's inf, a subnormal
+    b.blocks.view(torch.uint8)[first, :, b.layer_idx, 0, 0, :4] = torch.tensor([0x7F, 0xFF, 0x7C, 0x01])
+    got = {}
+    for backend in ("reference", "cpu"):
+        force_backend(backend)
+        got[backend] = ops.gather_kv(b.blocks, *b.step, b.layer_idx, 40, b.scales)
+    for want, have in zip(got["reference"], got["cpu"], strict=True):
+        assert have.dtype == torch.float32 and have.shape == want.shape
+        torch.testing.assert_close(have, want, rtol=0, atol=0, equal_nan=True)
+    force_backend(None)
+    k16, _ = ops.gather_kv(b.blocks, *b.step, b.layer_idx, 40, b.scales, torch.bfloat16)
+    torch.testing.assert_close(k16, got["reference"][0].bfloat16(), rtol=0, atol=0, equal_nan=True)
 
 
 def _awkward_rows(n: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

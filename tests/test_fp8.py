@@ -314,9 +314,7 @@ def test_backend_info_says_which_backend_runs_an_fp8_cache_and_why(force_backend
     fp8 = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 96, 16, quantization_granularity=32)
     odd = pk.KVCacheParams(torch.float8_e4m3fn, 1, 2, 96, 16, quantization_granularity=48)
     bf16 = pk.KVCacheParams(torch.bfloat16, 1, 2, 96, 16)
-    cpu = pk.backend_info("cpu", fp8)  # the cpu kernels read and write FP8 pages; gathers stay the reference's
-    assert cpu["flash_attention"] == cpu["copy_pages"] == cpu["store_kv"] == "cpu"
-    assert cpu["gather_kv"].startswith("reference (cpu: FP8 gathers"), cpu
+    assert set(pk.backend_info("cpu", fp8).values()) == {"cpu"}  # the cpu kernels cover FP8 pools
     force_backend("triton")  # the interpreter runs Triton on CPU tensors here (tests/conftest.py)
     assert pk.backend_info("cpu", bf16)["store_kv"] == pk.backend_info("cpu", fp8)["store_kv"] == "triton"
     assert pk.backend_info("cpu", odd)["store_kv"] == (

@@ -7,7 +7,6 @@ CPU calls fall back to `reference` (a forced `cpu` raises instead). See docs/cpu
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,26 +31,12 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-UNQUANTIZED_ARITY = {"gather_kv": 6}
-"""Arguments before the FP8 ones (`scales`, `out_dtype`) of the ops that run only on unquantized
-caches here; the others take FP8 pools too."""
+def _gather_in_its_dtype(blocks: torch.Tensor, *args: Any) -> bool:
+    """gather_kv covers gathers in the pool's own dtype (fp32 for an FP8 pool); one converting to
+    another dtype runs on the reference backend."""
+    scales, out_dtype = args[5], args[6]
+    return out_dtype is None or out_dtype == (torch.float32 if scales is not None else blocks.dtype)
 
 
-def _supports(op: str) -> Callable[..., bool]:
-    """gather_kv covers unquantized caches in their own dtype (an FP8 gather, or one to another
-    dtype, runs on the reference backend); the other ops cover every cache."""
-    if op not in UNQUANTIZED_ARITY:
-        return lambda *args: True
-    arity = UNQUANTIZED_ARITY[op]
-    return lambda *args: all(a is None for a in args[arity:])
-
-
-def _declines(op: str) -> Callable[[Any], str | None]:
-    """Why `op` skips an FP8 cache described by `params` (backend_info), or None."""
-    if op not in UNQUANTIZED_ARITY:
-        return lambda params: None
-    return lambda params: "FP8 gathers, a debugging path, run on the reference backend" if params.quantized else None
-
-
-KERNELS = {op: (getattr(kernels, op), _supports(op), _declines(op)) for op in _OPS}
-"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "cpu"."""
+KERNELS = {op: (getattr(kernels, op), _gather_in_its_dtype if op == "gather_kv" else None) for op in _OPS}
+"""op -> (kernel, supports): what `ops/backends.py` registers as backend "cpu"."""

@@ -140,6 +140,7 @@ SIGNATURES = {  # name -> (argument types, result type); the op kernels take one
     "pkv_store_kv": ([ctypes.c_char_p], None),
     "pkv_store_kv_fp8": ([ctypes.c_char_p], None),
     "pkv_gather_kv": ([ctypes.c_char_p], None),
+    "pkv_gather_kv_fp8": ([ctypes.c_char_p], None),
     "pkv_copy_pages": ([ctypes.c_char_p], None),
     "pkv_step_ok": ([ctypes.c_char_p], ctypes.c_int),
     # segments (int64 [n, 3]), n, message, payload bytes, to_message -> the payload's sum64

@@ -1279,6 +1279,40 @@ void run_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int6
   });
 }
 
+// gather_kv of an FP8 pool: as run_gather_kv, into fp32 key_out / value_out, each row dequantized
+// (code value times its scale: the reference's values bit for bit).
+void run_gather_kv_fp8(int fp8, const uint8_t* blocks, const float* scales, int64_t groups, int64_t num_pages,
+                       int64_t num_layers, int64_t page_size, int64_t kv_heads, int64_t head_dim,
+                       const int32_t* cache_lengths, const int32_t* table, int64_t table_stride, int64_t table_width,
+                       const int32_t* offsets, int64_t batch, int64_t layer, int64_t max_kv_len, float* key_out,
+                       float* value_out, int nthreads) {
+  const int64_t span = kv_heads * head_dim, plane = num_layers * page_size * span;
+  const int64_t gran = groups ? head_dim / groups : head_dim;
+  const int threads = thread_count(nthreads, static_cast<double>(batch) * max_kv_len * span * 8, 1 << 18);
+  parallel_for<false>(batch * max_kv_len, threads, [&](int64_t bt) {
+    const int64_t b = bt / max_kv_len, pos = bt % max_kv_len;
+    const int64_t kv_len = cache_lengths[b] + offsets[b + 1] - offsets[b];
+    const int64_t col = pos / page_size;
+    const int64_t page = pos < kv_len && col < table_width ? table[b * table_stride + col] : -1;
+    for (int p = 0; p < 2; ++p) {
+      float* dst = (p ? value_out : key_out) + bt * span;
+      if (page < 0 || page >= num_pages) {
+        std::fill(dst, dst + span, 0.0f);
+        continue;
+      }
+      const int64_t at = ((page * 2 * num_layers + layer) * page_size + pos % page_size) * span + p * plane;
+      for (int64_t e = 0; e < span; e += gran) {
+        const float s = groups ? scales[(at + e) / gran] : scales[p];
+        if (fp8 == E4M3FN) {
+          dequantize<E4M3FN>(blocks + at + e, gran, s, dst + e);
+        } else {
+          dequantize<E5M2>(blocks + at + e, gran, s, dst + e);
+        }
+      }
+    }
+  });
+}
+
 // blocks[dst[i]] = blocks[src[i]] (whole pages), every source read before any write; destinations
 // that are the null page or out of range, and sources out of range, are skipped.
 void run_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const int32_t* src, const int32_t* dst,
@@ -1399,6 +1433,14 @@ void pkv_gather_kv(const unsigned char* packed) {
   run_gather_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.i(4), a.i(5), a.i(6), a.ptr<const int32_t>(7),
                 a.ptr<const int32_t>(8), a.i(9), a.i(10), a.ptr<const int32_t>(11), a.i(12), a.i(13), a.i(14),
                 a.ptr<void>(15), a.ptr<void>(16), static_cast<int>(a.i(17)));
+}
+
+void pkv_gather_kv_fp8(const unsigned char* packed) {
+  const Packed a{packed};
+  run_gather_kv_fp8(static_cast<int>(a.i(0)), a.ptr<const uint8_t>(1), a.ptr<const float>(2), a.i(3), a.i(4), a.i(5),
+                    a.i(6), a.i(7), a.i(8), a.ptr<const int32_t>(9), a.ptr<const int32_t>(10), a.i(11), a.i(12),
+                    a.ptr<const int32_t>(13), a.i(14), a.i(15), a.i(16), a.ptr<float>(17), a.ptr<float>(18),
+                    static_cast<int>(a.i(19)));
 }
 
 void pkv_copy_pages(const unsigned char* packed) {

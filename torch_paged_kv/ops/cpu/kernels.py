@@ -183,9 +183,12 @@ def gather_kv(
     input_row_offsets: torch.Tensor,
     layer_idx: int,
     max_kv_len: int,
-    scales: None = None,
-    out_dtype: None = None,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,  # the pool's own (fp32 for FP8): others are declined
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit."""
+    if scales is not None:
+        return _gather_kv_fp8(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales)
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     batch = cache_lengths.shape[0]
     key = blocks.new_empty(batch, max_kv_len, heads, head_dim)
@@ -197,6 +200,31 @@ def gather_kv(
             cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
             table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), batch, layer_idx,
             max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads(),
+        )
+    )  # fmt: skip
+    return key, value
+
+
+def _gather_kv_fp8(
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    max_kv_len: int,
+    scales: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pages, _, layers, page_size, heads, head_dim = blocks.shape
+    batch = cache_lengths.shape[0]
+    key = torch.empty(batch, max_kv_len, heads, head_dim)
+    value = torch.empty(batch, max_kv_len, heads, head_dim)
+    table_shape = lookup_table.shape
+    (_lib or load()).pkv_gather_kv_fp8(
+        _GATHER_KV_FP8.pack(
+            FP8_CODES[blocks.dtype], blocks.data_ptr(), scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0,
+            pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
+            lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
+            batch, layer_idx, max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads(),
         )
     )  # fmt: skip
     return key, value
@@ -224,5 +252,6 @@ _FLASH_ATTENTION = struct.Struct("@27q2d3q")
 _STORE_KV = struct.Struct("@21q")
 _STORE_KV_FP8 = struct.Struct("@24q")
 _GATHER_KV = struct.Struct("@18q")
+_GATHER_KV_FP8 = struct.Struct("@20q")
 _COPY_PAGES = struct.Struct("@7q")
 _STEP_OK = struct.Struct("@12q")
