@@ -1120,6 +1120,9 @@ inline uint8_t f32_to_fp8(float f) {
   return static_cast<uint8_t>(code | (sign >> 24));
 }
 
+// The largest finite value of an FP8 format (what quantization clamps to).
+constexpr float fp8_largest(int format) { return format == E4M3FN ? 448.0f : 57344.0f; }
+
 #if defined(__AVX2__)
 // f32_to_fp8 for 8 values at once, each lane's code in its low byte (the same integer steps).
 template <int FORMAT>
@@ -1145,7 +1148,7 @@ inline __m256i f32_to_fp8_x8(__m256 f) {
 // dst[0, n) = the FP8 codes of x[0, n) / s clamped to the format's largest value (NaN stays NaN).
 template <int FORMAT>
 inline void quantize(const float* x, int64_t n, float s, uint8_t* dst) {
-  const float top = FORMAT == E4M3FN ? 448.0f : 57344.0f;
+  constexpr float top = fp8_largest(FORMAT);
   int64_t d = 0;
 #if defined(__AVX2__)
   const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
@@ -1177,7 +1180,7 @@ void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, con
                const int32_t* table, int64_t table_stride, int64_t table_width, const int32_t* offsets, int64_t batch,
                int64_t layer, int threads) {
   using T = typename Storage<SRC>::T;
-  const float top = FORMAT == E4M3FN ? 448.0f : 57344.0f;
+  constexpr float top = fp8_largest(FORMAT);
   const int64_t plane = num_layers * page_size * kv_heads * head_dim, gran = groups ? head_dim / groups : head_dim;
   parallel_for<false>(offsets[batch] - offsets[0], threads, [&](int64_t i) {  // row by row: a prefill is one sequence
     const int64_t row = offsets[0] + i;
