@@ -1059,6 +1059,16 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   }
 }
 
+// The page holding position `pos` of sequence b, or -1 where there is none: a position before 0 or
+// past the table, or an id outside the pool (store and gather skip such rows; store also the null page).
+inline int64_t page_of(const int32_t* table, int64_t table_stride, int64_t table_width, int64_t num_pages,
+                       int64_t page_size, int64_t b, int64_t pos) {
+  const int64_t col = pos / page_size;
+  if (pos < 0 || col >= table_width) return -1;
+  const int64_t page = table[b * table_stride + col];
+  return page < num_pages ? page : -1;
+}
+
 // New rows of K and V ([total_new, kv_heads, head_dim], any row / head stride, unit element
 // stride) into their slots; rows whose page is out of range or the null page are skipped.
 void run_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64_t k_stride_head, const void* value,
@@ -1074,10 +1084,8 @@ void run_store_kv(int64_t itemsize, const void* key, int64_t k_stride_row, int64
   parallel_for<false>(batch, threads, [&](int64_t b) {
     for (int64_t row = offsets[b]; row < offsets[b + 1]; ++row) {
       const int64_t pos = cache_lengths[b] + (row - offsets[b]);
-      const int64_t col = pos / page_size;
-      if (pos < 0 || col >= table_width) continue;
-      const int64_t page = table[b * table_stride + col];
-      if (page <= 0 || page >= num_pages) continue;
+      const int64_t page = page_of(table, table_stride, table_width, num_pages, page_size, b, pos);
+      if (page <= 0) continue;
       char* dst = base + (((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads) * row_bytes;
       for (int64_t h = 0; h < kv_heads; ++h) {
         std::memcpy(dst + h * row_bytes, static_cast<const char*>(key) + (row * k_stride_row + h * k_stride_head) * itemsize,
@@ -1188,10 +1196,8 @@ void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, con
     thread_local std::vector<float> x;
     x.resize(head_dim);
     const int64_t pos = cache_lengths[b] + (row - offsets[b]);
-    const int64_t col = pos / page_size;
-    if (pos < 0 || col >= table_width) return;
-    const int64_t page = table[b * table_stride + col];
-    if (page <= 0 || page >= num_pages) return;
+    const int64_t page = page_of(table, table_stride, table_width, num_pages, page_size, b, pos);
+    if (page <= 0) return;
     const int64_t slot = ((page * 2 * num_layers + layer) * page_size + pos % page_size) * kv_heads;
     for (int p = 0; p < 2; ++p) {
       const T* src = static_cast<const T*>(p ? value : key) + row * (p ? v_stride_row : k_stride_row);
@@ -1224,8 +1230,8 @@ void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, con
   });
 }
 
-void run_store_kv_fp8(int src, int fp8, const void* key, int64_t k_stride_row, int64_t k_stride_head,
-                      const void* value, int64_t v_stride_row, int64_t v_stride_head, void* blocks, float* scales,
+void run_store_kv_fp8(int src, const void* key, int64_t k_stride_row, int64_t k_stride_head, const void* value,
+                      int64_t v_stride_row, int64_t v_stride_head, void* blocks, int fp8, float* scales,
                       int64_t groups, int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
                       int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
                       int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int nthreads) {
@@ -1269,9 +1275,8 @@ void run_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int6
     char* kd = static_cast<char*>(key_out) + bt * token_bytes;
     char* vd = static_cast<char*>(value_out) + bt * token_bytes;
     const int64_t kv_len = cache_lengths[b] + offsets[b + 1] - offsets[b];
-    const int64_t col = pos / page_size;
-    int64_t page = pos < kv_len && col < table_width ? table[b * table_stride + col] : -1;
-    if (page < 0 || page >= num_pages) {
+    const int64_t page = pos < kv_len ? page_of(table, table_stride, table_width, num_pages, page_size, b, pos) : -1;
+    if (page < 0) {
       std::memset(kd, 0, token_bytes);
       std::memset(vd, 0, token_bytes);
       return;
@@ -1284,7 +1289,7 @@ void run_gather_kv(int64_t itemsize, const void* blocks, int64_t num_pages, int6
 
 // gather_kv of an FP8 pool: as run_gather_kv, into fp32 key_out / value_out, each row dequantized
 // (code value times its scale: the reference's values bit for bit).
-void run_gather_kv_fp8(int fp8, const uint8_t* blocks, const float* scales, int64_t groups, int64_t num_pages,
+void run_gather_kv_fp8(const uint8_t* blocks, int fp8, const float* scales, int64_t groups, int64_t num_pages,
                        int64_t num_layers, int64_t page_size, int64_t kv_heads, int64_t head_dim,
                        const int32_t* cache_lengths, const int32_t* table, int64_t table_stride, int64_t table_width,
                        const int32_t* offsets, int64_t batch, int64_t layer, int64_t max_kv_len, float* key_out,
@@ -1295,11 +1300,10 @@ void run_gather_kv_fp8(int fp8, const uint8_t* blocks, const float* scales, int6
   parallel_for<false>(batch * max_kv_len, threads, [&](int64_t bt) {
     const int64_t b = bt / max_kv_len, pos = bt % max_kv_len;
     const int64_t kv_len = cache_lengths[b] + offsets[b + 1] - offsets[b];
-    const int64_t col = pos / page_size;
-    const int64_t page = pos < kv_len && col < table_width ? table[b * table_stride + col] : -1;
+    const int64_t page = pos < kv_len ? page_of(table, table_stride, table_width, num_pages, page_size, b, pos) : -1;
     for (int p = 0; p < 2; ++p) {
       float* dst = (p ? value_out : key_out) + bt * span;
-      if (page < 0 || page >= num_pages) {
+      if (page < 0) {
         std::fill(dst, dst + span, 0.0f);
         continue;
       }
@@ -1425,8 +1429,8 @@ void pkv_store_kv(const unsigned char* packed) {
 
 void pkv_store_kv_fp8(const unsigned char* packed) {
   const Packed a{packed};
-  run_store_kv_fp8(static_cast<int>(a.i(0)), static_cast<int>(a.i(1)), a.ptr<const void>(2), a.i(3), a.i(4),
-                   a.ptr<const void>(5), a.i(6), a.i(7), a.ptr<void>(8), a.ptr<float>(9), a.i(10), a.i(11), a.i(12),
+  run_store_kv_fp8(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
+                   a.i(6), a.ptr<void>(7), static_cast<int>(a.i(8)), a.ptr<float>(9), a.i(10), a.i(11), a.i(12),
                    a.i(13), a.i(14), a.i(15), a.ptr<const int32_t>(16), a.ptr<const int32_t>(17), a.i(18), a.i(19),
                    a.ptr<const int32_t>(20), a.i(21), a.i(22), static_cast<int>(a.i(23)));
 }
@@ -1440,7 +1444,7 @@ void pkv_gather_kv(const unsigned char* packed) {
 
 void pkv_gather_kv_fp8(const unsigned char* packed) {
   const Packed a{packed};
-  run_gather_kv_fp8(static_cast<int>(a.i(0)), a.ptr<const uint8_t>(1), a.ptr<const float>(2), a.i(3), a.i(4), a.i(5),
+  run_gather_kv_fp8(a.ptr<const uint8_t>(0), static_cast<int>(a.i(1)), a.ptr<const float>(2), a.i(3), a.i(4), a.i(5),
                     a.i(6), a.i(7), a.i(8), a.ptr<const int32_t>(9), a.ptr<const int32_t>(10), a.i(11), a.i(12),
                     a.ptr<const int32_t>(13), a.i(14), a.i(15), a.i(16), a.ptr<float>(17), a.ptr<float>(18),
                     static_cast<int>(a.i(19)));

@@ -70,6 +70,21 @@ def step_ok(
     )  # fmt: skip
 
 
+def _pool_and_step(
+    blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor
+) -> tuple[int, ...]:
+    """The pool's shape and the step's index tensors as the C++ store and gather take them: pages,
+    layers, page_size, kv_heads, head_dim, then cache_lengths, table (pointer, row stride, width),
+    offsets and batch."""
+    pages, _, layers, page_size, heads, head_dim = blocks.shape
+    table_shape = lookup_table.shape
+    return (
+        pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
+        lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
+        cache_lengths.shape[0],
+    )  # fmt: skip
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -81,8 +96,6 @@ def store_kv(
     scales: torch.Tensor | None = None,
 ) -> None:
     """An FP8 pool (with `scales`) quantizes the rows by the reference's rule, bit for bit."""
-    if scales is not None:
-        return _store_kv_fp8(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales)
     # (a decode step calls this once per layer: each tensor attribute is read once)
     ks, vs = key.stride(), value.stride()
     if ks[2] != 1:
@@ -91,42 +104,14 @@ def store_kv(
     if vs[2] != 1:
         value = value.contiguous()
         vs = value.stride()
-    pages, _, layers, page_size, heads, head_dim = blocks.shape
-    table_shape = lookup_table.shape
-    (_lib or load()).pkv_store_kv(
-        _STORE_KV.pack(
-            blocks.element_size(), key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], blocks.data_ptr(),
-            pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
-            lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
-            cache_lengths.shape[0], layer_idx, torch.get_num_threads(),
-        )
-    )  # fmt: skip
-
-
-def _store_kv_fp8(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor,
-) -> None:
-    key = key if key.stride(2) == 1 else key.contiguous()
-    value = value if value.stride(2) == 1 else value.contiguous()
-    pages, _, layers, page_size, heads, head_dim = blocks.shape
-    table_shape = lookup_table.shape
-    (_lib or load()).pkv_store_kv_fp8(
-        _STORE_KV_FP8.pack(
-            DTYPE_CODES[key.dtype], FP8_CODES[blocks.dtype], key.data_ptr(), key.stride(0), key.stride(1),
-            value.data_ptr(), value.stride(0), value.stride(1), blocks.data_ptr(), scales.data_ptr(),
-            scales.shape[-1] if scales.dim() == 6 else 0, pages, layers, page_size, heads, head_dim,
-            cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
-            table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
-            layer_idx, torch.get_num_threads(),
-        )
-    )  # fmt: skip
+    rows = (key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], blocks.data_ptr())
+    step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    lib, threads = _lib or load(), torch.get_num_threads()
+    if scales is None:
+        lib.pkv_store_kv(_STORE_KV.pack(blocks.element_size(), *rows, *step, layer_idx, threads))
+    else:
+        fp8 = _fp8_arguments(blocks, scales)
+        lib.pkv_store_kv_fp8(_STORE_KV_FP8.pack(DTYPE_CODES[key.dtype], *rows, *fp8, *step, layer_idx, threads))
 
 
 def flash_attention(
@@ -187,46 +172,17 @@ def gather_kv(
     out_dtype: torch.dtype | None = None,  # the pool's own (fp32 for FP8): others are declined
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit."""
-    if scales is not None:
-        return _gather_kv_fp8(blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales)
-    pages, _, layers, page_size, heads, head_dim = blocks.shape
-    batch = cache_lengths.shape[0]
-    key = blocks.new_empty(batch, max_kv_len, heads, head_dim)
-    value = blocks.new_empty(batch, max_kv_len, heads, head_dim)
-    table_shape = lookup_table.shape
-    (_lib or load()).pkv_gather_kv(
-        _GATHER_KV.pack(
-            blocks.element_size(), blocks.data_ptr(), pages, layers, page_size, heads, head_dim,
-            cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
-            table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), batch, layer_idx,
-            max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads(),
-        )
-    )  # fmt: skip
-    return key, value
-
-
-def _gather_kv_fp8(
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    pages, _, layers, page_size, heads, head_dim = blocks.shape
-    batch = cache_lengths.shape[0]
-    key = torch.empty(batch, max_kv_len, heads, head_dim)
-    value = torch.empty(batch, max_kv_len, heads, head_dim)
-    table_shape = lookup_table.shape
-    (_lib or load()).pkv_gather_kv_fp8(
-        _GATHER_KV_FP8.pack(
-            FP8_CODES[blocks.dtype], blocks.data_ptr(), scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0,
-            pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
-            lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
-            batch, layer_idx, max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads(),
-        )
-    )  # fmt: skip
+    step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    shape = (cache_lengths.shape[0], max_kv_len, *blocks.shape[4:])
+    dtype = blocks.dtype if scales is None else torch.float32
+    key, value = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+    out = (max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads())
+    lib = _lib or load()
+    if scales is None:
+        lib.pkv_gather_kv(_GATHER_KV.pack(blocks.element_size(), blocks.data_ptr(), *step, layer_idx, *out))
+    else:
+        fp8 = _fp8_arguments(blocks, scales)
+        lib.pkv_gather_kv_fp8(_GATHER_KV_FP8.pack(blocks.data_ptr(), *fp8, *step, layer_idx, *out))
     return key, value
 
 
