@@ -5,7 +5,9 @@
 
 Transfer: rank 0 holds sequences whose pages are scattered over its pool (a Llama-8B-shaped bf16
 cache: 32 layers x 8 KV heads x 128, page 16 = 2 MiB per page); `send_sequences` ships them to rank
-1's pool (scattered free pages too), with lengths, token ids, keys and a CRC-32 per chunk. The
+1's pool (scattered free pages too), with lengths, token ids, keys and checksums (`--checksum`).
+2 MiB pages go direct (each page its own message, no packing); the "packed" rows make the receiver
+choose the packed path (pages gathered into chunk messages), for comparison. The
 anchor is a raw `torch.distributed.send` of one contiguous tensor of the same bytes between the same
 processes (and in messages of the chunk size). All are timed on the receiver, from a barrier to
 the last byte placed (the transfer also waits for the receiver's confirmation), interleaved
@@ -36,8 +38,10 @@ from harness import report
 
 import torch_paged_kv as pk
 from torch_paged_kv.distributed import receive_sequences, send_sequences
+from torch_paged_kv.distributed import transfer as transfer_module
 from torch_paged_kv.distributed.tensor_parallel import TensorParallelKVCacheManager, shard_params
 
+DIRECT_MIN = transfer_module.DIRECT_MIN_MESSAGE_BYTES
 PARAMS = pk.KVCacheParams(torch.bfloat16, num_layers=32, num_kv_heads=8, head_dim=128, page_size=16)
 
 
@@ -88,10 +92,11 @@ def transfer_worker(rank: int, args: argparse.Namespace, init_file: str, results
     expected = sender_pages(num_pages, seed=7) if rank == 1 else None
     raw = torch.empty(num_pages * page_bytes, dtype=torch.uint8)
 
-    def transfer(chunk_mb: int, check: bool) -> None:
+    def transfer(chunk_mb: int, check: bool, direct: bool = True) -> None:
         if rank == 0:
             send_sequences(manager, ids, 1, chunk_bytes=chunk_mb << 20, checksum=args.checksum)
             return
+        transfer_module.DIRECT_MIN_MESSAGE_BYTES = DIRECT_MIN if direct else 1 << 62  # the receiver chooses
         stats = receive_sequences(manager, 0)
         if check:
             got = torch.stack([manager.collection.blocks[p] for i in ids for p in manager.pages(i)])
@@ -110,6 +115,7 @@ def transfer_worker(rank: int, args: argparse.Namespace, init_file: str, results
         cases[f"raw send, {mb} MiB messages"] = lambda check, mb=mb: raw_send(mb)
     for mb in args.chunk_mb:
         cases[f"send_sequences, {mb} MiB chunks"] = lambda check, mb=mb: transfer(mb, check)
+        cases[f"send_sequences, {mb} MiB chunks, packed"] = lambda check, mb=mb: transfer(mb, check, direct=False)
     times: dict[str, list[float]] = {name: [] for name in cases}
     for rep in range(args.repeats + 1):  # interleaved, so that the machine's load hits every case alike
         for name, run in cases.items():

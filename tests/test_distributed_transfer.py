@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distributed_ranks import Ranks, assert_same, check_contents, kv_rows, run_step, snapshot
 
 import torch_paged_kv as pk
-from torch_paged_kv.distributed import TransferError, TransferRejected, receive_sequences, send_sequences, wire
+from torch_paged_kv.distributed import TransferError, TransferRejected, pipes, receive_sequences, send_sequences, wire
 from torch_paged_kv.distributed import transfer as transfer_module
 from torch_paged_kv.manager import OutOfPagesError
 
@@ -128,6 +128,37 @@ def test_random_ragged_transfers_are_bit_exact_both_ways(rank_groups):
     assert all(r["sent"] == r["pages"] for r in received if not r["shared_salt"])
 
 
+@contextlib.contextmanager
+def direct_counted() -> Iterator[list[int]]:
+    """Within: every transfer this rank receives goes direct (no minimum run size); yields a count of
+    the direct messages this rank sent or received."""
+    count, message = [0], pipes.DirectPipe.message
+
+    def counting(self, first_page, n):
+        count[0] += 1
+        return message(self, first_page, n)
+
+    minimum, transfer_module.DIRECT_MIN_MESSAGE_BYTES = transfer_module.DIRECT_MIN_MESSAGE_BYTES, 0
+    pipes.DirectPipe.message = counting
+    try:
+        yield count
+    finally:
+        transfer_module.DIRECT_MIN_MESSAGE_BYTES, pipes.DirectPipe.message = minimum, message
+
+
+def _transfer_random_direct(rank: int, world: int, seeds: list[int]) -> list[dict]:
+    with direct_counted() as count:
+        out = _transfer_random(rank, world, seeds)
+    return [{**r, "direct_messages": count[0]} for r in out]
+
+
+def test_random_ragged_transfers_go_direct_bit_exact_both_ways(rank_groups):
+    """The same random transfers with runs of pool pages as the messages (no packing), sum64 and crc32."""
+    seeds = list(range(8, 16))
+    results = rank_groups.get(2).run(_transfer_random_direct, seeds)
+    assert all(r["direct_messages"] > len(seeds) for rank_results in results for r in rank_results)
+
+
 def _rejections(rank: int, world: int) -> list[str]:
     """Refusals leave both sides unchanged and the channel usable; then transfers with odd ids work."""
     src, model, _, _ = sender_state(7)
@@ -201,7 +232,7 @@ def _failing_sender(rank: int, world: int) -> list[str]:
         if rank == 0:
             src, _, _, _ = sender_state(3)
             calls = [0]
-            gather = transfer_module._PagePipe.gather
+            gather = pipes.PackedPipe.gather
 
             def failing_gather(self, message, pages, kind, case=case, calls=calls, gather=gather):
                 calls[0] += 1
@@ -212,7 +243,7 @@ def _failing_sender(rank: int, world: int) -> list[str]:
                     time.sleep(2.5)
                 gather(self, message, pages, kind)
 
-            transfer_module._PagePipe.gather = failing_gather
+            pipes.PackedPipe.gather = failing_gather
             one_page = PS * PARAMS.bytes_per_token
             try:
                 send_sequences(
@@ -220,7 +251,7 @@ def _failing_sender(rank: int, world: int) -> list[str]:
                 )
             except TransferError as exc:
                 out.append(f"sender: {exc}")
-            transfer_module._PagePipe.gather = gather
+            pipes.PackedPipe.gather = gather
             continue
         dst, model = receiver_state(3, [1, 2, 3, 4])
         free_pages = list(dst.page_pool.free)
@@ -345,7 +376,7 @@ def test_fp8_pages_travel_with_their_scales(rank_groups):
 @contextlib.contextmanager
 def corrupted_chunk(chunk: int, byte: int, bit: int) -> Iterator[None]:
     """Within: the sender's `chunk`-th message (1-based) gets `bit` flipped in `byte` after its checksum."""
-    gather, calls = transfer_module._PagePipe.gather, [0]
+    gather, calls = pipes.PackedPipe.gather, [0]
 
     def corrupting_gather(self, message, pages, kind):
         gather(self, message, pages, kind)
@@ -353,11 +384,11 @@ def corrupted_chunk(chunk: int, byte: int, bit: int) -> Iterator[None]:
         if calls[0] == chunk:
             message[byte] ^= bit
 
-    transfer_module._PagePipe.gather = corrupting_gather
+    pipes.PackedPipe.gather = corrupting_gather
     try:
         yield
     finally:
-        transfer_module._PagePipe.gather = gather
+        pipes.PackedPipe.gather = gather
 
 
 def _corrupted(rank: int, world: int) -> str:
@@ -465,3 +496,117 @@ def test_sum64_transfers_between_cpu_pools_are_fused_and_bit_exact(rank_groups):
     if not wire.has_copy_sum64():
         pytest.skip("no C++ compiler: transfers take the numpy path")
     rank_groups.get(2).run(_fused)
+
+
+# -- direct transfers: failures leave the receiver as before ------------------------------------------
+
+
+def _fp8_direct(rank: int, world: int) -> int:
+    """FP8 pages go direct, their scales packed in one message after them."""
+    with direct_counted() as count:
+        _fp8(rank, world)
+    return count[0]
+
+
+def test_fp8_pages_go_direct_with_their_scales(rank_groups):
+    sender, receiver = rank_groups.get(2).run(_fp8_direct)
+    assert sender == receiver > 1
+
+
+def _corrupted_direct(rank: int, world: int) -> str:
+    """The sender's checksum of direct message 2 is off by one: the receiver takes every message, then
+    refuses; its manager is as before (every page it wrote is free again); the channel stays usable."""
+    src, model, ids, _ = sender_state(5)
+    one_page = PS * PARAMS.bytes_per_token
+    with direct_counted():
+        if rank == 0:
+            checksum, calls = wire.checksum, [0]
+
+            def off_by_one(payload, kind):
+                calls[0] += 1
+                return (checksum(payload, kind) + (calls[0] == 2)) % 2**64
+
+            wire.checksum = off_by_one
+            try:
+                with pytest.raises(TransferError) as info:
+                    send_sequences(src, ids, 1, chunk_bytes=one_page)
+            finally:
+                wire.checksum = checksum
+            send_sequences(src, ids, 1, chunk_bytes=one_page)
+            return str(info.value)
+        dst, dst_model = receiver_state(5, [1, 2, 3, 4])
+        before, free_pages = snapshot(dst), list(dst.page_pool.free)
+        with pytest.raises(TransferError, match="checksum") as info:
+            receive_sequences(dst, 0)
+        assert_same(before, snapshot(dst))
+        assert list(dst.page_pool.free) == free_pages
+        assert info.value.pages_written == stats_pages(src, ids)  # every posted receive may have written
+        receive_sequences(dst, 0)
+    check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
+    return str(info.value)
+
+
+def stats_pages(manager: pk.KVCacheManager, ids: list) -> int:
+    """Distinct pages the sequences `ids` use (what a transfer with nothing cached sends)."""
+    return len({p for i in ids for p in manager.pages(i)[: -(-manager.cache_length(i) // PS)]})
+
+
+def test_a_corrupted_direct_message_is_refused_and_the_channel_stays_usable(rank_groups):
+    sender, receiver = rank_groups.get(2).run(_corrupted_direct)
+    assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
+    assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
+
+
+def _killed_direct_sender(rank: int, world: int) -> str:
+    """The sender dies after two direct messages: the receiver raises, naming the message it waited
+    for, with its manager and free list as before."""
+    with direct_counted():
+        if rank == 0:
+            src, _, _, _ = sender_state(3)
+            checksum, calls = wire.checksum, [0]
+
+            def dying(payload, kind):
+                calls[0] += 1
+                if calls[0] == 3:
+                    time.sleep(0.5)  # messages 1 and 2 are out
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return checksum(payload, kind)
+
+            wire.checksum = dying
+            send_sequences(src, src.sequences, 1, chunk_bytes=PS * PARAMS.bytes_per_token)
+            return "not killed"
+        dst, model = receiver_state(3, [1, 2, 3, 4])
+        free_pages, before = list(dst.page_pool.free), snapshot(dst)
+        with pytest.raises(TransferError) as info:
+            receive_sequences(dst, 0, timeout=datetime.timedelta(seconds=5))
+    assert_same(before, snapshot(dst))
+    assert list(dst.page_pool.free) == free_pages
+    run_step(dst, ["live"], [[5, 6]], model)
+    check_contents(dst, model, ["live"])
+    return str(info.value)
+
+
+def test_a_sender_killed_mid_direct_transfer_leaves_the_receiver_unchanged():
+    ranks = Ranks(2)
+    try:
+        killed = ranks.run(_killed_direct_sender, expect_exit=(0,), timeout=90)[1]
+    finally:
+        ranks.close()
+    assert "receiving chunk 3 of" in killed and "Connection closed by peer" in killed, killed
+
+
+def test_transfers_go_direct_only_where_runs_of_pages_are_long_enough():
+    """The receiver's choice: runs consecutive on both sides, averaging DIRECT_MIN_MESSAGE_BYTES."""
+    big = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=8, head_dim=128, page_size=16)  # 128 KiB
+    manager = make(num_pages=64, params=big)
+    page_bytes = pipes.byte_pages(manager.collection.blocks).shape[1]
+    preamble = wire.Preamble(0, 32, page_bytes, 0, 16, wire.SUM64)
+    meta, cpu = {"source_pages": list(range(10, 42))}, torch.device("cpu")
+
+    def choose(meta: dict, dest: list[int]) -> list[int] | None:
+        return transfer_module._direct_flags(manager, meta, preamble, list(range(len(dest))), dest, cpu)
+
+    flags = choose(meta, list(range(1, 33)))
+    assert flags is not None and wire.direct_messages(flags) == [(0, 16), (16, 16)]  # chunk_pages caps a run
+    assert choose(meta, random.Random(0).sample(range(1, 33), 32)) is None  # runs of one 128 KiB page
+    assert choose({"source_pages": None}, list(range(1, 33))) is None  # the sender cannot send in place

@@ -34,6 +34,7 @@ def test_meta_round_trips_ids_keys_and_tokens():
         [[1, 2, 3, 4, 5], None],
         keys,
         b"r",
+        [5, 9, 2],
         {"x": 1},
     )
     meta = wire.decode_meta(data)
@@ -41,18 +42,22 @@ def test_meta_round_trips_ids_keys_and_tokens():
     assert [s["keys"] for s in meta["sequences"]] == keys
     assert meta["sequences"][0]["token_ids"] == [1, 2, 3, 4, 5] and meta["metadata"] == {"x": 1}
     assert meta["root"] == wire.root_fingerprint(b"r") != wire.root_fingerprint(b"s")
+    assert meta["source_pages"] == [5, 9, 2]
     for bad in (
         b"\xff",
         b"{}",
-        b'{"params": {}, "sequences": [{"id": 1}], "scales": null, "root": "", "metadata": {}}',
+        b'{"params": {}, "sequences": [{"id": 1}], "scales": null, "root": "", "source_pages": null, "metadata": {}}',
+        b'{"params": {}, "sequences": [], "scales": null, "root": "", "metadata": {}}',
+        b'{"params": {}, "sequences": [], "scales": null, "root": "", "source_pages": [1, -2], "metadata": {}}',
     ):
         with pytest.raises(ValueError, match="malformed transfer metadata"):
             wire.decode_meta(bad)
 
 
 def test_replies_carry_a_status_a_reason_and_the_wanted_pages():
-    status, reason, wanted = wire.unpack_reply(wire.pack_reply(wire.ACCEPTED, "", [True, False, True]))
-    assert (status, reason, wanted) == (wire.ACCEPTED, "", [True, False, True])
+    flags = [wire.STARTS, 0, wire.SEND, wire.STARTS]
+    status, reason, wanted = wire.unpack_reply(wire.pack_reply(wire.ACCEPTED, "", flags))
+    assert (status, reason, wanted) == (wire.ACCEPTED, "", flags)
     status, reason, wanted = wire.unpack_reply(wire.pack_reply(wire.REJECTED, "é" * 300))
     assert status == wire.REJECTED and reason.startswith("é") and wanted == []
     assert wire.pack_reply(wire.FAILED, "x" * 1000).numel() == wire.REPLY_BYTES
@@ -164,3 +169,25 @@ def test_copy_sum64_refuses_segments_that_do_not_cover_the_payload():
     for bad in ([[0, source.data_ptr(), 99]], [[0, source.data_ptr(), 50], [51, source.data_ptr(), 49]]):
         with pytest.raises(ValueError, match="segments"):
             wire.copy_sum64(np.array(bad, dtype=np.int64), payload, to_payload=True)
+
+
+def test_direct_messages_break_where_either_side_stops_being_consecutive():
+    source, dest = [4, 5, 6, 9, 10, 11, 12, 13], [1, 2, 3, 4, 7, 8, 9, 10]
+    flags = wire.direct_flags(source, dest, max_pages=3)
+    # breaks: the cap after 3 pages; source 6 -> 9; dest 4 -> 7; the cap again
+    assert wire.direct_messages(flags) == [(0, 3), (3, 1), (4, 3), (7, 1)]
+    assert wire.direct_messages(wire.direct_flags(list(range(5)), list(range(7, 12)), 10)) == [(0, 5)]
+    assert wire.direct_flags([], [], 4) == [] and wire.direct_messages([]) == []
+    with pytest.raises(ValueError, match="first wanted page"):
+        wire.direct_messages([wire.SEND, wire.STARTS])
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4096, 4097, 3 * 4096 + 100, 1 << 20])
+def test_sum64_in_cpp_is_the_numpy_value(size):
+    if not wire.has_copy_sum64():
+        pytest.skip("no C++ compiler: sum64 runs in numpy only")
+    gen = torch.Generator().manual_seed(size)
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    assert wire.sum64(payload) == wire._sum64_numpy(payload) == wire._sum64_torch(payload)
+    with pytest.raises(ValueError, match="contiguous"):
+        wire.sum64(torch.zeros(64, dtype=torch.uint8)[::2])

@@ -14,10 +14,10 @@ one transfer at a time per pair of ranks and direction on a group.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
-import threading
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -29,11 +29,17 @@ import torch.distributed as dist
 from ..manager import KVCacheManager
 from ..params import KVCacheParams
 from . import wire
+from .pipes import PIPELINE_DEPTH, DirectPipe, PackedPipe, byte_pages, free_buffers
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
 """Longest wait for any one message of a transfer."""
 DEFAULT_CHUNK_BYTES = 32 << 20
 """Page bytes per chunk message (at least one page per chunk)."""
+DIRECT_MIN_MESSAGE_BYTES = 1 << 20
+"""A transfer goes direct (runs of pool pages are the messages) when its runs average at least this
+many bytes; below it the extra messages cost more than packing saves (gloo, loopback, 2-core EPYC)."""
+DIRECT_IN_FLIGHT = 256
+"""Direct messages posted ahead on each side (gloo moves a message once its receive is posted)."""
 
 
 class TransferError(RuntimeError):
@@ -83,11 +89,6 @@ def _scales(manager: KVCacheManager) -> torch.Tensor | None:
     return c.scales if c.params.has_scales_tensor else None
 
 
-def _byte_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (contiguous, pages first) as uint8 `[pages, bytes per page]`, no copy."""
-    return tensor.view(torch.uint8).view(tensor.shape[0], -1)
-
-
 def _scales_spec(scales: torch.Tensor | None) -> dict[str, Any] | None:
     if scales is None:
         return None
@@ -111,143 +112,6 @@ def _post(op: Any, tensor: torch.Tensor, peer: int, group: Any, what: str, writt
 
 def _exchange(op: Any, tensor: torch.Tensor, peer: int, group: Any, timeout: datetime.timedelta, what: str) -> None:
     _wait(_post(op, tensor, peer, group, what), timeout, what, peer)
-
-
-_buffers = threading.local()
-
-
-def _wire_buffers(device: torch.device, pin: bool, size: int) -> list[torch.Tensor]:
-    """Two wire buffers of at least `size` bytes, kept for the next transfer of this thread (a fresh
-    large allocation page-faults on first touch: 3-10x slower copies on the CPU)."""
-    cache = _buffers.__dict__.setdefault("by_device", {})
-    held = cache.get((device, pin))
-    if held is None or held[0].numel() < size:
-        held = [torch.empty(size, dtype=torch.uint8, device=device, pin_memory=pin) for _ in range(PIPELINE_DEPTH)]
-        cache[(device, pin)] = held
-    return held
-
-
-def free_buffers() -> None:
-    """Drop this thread's cached wire buffers (two chunks per device; they are kept between transfers)."""
-    _buffers.__dict__.pop("by_device", None)
-
-
-PIPELINE_DEPTH = 3
-"""Wire buffers per side: the receiver keeps two chunks in flight while it checks and places a third,
-the sender fills one while two are being sent (gloo moves a message only once its receive is posted)."""
-LOOP_MIN_PAGE_BYTES = 64 << 10
-"""CPU pages at least this large move as one memcpy per run of consecutive pages (about 4x faster here
-than `index_select`/`index_copy_` on 2 MiB pages); smaller ones with one indexed copy per chunk."""
-
-
-def _widest(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Two uint8 `[rows, bytes]` arrays viewed as the widest integer type their rows allow (fewer
-    elements for the indexed copies)."""
-    for dtype in (np.int64, np.int32, np.int16):
-        if a.shape[1] % np.dtype(dtype).itemsize == 0:
-            return a.view(dtype), b.view(dtype)
-    return a, b
-
-
-def _runs(pages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Positions in `pages`, first pages and counts of its runs of consecutive ids (int64 arrays)."""
-    index = np.asarray(pages, dtype=np.int64)
-    starts = np.flatnonzero(np.diff(index, prepend=-2) != 1)  # -2: a page id is never -1
-    return starts, index[starts], np.diff(starts, append=len(index))
-
-
-class _PagePipe:
-    """Moves pages between a pool (`blocks`, plus `scales` if any) and the reused wire buffers. A CPU
-    pool and wire with the SUM64 checksum copy and checksum in one pass (`wire.copy_sum64`)."""
-
-    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor | None, wire_dev: torch.device, chunk_pages: int):
-        self.blocks = _byte_pages(blocks)
-        self.scales = None if scales is None else _byte_pages(scales)
-        self.page_bytes = self.blocks.shape[1]
-        self.scale_bytes = 0 if self.scales is None else self.scales.shape[1]
-        self.pool_device = blocks.device
-        self.wire_device = wire_dev
-        size = chunk_pages * (self.page_bytes + self.scale_bytes) + wire.TRAILER_BYTES
-        pin = wire_dev.type == "cpu" and self.pool_device.type == "cuda"
-        self.buffers = _wire_buffers(wire_dev, pin, size)
-        self.fusable = self.pool_device.type == wire_dev.type == "cpu" and wire.has_copy_sum64()
-
-    def _fuses(self, kind: int) -> bool:
-        """Whether messages with checksum `kind` are copied and checked in one pass."""
-        return self.fusable and kind == wire.SUM64
-
-    def message(self, k: int, n: int) -> torch.Tensor:
-        """Buffer `k % PIPELINE_DEPTH` cut to a chunk of `n` pages (with its trailer)."""
-        return self.buffers[k % PIPELINE_DEPTH][: n * (self.page_bytes + self.scale_bytes) + wire.TRAILER_BYTES]
-
-    def _parts(self, message: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(pool pages, the message's part for them): blocks, then scales if any."""
-        parts = [(self.blocks, message[: n * self.page_bytes].view(n, self.page_bytes))]
-        if self.scales is not None:
-            end = n * (self.page_bytes + self.scale_bytes)
-            parts.append((self.scales, message[n * self.page_bytes : end].view(n, self.scale_bytes)))
-        return parts
-
-    def _move(self, pool: torch.Tensor, data: torch.Tensor, pages: list[int], to_wire: bool) -> None:
-        """Pool pages `pages` into the message part `data` (`to_wire`) or back. On the CPU in numpy:
-        one thread (torch's copies split over busy cores can run 10x slower), one memcpy per run of
-        consecutive large pages, else one indexed copy."""
-        if self.pool_device.type == self.wire_device.type == "cpu":
-            pool_np, data_np = pool.numpy(), data.numpy()
-            if pool.shape[1] >= LOOP_MIN_PAGE_BYTES:
-                for position, first, count in zip(*_runs(pages), strict=True):
-                    a, b = data_np[position : position + count], pool_np[first : first + count]
-                    np.copyto(a, b) if to_wire else np.copyto(b, a)
-                return
-            pool_np, data_np = _widest(pool_np, data_np)
-            index = np.asarray(pages, dtype=np.int64)
-            if to_wire:
-                np.take(pool_np, index, axis=0, out=data_np)
-            else:
-                pool_np[index] = data_np
-            return
-        index = torch.tensor(pages, dtype=torch.long, device=self.pool_device)
-        if not to_wire:  # blocking copy to the pool's device: the buffer is reused for the next chunk
-            pool.index_copy_(0, index, data.to(self.pool_device))
-        elif self.pool_device == self.wire_device:
-            torch.index_select(pool, 0, index, out=data)
-        else:
-            data.copy_(pool.index_select(0, index))
-
-    def _segments(self, pages: list[int]) -> np.ndarray:
-        """`wire.copy_sum64` segments of a message of `pages`: one per run of consecutive pages,
-        blocks then scales (message order)."""
-        positions, firsts, counts = _runs(pages)
-        pools = [self.blocks] if self.scales is None else [self.blocks, self.scales]
-        parts, offset = [], 0
-        for pool in pools:
-            width = pool.shape[1]
-            parts.append(np.stack([offset + positions * width, pool.data_ptr() + firsts * width, counts * width], 1))
-            offset += len(pages) * width
-        return np.concatenate(parts)
-
-    def gather(self, message: torch.Tensor, pages: list[int], kind: int) -> None:
-        """Pages `pages` of the pool into `message`, and the checksum into its trailer."""
-        payload = message[: -wire.TRAILER_BYTES]
-        if self._fuses(kind):
-            wire.put_trailer(message, wire.copy_sum64(self._segments(pages), payload, to_payload=True))
-            return
-        for pool, data in self._parts(message, len(pages)):
-            self._move(pool, data, pages, to_wire=True)
-        wire.put_trailer(message, wire.checksum(payload, kind))
-
-    def scatter(self, message: torch.Tensor, pages: list[int], kind: int) -> tuple[bool, int]:
-        """The pages of `message` into pool pages `pages` if its checksum matches; returns whether it
-        matched and how many pages were written. The fused path writes the pages while it checks
-        them: all of them, match or not (the caller's own fresh pages, dropped on a mismatch)."""
-        payload, expected = message[: -wire.TRAILER_BYTES], wire.get_trailer(message)
-        if self._fuses(kind):
-            return wire.copy_sum64(self._segments(pages), payload, to_payload=False) == expected, len(pages)
-        if wire.checksum(payload, kind) != expected:
-            return False, 0
-        for pool, data in self._parts(message, len(pages)):
-            self._move(pool, data, pages, to_wire=False)
-        return True, len(pages)
 
 
 def _used_pages(manager: KVCacheManager, seq_ids: list) -> tuple[list[int], list[list[int]], list[int]]:
@@ -301,8 +165,8 @@ def send_sequences(
     kind = {"crc32": wire.CRC32, "sum64": wire.SUM64, None: wire.SUM64}.get(checksum)
     if kind is None:
         raise ValueError(f"checksum: expected 'crc32', 'sum64' or None, got {checksum!r}")
-    page_bytes = _byte_pages(blocks).shape[1] + (0 if scales is None else _byte_pages(scales).shape[1])
-    chunk_pages = max(1, min(chunk_bytes // page_bytes, len(source_pages)))
+    blocks_bytes, scale_bytes = byte_pages(blocks).shape[1], 0 if scales is None else byte_pages(scales).shape[1]
+    chunk_pages = max(1, min(chunk_bytes // (blocks_bytes + scale_bytes), len(source_pages)))
     tokens = [manager.token_ids(i) for i in ids]
     tokens = [None if t is None else t[:n] for t, n in zip(tokens, lengths, strict=True)]  # what ran, not a prompt
     meta = wire.encode_meta(
@@ -314,19 +178,44 @@ def send_sequences(
         tokens,
         [manager.prefix_keys(i) for i in ids],
         manager.prefix_root,
+        source_pages if blocks.device == dev else None,
         metadata,
     )
-    pipe = _PagePipe(blocks, scales, dev, chunk_pages)
-    preamble = wire.Preamble(len(meta), len(source_pages), pipe.page_bytes, pipe.scale_bytes, chunk_pages, kind)
+    preamble = wire.Preamble(len(meta), len(source_pages), blocks_bytes, scale_bytes, chunk_pages, kind)
     _exchange(dist.isend, preamble.pack(dev), dst, group, timeout, "sending the preamble")
     meta_tensor = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev)
     _exchange(dist.isend, meta_tensor, dst, group, timeout, "sending the metadata")
     reply = torch.empty(wire.REPLY_BYTES + len(source_pages), dtype=torch.uint8, device=dev)
     _exchange(dist.irecv, reply, dst, group, timeout, "waiting for the receiver's answer")
-    status, reason, wanted = wire.unpack_reply(reply)
+    status, reason, flags = wire.unpack_reply(reply)
     if status != wire.ACCEPTED:
         raise TransferRejected(f"rank {dst} refused the transfer: {reason}")
-    send = [page for page, w in zip(source_pages, wanted, strict=True) if w]
+    send = [page for page, f in zip(source_pages, flags, strict=True) if f]
+    wanted_flags = [f for f in flags if f]
+    if wire.STARTS in wanted_flags:
+        messages = wire.direct_messages(wanted_flags) if wanted_flags[0] == wire.STARTS else []
+        if (
+            not messages
+            or blocks.device != dev
+            or any(send[a : a + n] != list(range(send[a], send[a] + n)) for a, n in messages)
+        ):
+            raise TransferError(f"rank {dst} asked for direct messages this pool cannot send as such")
+        _send_direct(DirectPipe(blocks, scales), send, messages, kind, dst, group, timeout)
+    else:
+        _send_packed(PackedPipe(blocks, scales, dev, chunk_pages), preamble, send, kind, dst, group, timeout)
+    done = torch.empty(wire.REPLY_BYTES, dtype=torch.uint8, device=dev)
+    _exchange(dist.irecv, done, dst, group, timeout, "waiting for the receiver's confirmation")
+    status, reason, _ = wire.unpack_reply(done)
+    if status != wire.ACCEPTED:
+        raise TransferError(f"rank {dst} did not take the sequences: {reason}")
+    seconds, nbytes = time.perf_counter() - start, len(send) * preamble.bytes_per_page
+    return TransferStats(ids, len(source_pages), len(send), nbytes, seconds, metadata or {})
+
+
+def _send_packed(
+    pipe: PackedPipe, preamble: wire.Preamble, send: list[int], kind: int, dst: int, group: Any, timeout: Any
+) -> None:
+    """Pages `send` in chunks packed into `PIPELINE_DEPTH` reused wire buffers, each with its checksum."""
     pending: list[Any] = [None] * PIPELINE_DEPTH
     first = 0
     try:
@@ -343,13 +232,33 @@ def send_sequences(
     except BaseException:
         free_buffers()  # a send may still hold one: the next transfer gets fresh buffers
         raise
-    done = torch.empty(wire.REPLY_BYTES, dtype=torch.uint8, device=dev)
-    _exchange(dist.irecv, done, dst, group, timeout, "waiting for the receiver's confirmation")
-    status, reason, _ = wire.unpack_reply(done)
-    if status != wire.ACCEPTED:
-        raise TransferError(f"rank {dst} did not take the sequences: {reason}")
-    seconds, nbytes = time.perf_counter() - start, len(send) * preamble.bytes_per_page
-    return TransferStats(ids, len(source_pages), len(send), nbytes, seconds, metadata or {})
+
+
+def _send_direct(
+    pipe: DirectPipe,
+    send: list[int],
+    messages: list[tuple[int, int]],
+    kind: int,
+    dst: int,
+    group: Any,
+    timeout: Any,
+) -> None:
+    """Each run of pages `send[a : a + n]` straight from the pool (its checksum taken first, which also
+    brings it into cache for the socket), then the packed scales, then every message's checksum."""
+    pending: collections.deque = collections.deque()
+    sums = []
+    payloads = [pipe.message(send[a], n) for a, n in messages]
+    if pipe.scales is not None:
+        payloads.append(pipe.pack_scales(send))
+    for k, payload in enumerate(payloads):
+        if len(pending) == DIRECT_IN_FLIGHT:
+            _wait(pending.popleft(), timeout, f"sending chunk {k + 1 - DIRECT_IN_FLIGHT}", dst)
+        sums.append(wire.checksum(payload, kind))
+        pending.append(_post(dist.isend, payload, dst, group, f"sending chunk {k + 1}"))
+    checksums = torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(payloads[0].device)
+    pending.append(_post(dist.isend, checksums, dst, group, "sending the checksums"))
+    for work in pending:
+        _wait(work, timeout, "sending the last chunks", dst)
 
 
 def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: wire.Preamble) -> str | None:
@@ -364,8 +273,8 @@ def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: w
     scales = _scales(manager)
     if meta["scales"] != _scales_spec(scales):
         return f"the sender's scales are {meta['scales']}, this cache's are {_scales_spec(scales)}"
-    blocks_bytes = _byte_pages(manager.collection.blocks).shape[1]
-    scale_bytes = 0 if scales is None else _byte_pages(scales).shape[1]
+    blocks_bytes = byte_pages(manager.collection.blocks).shape[1]
+    scale_bytes = 0 if scales is None else byte_pages(scales).shape[1]
     if (preamble.page_bytes, preamble.scale_bytes) != (blocks_bytes, scale_bytes):
         theirs, ours = (preamble.page_bytes, preamble.scale_bytes), (blocks_bytes, scale_bytes)
         return f"pages of {theirs[0]}+{theirs[1]} bytes (blocks+scales), this cache's are {ours[0]}+{ours[1]}"
@@ -441,16 +350,21 @@ def receive_sequences(
         stats = TransferStats(ids, preamble.num_pages, 0, 0, 0.0, meta["metadata"])
 
         def fill(incoming: list[int], pages: list[int]) -> None:
-            wanted = [False] * preamble.num_pages
-            for i in incoming:
-                wanted[i] = True
+            direct = _direct_flags(manager, meta, preamble, incoming, pages, dev)
+            flags = [0] * preamble.num_pages
+            for j, i in enumerate(incoming):
+                flags[i] = wire.SEND if direct is None else direct[j]
             state["replied"] = True
-            reply = wire.pack_reply(wire.ACCEPTED, "", wanted, dev)
+            reply = wire.pack_reply(wire.ACCEPTED, "", flags, dev)
             _exchange(dist.isend, reply, src, group, timeout, "accepting the transfer")
             error: BaseException | None = None
             written = 0
             try:
-                written = _receive_chunks(manager, preamble, src, group, timeout, pages, dev)
+                if direct is None:
+                    written = _receive_packed(manager, preamble, src, group, timeout, pages, dev)
+                else:
+                    pipe = DirectPipe(manager.collection.blocks, _scales(manager))
+                    written = _receive_direct(pipe, preamble, wire.direct_messages(direct), pages, src, group, timeout)
             except BaseException as exc:
                 error = exc
                 free_buffers()  # a receive may still hold one: the next transfer gets fresh buffers
@@ -489,7 +403,73 @@ def receive_sequences(
     return stats
 
 
-def _receive_chunks(
+def _direct_flags(
+    manager: KVCacheManager,
+    meta: dict[str, Any],
+    preamble: wire.Preamble,
+    incoming: list[int],
+    pages: list[int],
+    dev: torch.device,
+) -> list[int] | None:
+    """The reply flags of a direct transfer of `incoming` into `pages`, or None to go packed: when
+    either pool is not where the messages live, or the runs consecutive on both sides are too short."""
+    source = meta["source_pages"]
+    if source is None or manager.collection.blocks.device != dev or not pages or len(source) != preamble.num_pages:
+        return None
+    flags = wire.direct_flags([source[i] for i in incoming], pages, preamble.chunk_pages)
+    if len(pages) * preamble.page_bytes < DIRECT_MIN_MESSAGE_BYTES * flags.count(wire.STARTS):
+        return None
+    return flags
+
+
+def _receive_direct(
+    pipe: DirectPipe,
+    preamble: wire.Preamble,
+    messages: list[tuple[int, int]],
+    pages: list[int],
+    src: int,
+    group: Any,
+    timeout: Any,
+) -> int:
+    """Receive each run of `messages` straight into pool pages `pages[a : a + n]` (`DIRECT_IN_FLIGHT`
+    posted ahead), summing each as it lands, then the scales and the sender's checksums; the scales
+    are written only if everything matched. Returns the pages written (all of them: a posted receive
+    may have written its pages, matched or not). Raises TransferError."""
+    payloads = [pipe.message(pages[a], n) for a, n in messages]
+    if pipe.scales is not None:
+        payloads.append(pipe.scales_message(len(pages)))
+    what = f"receiving chunk {{}} of {len(payloads)}"
+    works: dict[int, Any] = {}
+    written = 0
+
+    def post(k: int) -> None:
+        nonlocal written
+        if k < len(payloads):
+            if k < len(messages):
+                written = messages[k][0] + messages[k][1]
+            works[k] = _post(dist.irecv, payloads[k], src, group, what.format(k + 1), written)
+
+    for k in range(DIRECT_IN_FLIGHT):
+        post(k)
+    sums = []
+    for k, payload in enumerate(payloads):
+        _wait(works.pop(k), timeout, what.format(k + 1), src, written)
+        post(k + DIRECT_IN_FLIGHT)
+        sums.append(wire.checksum(payload, preamble.checksum))
+    expected = torch.empty(len(payloads), dtype=torch.int64, device=payloads[0].device)
+    sums_work = _post(dist.irecv, expected, src, group, "receiving the checksums", written)
+    _wait(sums_work, timeout, "receiving the checksums", src, written)
+    for k, (got, want) in enumerate(zip(sums, expected.cpu().numpy().view(np.uint64).tolist(), strict=True)):
+        if got != want:
+            name = wire.CHECKSUM_NAMES[preamble.checksum]
+            where = f"chunk {k + 1} of {len(payloads)} from rank {src}"
+            raise TransferError(f"checksum ({name}) mismatch in {where}", written)
+    if pipe.scales is not None:
+        pipe.unpack_scales(payloads[-1], pages)
+    return written
+
+
+def _receive_packed(
     manager: KVCacheManager,
     preamble: wire.Preamble,
     src: int,
@@ -501,7 +481,7 @@ def _receive_chunks(
     """Receive the chunks of `pages` (`PIPELINE_DEPTH` buffers: the next chunks arrive while this one
     is checked and copied into the pool); returns the pages written. Raises TransferError."""
     sizes = preamble.chunk_sizes(len(pages))
-    pipe = _PagePipe(manager.collection.blocks, _scales(manager), dev, max(sizes, default=1))
+    pipe = PackedPipe(manager.collection.blocks, _scales(manager), dev, max(sizes, default=1))
     what = f"receiving chunk {{}} of {len(sizes)}"
     works: dict[int, Any] = {}
 

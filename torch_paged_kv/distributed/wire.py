@@ -10,19 +10,29 @@ order (S: sender, R: receiver); every message is one tensor, sizes known to both
    dtype and per-page shape (or null), the sequences (`id`, `length`, `pages`: indices into the
    `num_pages` incoming pages, `token_ids` or null, `keys`: hex prefix keys of the leading full
    pages), `root`: a fingerprint of the sender's prefix-cache root (keys only mean something to a
-   receiver with the same root), `metadata`: the caller's JSON.
+   receiver with the same root), `source_pages`: the sender's page ids of the incoming pages, or
+   null where it cannot send from its pool (its pool is not where the group's messages live),
+   `metadata`: the caller's JSON.
 3. R->S reply, uint8 `[REPLY_BYTES + num_pages]` (`pack_reply`): status (0: accepted), a reason
-   (UTF-8, NUL-padded), then one byte per incoming page: 1 = send it, 0 = the receiver has it cached.
-4. S->R chunks (accepted only): the wanted pages in index order, `chunk_pages` per message, each
-   uint8 `[n * page_bytes + n * scale_bytes + 8]`: the pages' `blocks` bytes, their `scales` bytes
-   (quantized caches), and the checksum of all of that as a little-endian uint64.
-5. R->S done, uint8 `[REPLY_BYTES]`: status 0 once every chunk arrived and checked out (the
+   (UTF-8, NUL-padded), then one byte per incoming page: 0 = the receiver has it cached, 1 = send it,
+   `STARTS` (2) = send it, and it starts a direct message. Any `STARTS` makes the transfer direct.
+4. S->R pages (accepted only), the wanted pages in index order, one of two ways:
+   - packed (no `STARTS`): `chunk_pages` pages per message, each uint8
+     `[n * page_bytes + n * scale_bytes + 8]`: the pages' `blocks` bytes, their `scales` bytes
+     (quantized caches), and the checksum of all of that as a little-endian uint64;
+   - direct: one message per run the reply marks (pages consecutive in both pools, at most
+     `chunk_pages`), uint8 `[n * page_bytes]`, sent from the sender's `blocks` and received into the
+     receiver's; then, for a cache with `scales`, one message uint8 `[wanted * scale_bytes]` of every
+     wanted page's scales; then int64 `[messages]`: the checksum of each of those messages (as
+     uint64 bits), in order.
+5. R->S done, uint8 `[REPLY_BYTES]`: status 0 once every message arrived and checked out (the
    receiver registers the sequences right after), else the reason it gave up.
 
 Checksums: `SUM64` (`sum64`, a position-weighted 64-bit sum: numpy on the CPU, torch reductions on
 a GPU, no device-to-host copy; the default) or `CRC32` (zlib's CRC-32 of the bytes, on the host:
 stronger against reordered bytes, several times slower). On the CPU `copy_sum64` moves pages into
-or out of a message and takes its sum64 in the same pass (C++), the same value as `sum64`.
+or out of a message and takes its sum64 in the same pass (C++), the same value as `sum64`, which
+runs in C++ there too where the library builds (numpy otherwise).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ import torch
 from ..ops.cpu import build
 
 MAGIC = 0x4B5650_41474553  # "KVPAGES"
-VERSION = 1
+VERSION = 2
 PREAMBLE_WORDS = 8
 REPLY_BYTES = 256
 """Status byte plus a 255-byte reason."""
@@ -49,6 +59,8 @@ CRC32, SUM64 = 1, 2
 CHECKSUM_NAMES = {CRC32: "crc32", SUM64: "sum64"}
 
 ACCEPTED, REJECTED, FAILED = 0, 1, 2
+SEND, STARTS = 1, 2
+"""Reply flags of a wanted page: send it; send it, first page of a direct message."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +144,7 @@ def encode_meta(
     token_ids: list[list[int] | None],
     keys: list[list[bytes]],
     root: bytes,
+    source_pages: list[int] | None,
     metadata: dict[str, Any] | None,
 ) -> bytes:
     sequences = [
@@ -143,6 +156,7 @@ def encode_meta(
         "scales": scales,
         "sequences": sequences,
         "root": root_fingerprint(root),
+        "source_pages": source_pages,
         "metadata": metadata or {},
     }
     return json.dumps(meta, separators=(",", ":")).encode()
@@ -154,26 +168,50 @@ def decode_meta(data: bytes) -> dict[str, Any]:
         for seq in meta["sequences"]:
             seq["id"] = id_from_json(seq["id"])
             seq["keys"] = [bytes.fromhex(k) for k in seq["keys"]]
-        missing = {"params", "scales", "root", "metadata"} - set(meta)
+        missing = {"params", "scales", "root", "source_pages", "metadata"} - set(meta)
         if missing:
             raise KeyError(sorted(missing))
+        source = meta["source_pages"]
+        if source is not None and not all(type(p) is int and p >= 0 for p in source):
+            raise ValueError("source_pages: expected null or page ids")
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"malformed transfer metadata ({type(exc).__name__}: {exc})") from None
     return meta
 
 
-def pack_reply(status: int, reason: str = "", wanted: list[bool] | None = None, device="cpu") -> torch.Tensor:
-    """Message 3 (with `wanted`, one flag per incoming page) or 5 (without)."""
+def pack_reply(status: int, reason: str = "", flags: list[int] | None = None, device="cpu") -> torch.Tensor:
+    """Message 3 (with `flags`, one per incoming page: 0, `SEND` or `STARTS`) or 5 (without)."""
     text = reason.encode()[: REPLY_BYTES - 1]
     head = bytes([status]) + text + bytes(REPLY_BYTES - 1 - len(text))
-    body = bytes(int(w) for w in wanted) if wanted is not None else b""
+    body = bytes(flags) if flags is not None else b""
     return torch.frombuffer(bytearray(head + body), dtype=torch.uint8).to(device)
 
 
-def unpack_reply(tensor: torch.Tensor) -> tuple[int, str, list[bool]]:
+def unpack_reply(tensor: torch.Tensor) -> tuple[int, str, list[int]]:
     data = bytes(tensor.cpu().numpy())
     reason = data[1:REPLY_BYTES].rstrip(b"\0").decode(errors="replace")
-    return data[0], reason, [b != 0 for b in data[REPLY_BYTES:]]
+    return data[0], reason, list(data[REPLY_BYTES:])
+
+
+def direct_flags(source: list[int], dest: list[int], max_pages: int) -> list[int]:
+    """Reply flags of the wanted pages for a direct transfer: a message starts (`STARTS`) wherever
+    the sender's pages `source` or the receiver's `dest` stop being consecutive, or after
+    `max_pages` pages."""
+    flags, run = [], 0
+    for j, (s, d) in enumerate(zip(source, dest, strict=True)):
+        run = 0 if j == 0 or s != source[j - 1] + 1 or d != dest[j - 1] + 1 or run == max_pages else run
+        flags.append(STARTS if run == 0 else SEND)
+        run += 1
+    return flags
+
+
+def direct_messages(flags: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each direct message over the wanted pages' flags (`direct_flags`); raises
+    ValueError unless the first page starts one."""
+    if flags and flags[0] != STARTS:
+        raise ValueError("direct flags: the first wanted page must start a message")
+    starts = [j for j, f in enumerate(flags) if f == STARTS]
+    return [(a, b - a) for a, b in zip(starts, [*starts[1:], len(flags)][: len(starts)], strict=True)]
 
 
 _ROW_BYTES = 4096
@@ -191,7 +229,13 @@ def sum64(payload: torch.Tensor) -> int:
     bit, a truncation or a moved word changes it (not a cryptographic hash: it guards against
     transport faults and bugs). Two passes of sums: several times faster than zlib's CRC-32 on a
     CPU (numpy, one thread) and a few torch reductions on a GPU (no copy to the host)."""
-    return _sum64_numpy(payload) if payload.device.type == "cpu" else _sum64_torch(payload)
+    if payload.device.type != "cpu":
+        return _sum64_torch(payload)
+    if has_copy_sum64():
+        if payload.dtype != torch.uint8 or not payload.is_contiguous():
+            raise ValueError(f"payload: expected a contiguous uint8 tensor, got {payload.dtype}")
+        return build.library().pkv_wire_sum(payload.data_ptr(), payload.numel())
+    return _sum64_numpy(payload)
 
 
 def _rows(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -234,7 +278,8 @@ _COLUMN_WEIGHTS = np.arange(1, 2 * _ROW_WORDS + 1, 2, dtype=np.uint64)
 
 
 def has_copy_sum64() -> bool:
-    """Whether `copy_sum64` runs here: the CPU library builds (the answer is kept for the process)."""
+    """Whether `copy_sum64` (and `sum64` of CPU bytes in C++) runs here: the CPU library builds (the
+    answer is kept for the process)."""
     try:
         build.library()
     except build.BuildError:

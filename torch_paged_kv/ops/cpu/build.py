@@ -148,6 +148,7 @@ SIGNATURES = {  # name -> (argument types, result type); the op kernels take one
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
         ctypes.c_uint64,
     ),
+    "pkv_wire_sum": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint64),  # data, bytes -> sum64
 }
 
 

@@ -1,5 +1,6 @@
 // Page transfer on the CPU: copy pool pages into a wire message (or back) and take the message's
-// sum64 checksum (torch_paged_kv/distributed/wire.py) in the same pass over the bytes.
+// sum64 checksum (torch_paged_kv/distributed/wire.py) in the same pass over the bytes; or take the
+// sum64 of bytes in place (a message that is a run of pool pages itself).
 //
 // The message goes by in 4 KiB rows, the checksum's rows. A row inside one segment is copied and
 // summed word by word in one loop (one read and one write of each byte; the 4 KiB of column sums
@@ -33,6 +34,18 @@ struct Sum64 {
   alignas(32) uint64_t columns[kRowWords] = {};
 
   void add_row(const uint8_t* row, int64_t r) {
+#if defined(__AVX2__)
+    __m256i v = _mm256_setzero_si256();
+    for (int64_t c = 0; c < kRowWords; c += 4) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 8 * c));
+      __m256i* col = reinterpret_cast<__m256i*>(columns + c);
+      _mm256_store_si256(col, _mm256_add_epi64(_mm256_load_si256(col), w));
+      v = _mm256_add_epi64(v, w);
+    }
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+    weighted_rows += (lanes[0] + lanes[1] + lanes[2] + lanes[3]) * static_cast<uint64_t>(2 * r + 1);
+#else
     uint64_t s = 0;
     for (int64_t c = 0; c < kRowWords; ++c) {
       uint64_t w;
@@ -41,6 +54,7 @@ struct Sum64 {
       s += w;
     }
     weighted_rows += s * static_cast<uint64_t>(2 * r + 1);
+#endif
   }
 
   // Copy a whole row and add it as row r. GCC would split the loop into a memmove and a sum (two
@@ -148,4 +162,13 @@ extern "C" uint64_t pkv_wire_copy(const int64_t* segments, int64_t count, uint8_
   _mm_sfence();
 #endif
   return sum.value(payload_len);
+}
+
+// The sum64 checksum of `nbytes` bytes at `data`, read in place.
+extern "C" uint64_t pkv_wire_sum(const uint8_t* data, int64_t nbytes) {
+  Sum64 sum;
+  int64_t lo = 0, r = 0;
+  for (; lo + kRowBytes <= nbytes; lo += kRowBytes, ++r) sum.add_row(data + lo, r);
+  if (lo < nbytes) sum.add_partial_row(data + lo, nbytes - lo, r);
+  return sum.value(nbytes);
 }
