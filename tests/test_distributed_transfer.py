@@ -557,22 +557,72 @@ def test_a_corrupted_direct_message_is_refused_and_the_channel_stays_usable(rank
     assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
 
 
+def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
+    """The receiver's own code raises at message 2 while a slow sender is still sending: before the
+    error goes up, every remaining message is taken, so none lands later in pages that are free
+    again; the sender hears why, and the channel stays usable."""
+    src, model, ids, _ = sender_state(5)
+    one_page = PS * PARAMS.bytes_per_token
+    with direct_counted():
+        if rank == 0:
+            post = transfer_module._post
+
+            def slow(*args):
+                time.sleep(0.02)
+                return post(*args)
+
+            transfer_module._post = slow
+            try:
+                with pytest.raises(TransferError) as info:
+                    send_sequences(src, ids, 1, chunk_bytes=one_page)
+            finally:
+                transfer_module._post = post
+            send_sequences(src, ids, 1, chunk_bytes=one_page)
+            return str(info.value)
+        dst, dst_model = receiver_state(5, [1, 2, 3, 4])
+        before, checksum, calls = snapshot(dst), wire.checksum, [0]
+
+        def failing(payload, kind):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("the receiver's own failure")
+            return checksum(payload, kind)
+
+        wire.checksum = failing
+        try:
+            with pytest.raises(RuntimeError, match="own failure"):
+                receive_sequences(dst, 0)
+        finally:
+            wire.checksum = checksum
+        pool = dst.collection.blocks.clone()
+        time.sleep(0.5)
+        assert torch.equal(dst.collection.blocks.view(torch.int16), pool.view(torch.int16))  # nothing came late
+        assert_same(before, snapshot(dst))
+        receive_sequences(dst, 0)
+    check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
+    return "ok"
+
+
+def test_a_receiver_failing_mid_direct_transfer_takes_every_message_before_raising(rank_groups):
+    sender, _ = rank_groups.get(2).run(_receiver_fails_mid_direct_transfer)
+    assert "did not take the sequences: the receiver's own failure" in sender
+
+
 def _killed_direct_sender(rank: int, world: int) -> str:
     """The sender dies after two direct messages: the receiver raises, naming the message it waited
     for, with its manager and free list as before."""
     with direct_counted():
         if rank == 0:
             src, _, _, _ = sender_state(3)
-            checksum, calls = wire.checksum, [0]
+            post = transfer_module._post
 
-            def dying(payload, kind):
-                calls[0] += 1
-                if calls[0] == 3:
+            def dying(op, tensor, peer, group, what, *args):
+                if what == "sending chunk 3":
                     time.sleep(0.5)  # messages 1 and 2 are out
                     os.kill(os.getpid(), signal.SIGKILL)
-                return checksum(payload, kind)
+                return post(op, tensor, peer, group, what, *args)
 
-            wire.checksum = dying
+            transfer_module._post = dying
             send_sequences(src, src.sequences, 1, chunk_bytes=PS * PARAMS.bytes_per_token)
             return "not killed"
         dst, model = receiver_state(3, [1, 2, 3, 4])

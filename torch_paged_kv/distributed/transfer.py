@@ -243,22 +243,28 @@ def _send_direct(
     group: Any,
     timeout: Any,
 ) -> None:
-    """Each run of pages `send[a : a + n]` straight from the pool (its checksum taken first, which also
-    brings it into cache for the socket), then the packed scales, then every message's checksum."""
-    pending: collections.deque = collections.deque()
-    sums = []
+    """Each run of pages `send[a : a + n]` straight from the pool, then the packed scales, then every
+    message's checksum. A message is summed once its send completed: its bytes are then in cache
+    (the socket just read them), and a page changed meanwhile shows up as a mismatch."""
     payloads = [pipe.message(send[a], n) for a, n in messages]
     if pipe.scales is not None:
         payloads.append(pipe.pack_scales(send))
+    pending: collections.deque[tuple[int, Any]] = collections.deque()
+    sums: list[int] = []
+
+    def finish() -> None:
+        k, work = pending.popleft()
+        _wait(work, timeout, f"sending chunk {k + 1}", dst)
+        sums.append(wire.checksum(payloads[k], kind))
+
     for k, payload in enumerate(payloads):
         if len(pending) == DIRECT_IN_FLIGHT:
-            _wait(pending.popleft(), timeout, f"sending chunk {k + 1 - DIRECT_IN_FLIGHT}", dst)
-        sums.append(wire.checksum(payload, kind))
-        pending.append(_post(dist.isend, payload, dst, group, f"sending chunk {k + 1}"))
+            finish()
+        pending.append((k, _post(dist.isend, payload, dst, group, f"sending chunk {k + 1}")))
+    while pending:
+        finish()
     checksums = torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(payloads[0].device)
-    pending.append(_post(dist.isend, checksums, dst, group, "sending the checksums"))
-    for work in pending:
-        _wait(work, timeout, "sending the last chunks", dst)
+    _exchange(dist.isend, checksums, dst, group, timeout, "sending the checksums")
 
 
 def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: wire.Preamble) -> str | None:
@@ -433,32 +439,42 @@ def _receive_direct(
 ) -> int:
     """Receive each run of `messages` straight into pool pages `pages[a : a + n]` (`DIRECT_IN_FLIGHT`
     posted ahead), summing each as it lands, then the scales and the sender's checksums; the scales
-    are written only if everything matched. Returns the pages written (all of them: a posted receive
-    may have written its pages, matched or not). Raises TransferError."""
+    are written only if everything matched. Returns the pages written: all of them, also in a
+    TransferError's `pages_written` (a posted receive may have written its pages). Raises
+    TransferError.
+
+    On any failure every remaining message is still taken (or fails at once on a closed pair, or
+    times out, which closes it) before the error goes up: no message may land later in pages that
+    are free again, and a live sender is not left waiting."""
     payloads = [pipe.message(pages[a], n) for a, n in messages]
     if pipe.scales is not None:
         payloads.append(pipe.scales_message(len(pages)))
+    expected = torch.empty(len(payloads), dtype=torch.int64, device=payloads[0].device)
     what = f"receiving chunk {{}} of {len(payloads)}"
     works: dict[int, Any] = {}
-    written = 0
+    posted, written, sums = 0, len(pages), []  # a failure counts every page as written
 
-    def post(k: int) -> None:
-        nonlocal written
-        if k < len(payloads):
-            if k < len(messages):
-                written = messages[k][0] + messages[k][1]
-            works[k] = _post(dist.irecv, payloads[k], src, group, what.format(k + 1), written)
+    def post_before(end: int) -> None:  # post the receives of messages posted .. end - 1
+        nonlocal posted
+        while posted < min(end, len(payloads)):
+            works[posted] = _post(dist.irecv, payloads[posted], src, group, what.format(posted + 1), written)
+            posted += 1
 
-    for k in range(DIRECT_IN_FLIGHT):
-        post(k)
-    sums = []
-    for k, payload in enumerate(payloads):
-        _wait(works.pop(k), timeout, what.format(k + 1), src, written)
-        post(k + DIRECT_IN_FLIGHT)
-        sums.append(wire.checksum(payload, preamble.checksum))
-    expected = torch.empty(len(payloads), dtype=torch.int64, device=payloads[0].device)
-    sums_work = _post(dist.irecv, expected, src, group, "receiving the checksums", written)
-    _wait(sums_work, timeout, "receiving the checksums", src, written)
+    try:
+        post_before(DIRECT_IN_FLIGHT)
+        for k, payload in enumerate(payloads):
+            _wait(works.pop(k), timeout, what.format(k + 1), src, written)
+            post_before(k + 1 + DIRECT_IN_FLIGHT)
+            sums.append(wire.checksum(payload, preamble.checksum))
+        checksums_work = _post(dist.irecv, expected, src, group, "receiving the checksums", written)
+        _wait(checksums_work, timeout, "receiving the checksums", src, written)
+    except BaseException:
+        for k in [*works, *range(posted, len(payloads) + 1)]:
+            with contextlib.suppress(Exception):
+                work = works.pop(k, None)
+                tensor = payloads[k] if k < len(payloads) else expected
+                (work or dist.irecv(tensor, src, group=group)).wait(timeout)
+        raise
     for k, (got, want) in enumerate(zip(sums, expected.cpu().numpy().view(np.uint64).tolist(), strict=True)):
         if got != want:
             name = wire.CHECKSUM_NAMES[preamble.checksum]
