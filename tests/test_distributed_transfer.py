@@ -13,6 +13,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -129,6 +130,17 @@ def test_random_ragged_transfers_are_bit_exact_both_ways(rank_groups):
 
 
 @contextlib.contextmanager
+def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Within: `owner.name` is `value` (in a rank's process: no pytest fixtures there)."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
 def direct_counted() -> Iterator[list[int]]:
     """Within: every transfer this rank receives goes direct (no minimum run size); yields a count of
     the direct messages this rank sent or received."""
@@ -138,12 +150,8 @@ def direct_counted() -> Iterator[list[int]]:
         count[0] += 1
         return message(self, first_page, n)
 
-    minimum, transfer_module.DIRECT_MIN_MESSAGE_BYTES = transfer_module.DIRECT_MIN_MESSAGE_BYTES, 0
-    pipes.DirectPipe.message = counting
-    try:
+    with patched(transfer_module, "DIRECT_MIN_MESSAGE_BYTES", 0), patched(pipes.DirectPipe, "message", counting):
         yield count
-    finally:
-        transfer_module.DIRECT_MIN_MESSAGE_BYTES, pipes.DirectPipe.message = minimum, message
 
 
 def _transfer_random_direct(rank: int, world: int, seeds: list[int]) -> list[dict]:
@@ -526,12 +534,8 @@ def _corrupted_direct(rank: int, world: int) -> str:
                 calls[0] += 1
                 return (checksum(payload, kind) + (calls[0] == 2)) % 2**64
 
-            wire.checksum = off_by_one
-            try:
-                with pytest.raises(TransferError) as info:
-                    send_sequences(src, ids, 1, chunk_bytes=one_page)
-            finally:
-                wire.checksum = checksum
+            with patched(wire, "checksum", off_by_one), pytest.raises(TransferError) as info:
+                send_sequences(src, ids, 1, chunk_bytes=one_page)
             send_sequences(src, ids, 1, chunk_bytes=one_page)
             return str(info.value)
         dst, dst_model = receiver_state(5, [1, 2, 3, 4])
@@ -571,12 +575,8 @@ def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
                 time.sleep(0.02)
                 return post(*args)
 
-            transfer_module._post = slow
-            try:
-                with pytest.raises(TransferError) as info:
-                    send_sequences(src, ids, 1, chunk_bytes=one_page)
-            finally:
-                transfer_module._post = post
+            with patched(transfer_module, "_post", slow), pytest.raises(TransferError) as info:
+                send_sequences(src, ids, 1, chunk_bytes=one_page)
             send_sequences(src, ids, 1, chunk_bytes=one_page)
             return str(info.value)
         dst, dst_model = receiver_state(5, [1, 2, 3, 4])
@@ -588,12 +588,8 @@ def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
                 raise RuntimeError("the receiver's own failure")
             return checksum(payload, kind)
 
-        wire.checksum = failing
-        try:
-            with pytest.raises(RuntimeError, match="own failure"):
-                receive_sequences(dst, 0)
-        finally:
-            wire.checksum = checksum
+        with patched(wire, "checksum", failing), pytest.raises(RuntimeError, match="own failure"):
+            receive_sequences(dst, 0)
         pool = dst.collection.blocks.clone()
         time.sleep(0.5)
         assert torch.equal(dst.collection.blocks.view(torch.int16), pool.view(torch.int16))  # nothing came late
@@ -622,8 +618,8 @@ def _killed_direct_sender(rank: int, world: int) -> str:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return post(op, tensor, peer, group, what, *args)
 
-            transfer_module._post = dying
-            send_sequences(src, src.sequences, 1, chunk_bytes=PS * PARAMS.bytes_per_token)
+            with patched(transfer_module, "_post", dying):
+                send_sequences(src, src.sequences, 1, chunk_bytes=PS * PARAMS.bytes_per_token)
             return "not killed"
         dst, model = receiver_state(3, [1, 2, 3, 4])
         free_pages, before = list(dst.page_pool.free), snapshot(dst)
