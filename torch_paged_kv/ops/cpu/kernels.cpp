@@ -1175,6 +1175,33 @@ inline void quantize(const float* x, int64_t n, float s, uint8_t* dst) {
   }
 }
 
+// The largest |x[d]| over d < n, NaNs left out; *nan says whether there was one (the reference's
+// amax: NaN makes the scale NaN, so the amax itself then does not matter).
+inline float abs_max(const float* x, int64_t n, bool* nan) {
+  float amax = 0.0f;
+  bool any_nan = false;
+  int64_t d = 0;
+#if defined(__AVX2__)
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (; d + 8 <= n; d += 8) {
+    const __m256 v = _mm256_loadu_ps(x + d);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(_mm256_and_ps(v, magnitude), vmax);  // a NaN lane keeps vmax (the 2nd operand)
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float lane : lanes) amax = std::max(amax, lane);
+  any_nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; d < n; ++d) {
+    any_nan |= std::isnan(x[d]);
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  *nan = any_nan;
+  return amax;
+}
+
 // New rows of K and V (fp32, bf16 or fp16, strides as run_store_kv) into an FP8 pool, quantized by
 // the reference's rule (quant.py), bit for bit: per granule of head_dim / groups elements, scale =
 // amax / the format's largest value in fp32 (NaN if an element is), codes = x / scale clamped to
@@ -1203,17 +1230,16 @@ void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, con
       const T* src = static_cast<const T*>(p ? value : key) + row * (p ? v_stride_row : k_stride_row);
       const int64_t head_stride = p ? v_stride_head : k_stride_head;
       for (int64_t h = 0; h < kv_heads; ++h) {
-        for (int64_t d = 0; d < head_dim; ++d) x[d] = load_scalar<SRC>(src + h * head_stride + d);
+        const T* head = src + h * head_stride;
+        int64_t d = 0;
+        for (; d + W <= head_dim; d += W) store_f32(x.data() + d, load<SRC>(head + d));
+        for (; d < head_dim; ++d) x[d] = load_scalar<SRC>(head + d);
         const int64_t at = (slot + h) * head_dim + p * plane;  // the row's first code
         for (int64_t g0 = 0; g0 < head_dim; g0 += gran) {
           float s;
           if (groups) {
-            float amax = 0.0f;
-            bool nan = false;
-            for (int64_t d = g0; d < g0 + gran; ++d) {
-              nan |= std::isnan(x[d]);
-              amax = std::max(amax, std::fabs(x[d]));
-            }
+            bool nan;
+            const float amax = abs_max(x.data() + g0, gran, &nan);
             s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / top;
             scales[at / head_dim * groups + g0 / gran] = s;
           } else {
