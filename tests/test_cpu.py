@@ -309,10 +309,11 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
 # -- FP8 caches ----------------------------------------------------------------------------------
 
 FP8_CASES = [  # dtype, scales per granularity (None: a static pair), head_dim, query dtype
-    (torch.float8_e4m3fn, 64, 64, torch.bfloat16),  # one scale per token and head
-    (torch.float8_e4m3fn, 16, 64, torch.float16),
+    (torch.float8_e4m3fn, 64, 64, torch.bfloat16),  # one scale per token and head: codes read in place
+    (torch.float8_e5m2, 32, 32, torch.float32),  # the same, e5m2
+    (torch.float8_e4m3fn, 16, 64, torch.float16),  # finer granules: dequantized blocks
     (torch.float8_e5m2, 8, 40, torch.float32),  # odd head_dim: partial vectors
-    (torch.float8_e5m2, None, 64, torch.bfloat16),
+    (torch.float8_e5m2, None, 64, torch.bfloat16),  # a static pair: codes read in place
 ]
 
 
@@ -416,13 +417,19 @@ def test_fp8_store_quantizes_exactly_as_the_reference(force_backend, fp8, granul
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("groups", [0, 1, 17, 34])  # static pair; per token; granules of 8 and of 4 (scalar)
+@pytest.mark.parametrize(
+    "head_dim, groups",
+    [
+        (136, 0), (136, 1), (136, 17), (136, 34),  # dequantized blocks: static pair, per token, granules of 8 and 4
+        (128, 0), (128, 1),  # codes read in place, scales on scores and probabilities
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("magnitude", [1.0, 1e-40, 2e36])  # scales near 1; subnormal; scale x 2^8 overflows
-def test_fp8_codes_dequantize_exactly(dtype, groups, magnitude):
+def test_fp8_codes_dequantize_exactly(dtype, head_dim, groups, magnitude):
     """Every FP8 code (subnormals, -0, e5m2's infinities, the NaN codes) as V of the only key a
     query sees: fp32 attention returns that V row, so it must equal code value x scale, exactly
     (also where the product is subnormal or overflows)."""
-    head_dim, batch = 136, 2  # 272 slots: every code, the vector path and (AVX-512) the scalar tail
+    batch = 2  # 256 or 272 slots: every code; 136: the vector path and (AVX-512) the scalar tail
     blocks = torch.full((3, 2, 1, 4, 1, head_dim), 0x38, dtype=torch.uint8)  # K: 1.0 (e4m3) / 0.5 (e5m2)
     codes = torch.arange(batch * head_dim, dtype=torch.int64).remainder(256).to(torch.uint8)
     blocks[1:, 1, 0, 0, 0] = codes.view(batch, head_dim)  # V of position 0 of pages 1 and 2

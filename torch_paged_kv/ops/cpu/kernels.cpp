@@ -52,24 +52,35 @@ typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef float v8 __attribute__((vector_size(32)));
 
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3 };
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3, FP8_E4M3FN = 4, FP8_E5M2 = 5 };
 // BF16_PAIRS: bf16 storage read 2W elements at a time as two vectors, the even elements then the
 // odd ones (a shift and a mask of one load, where the plain widening costs two per vector). The
 // query rows and output accumulators are kept in that order too (row_order / natural_order) and
 // put back in place at the end. Used when head_dim is a multiple of 2W.
+// FP8_*: FP8 codes read 2W at a time as their exact fp32 values (queries and output in fp32; the
+// scales, one per token and kv head or a static pair, applied to scores and probabilities). Used
+// when head_dim is a multiple of 2W; other FP8 pools run as F32 on dequantized blocks.
 
 template <int DT>
+constexpr bool is_fp8() {
+  return DT == FP8_E4M3FN || DT == FP8_E5M2;
+}
+
+// Whether rows are only read with load2 (head_dim a multiple of 2W: no odd vector, no tail).
+template <int DT>
+constexpr bool whole_pairs() {
+  return DT == BF16_PAIRS || is_fp8<DT>();
+}
+
+// The dtype of the queries and the output.
+template <int DT>
 constexpr int scalar_dtype() {
-  return DT == BF16_PAIRS ? BF16 : DT;
+  return DT == BF16_PAIRS ? BF16 : is_fp8<DT>() ? F32 : DT;
 }
 
 template <int DT>
 struct Storage {
-  using T = uint16_t;
-};
-template <>
-struct Storage<F32> {
-  using T = float;
+  using T = std::conditional_t<DT == F32, float, std::conditional_t<is_fp8<DT>(), uint8_t, uint16_t>>;
 };
 
 enum Fp8 : int { NOT_FP8 = 0, E4M3FN = 1, E5M2 = 2 };
@@ -236,6 +247,23 @@ inline vf load(const typename Storage<DT>::T* p) {
   }
 }
 
+// The exact fp32 values of the 2W FP8 codes at p (unscaled), as two vectors in order.
+template <int FORMAT>
+inline void fp8_load2(const uint8_t* p, vf& a, vf& b) {
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+  const __m256i h = fp8_to_f16_bits<FORMAT>(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  a = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  b = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  if constexpr (FORMAT == E4M3FN) {  // the codes' values / 2^8: times 2^8, exact
+    a *= 256.0f;
+    b *= 256.0f;
+  }
+#else
+  a = fp8_to_f32<FORMAT>(p);
+  b = fp8_to_f32<FORMAT>(p + W);
+#endif
+}
+
 // 2W consecutive elements at p as two vectors: in order, or for BF16_PAIRS the even then the odd ones.
 template <int DT>
 inline void load2(const typename Storage<DT>::T* p, vf& a, vf& b) {
@@ -244,6 +272,8 @@ inline void load2(const typename Storage<DT>::T* p, vf& a, vf& b) {
     std::memcpy(&x, p, sizeof x);  // W little-endian pairs: element 2i in the low half of lane i
     a = (vf)(x << 16);
     b = (vf)(x & 0xffff0000u);
+  } else if constexpr (is_fp8<DT>()) {
+    fp8_load2<DT == FP8_E4M3FN ? E4M3FN : E5M2>(p, a, b);
   } else {
     a = load<DT>(p);
     b = load<DT>(p + W);
@@ -421,7 +451,7 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
       }
     }
   }
-  if constexpr (DT != BF16_PAIRS) {  // BF16_PAIRS: head_dim is a multiple of 2W
+  if constexpr (!whole_pairs<DT>()) {
     if (j < nfull) {
       vf k[NT];
       for (int t = 0; t < NT; ++t) k[t] = load<DT>(rows[t] + j * W);
@@ -431,12 +461,14 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
       }
     }
   }
-  if (DT != BF16_PAIRS && tail) {
-    vf k[NT];
-    for (int t = 0; t < NT; ++t) k[t] = load_part<scalar_dtype<DT>()>(rows[t] + nfull * W, tail);
-    for (int r = 0; r < RT; ++r) {
-      vf qv = load_f32(q + r * Dp + nfull * W);
-      for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
+  if constexpr (!whole_pairs<DT>()) {
+    if (tail) {
+      vf k[NT];
+      for (int t = 0; t < NT; ++t) k[t] = load_part<scalar_dtype<DT>()>(rows[t] + nfull * W, tail);
+      for (int r = 0; r < RT; ++r) {
+        vf qv = load_f32(q + r * Dp + nfull * W);
+        for (int t = 0; t < NT; ++t) acc[r * NT + t] += qv * k[t];
+      }
     }
   }
   if constexpr (RT * NT == 8) {
@@ -558,18 +590,19 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
       }
       ahead.step();
     }
-    if constexpr (DT == BF16_PAIRS) continue;  // head_dim is a multiple of 2W
-    constexpr int SDT = scalar_dtype<DT>();
-    const int last = (j < nfull ? 1 : 0) + (tail ? 1 : 0);  // one full vector left, a partial one, or both
-    for (int step = 0; step < last; ++step, ++j) {
-      const bool partial = j == nfull;
-      vf acc[RT];
-      for (int r = 0; r < RT; ++r) acc[r] = load_f32(O + r * Dp + j * W);
-      for (int t = t0; t < t1; ++t) {
-        vf v = partial ? load_part<SDT>(vp[t - t0] + j * W, tail) : load<SDT>(vp[t - t0] + j * W);
-        for (int r = 0; r < RT; ++r) acc[r] += splat(P[r * ldS + t]) * v;
+    if constexpr (!whole_pairs<DT>()) {  // else head_dim is a multiple of 2W
+      constexpr int SDT = scalar_dtype<DT>();
+      const int last = (j < nfull ? 1 : 0) + (tail ? 1 : 0);  // one full vector left, a partial one, or both
+      for (int step = 0; step < last; ++step, ++j) {
+        const bool partial = j == nfull;
+        vf acc[RT];
+        for (int r = 0; r < RT; ++r) acc[r] = load_f32(O + r * Dp + j * W);
+        for (int t = t0; t < t1; ++t) {
+          vf v = partial ? load_part<SDT>(vp[t - t0] + j * W, tail) : load<SDT>(vp[t - t0] + j * W);
+          for (int r = 0; r < RT; ++r) acc[r] += splat(P[r * ldS + t]) * v;
+        }
+        for (int r = 0; r < RT; ++r) store_f32(O + r * Dp + j * W, acc[r]);
       }
-      for (int r = 0; r < RT; ++r) store_f32(O + r * Dp + j * W, acc[r]);
     }
   }
 }
@@ -605,7 +638,7 @@ struct AttnArgs {
   float softcap;
   void* out;
   int64_t out_stride_row, out_stride_head;
-  int fp8;               // an FP8 pool (Fp8; then the kernels run as F32 on dequantized blocks)
+  int fp8;               // an FP8 pool (Fp8): read as FP8_* codes, or as F32 on dequantized blocks
   const float* scales;   // its scales: [pages, 2, layers, page_size, kv_heads, groups], or a static K/V pair
   int64_t scale_groups;  // scales per token and kv head (0: the static pair)
 };
@@ -632,7 +665,8 @@ struct Scratch {
   std::vector<float> q, o, s, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<const void*> kp, vp;
-  std::vector<float> deq;  // FP8 pools: K and V of the current and the next key block, dequantized
+  std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
+  std::vector<float> deq;  // FP8 pools run as F32: K and V of the current and the next key block, dequantized
   void reserve(int64_t rows, int64_t Dp) {
     if (static_cast<int64_t>(m.size()) < rows) {
       m.resize(rows);
@@ -648,6 +682,8 @@ struct Scratch {
     if (kp.size() < static_cast<size_t>(2 * KEY_BLOCK)) {  // two blocks: the current one and the next
       kp.resize(2 * KEY_BLOCK);
       vp.resize(2 * KEY_BLOCK);
+      ks.resize(2 * KEY_BLOCK);
+      vs.resize(2 * KEY_BLOCK);
     }
   }
 };
@@ -685,6 +721,8 @@ struct RowMap {
 template <int DT>
 void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t part_stride) {
   using T = typename Storage<DT>::T;
+  using QT = typename Storage<scalar_dtype<DT>()>::T;
+  const bool staged = DT == F32 && a.fp8;  // an FP8 pool read through dequantized blocks
   const Geometry& g = a.geo;
   const int64_t D = g.head_dim, Dp = round_up(D, W), group = a.q_heads / g.kv_heads;
   const int nfull = static_cast<int>(D / W), tail = static_cast<int>(D % W);
@@ -693,12 +731,12 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   Scratch& sc = tls_scratch;
   sc.reserve(rows, Dp);
   float *Q = sc.q.data(), *O = sc.o.data(), *S = sc.s.data(), *M = sc.m.data(), *L = sc.l.data();
-  const T* qbase = static_cast<const T*>(a.q);
+  const QT* qbase = static_cast<const QT*>(a.q);
   const int64_t row0 = a.offsets[it.b] + it.q0;
   int64_t klo = it.k1, khi = it.k0;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = map.token(r);
-    const T* src = qbase + (row0 + i) * a.q_stride_row + map.q_head(it, r) * a.q_stride_head;
+    const QT* src = qbase + (row0 + i) * a.q_stride_row + map.q_head(it, r) * a.q_stride_head;
     float* dst = Q + r * Dp;
     for (int64_t d = 0; d < D; ++d) dst[row_slot<DT>(d)] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
     std::fill(dst + D, dst + Dp, 0.0f);
@@ -719,13 +757,24 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const int64_t span_bytes = heads * D * static_cast<int64_t>(sizeof(T));  // of one token, heads h0..h1
   const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
   const int64_t span = heads * D;  // elements of one key's rows of heads h0..h1
-  if (a.fp8 && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
+  if (staged && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
+  const int64_t scale_heads = a.scale_groups;  // FP8_*: between the scales of adjacent kv heads (0: static)
   // Row pointers (at kv head h0) of key positions [k0, k0 + n) into key block buffer `buf`, a page
-  // at a time; for an FP8 pool, pointers to the rows dequantized into sc.deq.
+  // at a time (FP8_*: and their scales); for a staged FP8 pool, pointers to the rows dequantized
+  // into sc.deq.
   auto fill = [&](int64_t k0, int n, int buf) {
     const void** kp = sc.kp.data() + buf * KEY_BLOCK;
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
-    if (a.fp8) {
+    if constexpr (is_fp8<DT>()) {
+      const float** ks = sc.ks.data() + buf * KEY_BLOCK;
+      const float** vs = sc.vs.data() + buf * KEY_BLOCK;
+      for (int t = 0; t < n; ++t) {
+        const int64_t off = g.offset(it.b, k0 + t, it.h0);
+        ks[t] = scale_heads ? a.scales + off / D : a.scales;
+        vs[t] = scale_heads ? a.scales + (off + vshift) / D : a.scales + 1;
+      }
+    }
+    if (staged) {
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
       const int64_t G = a.scale_groups, gran = G ? D / G : span;
       for (int t = 0; t < n; ++t) {
@@ -785,12 +834,12 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int64_t tile_steps = static_cast<int64_t>(tiles.size()) * ((n + CHUNK - 1) / CHUNK);
     const int keys_per_tile = static_cast<int>(8 / std::min<int64_t>(ROW_TILE, per_head));  // qk_rows' NT
     Ahead v_now, k_next;
-    if (!a.fp8) v_now.start(vp, n, span_bytes, tile_steps * ((CHUNK + keys_per_tile - 1) / keys_per_tile));
+    if (!staged) v_now.start(vp, n, span_bytes, tile_steps * ((CHUNK + keys_per_tile - 1) / keys_per_tile));
     if (k0 + kb < khi) {
       const int n_next = static_cast<int>(std::min<int64_t>(kb, khi - k0 - kb));
       fill(k0 + kb, n_next, (block + 1) & 1);
       const void* const* next_kp = sc.kp.data() + ((block + 1) & 1) * KEY_BLOCK;
-      if (!a.fp8) k_next.start(next_kp, n_next, span_bytes, tile_steps * (nfull / 2));  // FP8: in cache
+      if (!staged) k_next.start(next_kp, n_next, span_bytes, tile_steps * (nfull / 2));  // staged: in cache
     }
     // Scores, CHUNK keys at a time through every row tile.
     for (int c0 = 0; c0 < n; c0 += CHUNK) {
@@ -815,6 +864,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         std::fill(s, s + nv, 0.0f);
         continue;
       }
+      const int64_t head_scale = r / per_head * scale_heads;  // FP8_*: this row's kv head among the scales
+      if constexpr (is_fp8<DT>()) {  // the scores: dot products with the codes' values, times K's scales
+        const float* const* ks = sc.ks.data() + (block & 1) * KEY_BLOCK;
+        for (int64_t t = a0; t < a1; ++t) s[t] *= ks[t][head_scale];
+      }
       if (a.softcap > 0.0f) {
         for (int t = 0; t < nv; t += W) store_f32(s + t, vsoftcap(load_f32(s + t), a.softcap));
       }
@@ -835,6 +889,10 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
       L[r] = L[r] * alpha + hsum(sum);
       M[r] = m_new;
+      if constexpr (is_fp8<DT>()) {  // P V reads the codes' values: the probabilities take V's scales
+        const float* const* vs = sc.vs.data() + (block & 1) * KEY_BLOCK;
+        for (int64_t t = a0; t < a1; ++t) s[t] *= vs[t][head_scale];
+      }
       if (alpha != 1.0f) {
         float* o = O + r * Dp;
         for (int64_t d = 0; d < Dp; d += W) store_f32(o + d, load_f32(o + d) * alpha);
@@ -872,16 +930,16 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     }
     return;
   }
-  T* obase = static_cast<T*>(a.out);
+  QT* obase = static_cast<QT*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
+    QT* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
     store_out<scalar_dtype<DT>()>(dst, O + r * Dp, static_cast<int>(D), L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
   }
 }
 
 template <int DT>
 void merge_task(const AttnArgs& a, const Task& task, const float* partials, int64_t part_stride) {
-  using T = typename Storage<DT>::T;
+  using T = typename Storage<scalar_dtype<DT>()>::T;  // of the output
   const int64_t D = a.geo.head_dim, group = a.q_heads / a.geo.kv_heads;
   const int64_t per_head = static_cast<int64_t>(task.nq) * group, rows = (task.h1 - task.h0) * per_head;
   const RowMap map{group, per_head};
@@ -1046,8 +1104,17 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   a.scales = scales;
   a.scale_groups = scale_groups;
   const Tuning tune{min_split, want_items, min_work};
+  const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && scale_groups <= 1;
   switch (dtype) {
-    case F32: flash_attention<F32>(a, tune, nthreads); break;
+    case F32:
+      if (fp8_codes && fp8 == E4M3FN) {
+        flash_attention<FP8_E4M3FN>(a, tune, nthreads);
+      } else if (fp8_codes) {
+        flash_attention<FP8_E5M2>(a, tune, nthreads);
+      } else {
+        flash_attention<F32>(a, tune, nthreads);
+      }
+      break;
     case BF16:
       if (head_dim % (2 * W) == 0) {
         flash_attention<BF16_PAIRS>(a, tune, nthreads);
