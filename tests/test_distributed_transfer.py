@@ -399,6 +399,19 @@ def corrupted_chunk(chunk: int, byte: int, bit: int) -> Iterator[None]:
         pipes.PackedPipe.gather = gather
 
 
+@contextlib.contextmanager
+def wrong_checksum(message: int) -> Iterator[None]:
+    """Within: the checksum the sender gives its `message`-th direct message (1-based) is off by one."""
+    checksum, calls = wire.checksum, [0]
+
+    def off_by_one(payload, kind):
+        calls[0] += 1
+        return (checksum(payload, kind) + (calls[0] == message)) % 2**64
+
+    with patched(wire, "checksum", off_by_one):
+        yield
+
+
 def _corrupted(rank: int, world: int) -> str:
     """A byte flipped in chunk 2 after its checksum: the receiver drains the rest, says why, and is
     unchanged; the sender hears the reason; the next transfer on the same channel works."""
@@ -427,37 +440,41 @@ def test_a_corrupted_chunk_is_refused_and_the_channel_stays_usable(rank_groups):
     assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
 
 
-def _corrupted_into_cached_pages(rank: int, world: int) -> int:
+def _corrupted_into_cached_pages(rank: int, world: int, direct: bool) -> int:
     """The receiver fills its 4 free pages, then 2 cached pages it evicts; chunk 6 (one page each) is
     corrupted. Written cached pages lose their cache entries; every page the cache keeps is intact."""
-    one_page, prompt = PS * PARAMS.bytes_per_token, list(range(100, 132))
-    if rank == 0:
-        src, model = make(), {"s": []}
-        src.claim("s")
-        run_step(src, ["s"], [list(range(24))], model)
-        with corrupted_chunk(6, byte=5, bit=0x01), pytest.raises(TransferError, match="mismatch in chunk 6"):
-            send_sequences(src, ["s"], 1, chunk_bytes=one_page)
-        return 0
-    dst, model = make(num_pages=12), {"c": []}
-    dst.claim("c", prompt)
-    run_step(dst, ["c"], [prompt], model)
-    dst.release("c")
-    pool, blocks = dst.page_pool, dst.collection.blocks
-    assert (len(pool.free), len(pool.evictable)) == (4, 8)
-    cached = {page: blocks[page].clone() for page in pool.key_of}
-    with pytest.raises(TransferError, match="mismatch in chunk 6") as info:
-        receive_sequences(dst, 0)
-    written = info.value.pages_written
-    assert written == (6 if wire.has_copy_sum64() else 5)  # the fused path wrote chunk 6 while checking it
-    assert len(cached) - len(pool.key_of) == written - 4 and not dst.sequences
-    assert all(torch.equal(blocks[page], cached[page]) for page in pool.key_of)
-    model = {"again": prompt[: dst.claim("again", prompt)]}
-    check_contents(dst, model, ["again"])  # what the cache still serves is right
-    return written
+    with direct_counted() if direct else contextlib.nullcontext():
+        one_page, prompt = PS * PARAMS.bytes_per_token, list(range(100, 132))
+        if rank == 0:
+            src, model = make(), {"s": []}
+            src.claim("s")
+            run_step(src, ["s"], [list(range(24))], model)
+            corrupt = wrong_checksum(6) if direct else corrupted_chunk(6, byte=5, bit=0x01)
+            with corrupt, pytest.raises(TransferError, match="mismatch in chunk 6"):
+                send_sequences(src, ["s"], 1, chunk_bytes=one_page)
+            return 0
+        dst, model = make(num_pages=12), {"c": []}
+        dst.claim("c", prompt)
+        run_step(dst, ["c"], [prompt], model)
+        dst.release("c")
+        pool, blocks = dst.page_pool, dst.collection.blocks
+        assert (len(pool.free), len(pool.evictable)) == (4, 8)
+        cached = {page: blocks[page].clone() for page in pool.key_of}
+        with pytest.raises(TransferError, match="mismatch in chunk 6") as info:
+            receive_sequences(dst, 0)
+        written = info.value.pages_written
+        # the fused and the direct paths wrote chunk 6 too (while checking it; before its checksum came)
+        assert written == (6 if direct or wire.has_copy_sum64() else 5)
+        assert len(cached) - len(pool.key_of) == written - 4 and not dst.sequences
+        assert all(torch.equal(blocks[page], cached[page]) for page in pool.key_of)
+        model = {"again": prompt[: dst.claim("again", prompt)]}
+        check_contents(dst, model, ["again"])  # what the cache still serves is right
+        return written
 
 
-def test_a_corrupted_chunk_in_evicted_cached_pages_drops_their_cache_entries(rank_groups):
-    rank_groups.get(2).run(_corrupted_into_cached_pages)
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_corrupted_chunk_in_evicted_cached_pages_drops_their_cache_entries(rank_groups, direct):
+    rank_groups.get(2).run(_corrupted_into_cached_pages, direct)
 
 
 WIDE = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=3, head_dim=40, page_size=16)
@@ -528,13 +545,7 @@ def _corrupted_direct(rank: int, world: int) -> str:
     one_page = PS * PARAMS.bytes_per_token
     with direct_counted():
         if rank == 0:
-            checksum, calls = wire.checksum, [0]
-
-            def off_by_one(payload, kind):
-                calls[0] += 1
-                return (checksum(payload, kind) + (calls[0] == 2)) % 2**64
-
-            with patched(wire, "checksum", off_by_one), pytest.raises(TransferError) as info:
+            with wrong_checksum(2), pytest.raises(TransferError) as info:
                 send_sequences(src, ids, 1, chunk_bytes=one_page)
             send_sequences(src, ids, 1, chunk_bytes=one_page)
             return str(info.value)
