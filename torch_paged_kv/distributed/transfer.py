@@ -244,8 +244,8 @@ def _send_direct(
     timeout: Any,
 ) -> None:
     """Each run of pages `send[a : a + n]` straight from the pool, then the packed scales, then every
-    message's checksum. A message is summed once its send completed: its bytes are then in cache
-    (the socket just read them), and a page changed meanwhile shows up as a mismatch."""
+    message's checksum. A message is summed once its send completed, while the next ones go out (a
+    page changed meanwhile shows up as a mismatch)."""
     payloads = [pipe.message(send[a], n) for a, n in messages]
     if pipe.scales is not None:
         payloads.append(pipe.pack_scales(send))
