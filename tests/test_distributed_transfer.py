@@ -555,13 +555,13 @@ def _corrupted_direct(rank: int, world: int) -> str:
             receive_sequences(dst, 0)
         assert_same(before, snapshot(dst))
         assert list(dst.page_pool.free) == free_pages
-        assert info.value.pages_written == stats_pages(src, ids)  # every posted receive may have written
+        assert info.value.pages_written == used_pages(src, ids)  # every posted receive may have written
         receive_sequences(dst, 0)
     check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
     return str(info.value)
 
 
-def stats_pages(manager: pk.KVCacheManager, ids: list) -> int:
+def used_pages(manager: pk.KVCacheManager, ids: list) -> int:
     """Distinct pages the sequences `ids` use (what a transfer with nothing cached sends)."""
     return len({p for i in ids for p in manager.pages(i)[: -(-manager.cache_length(i) // PS)]})
 

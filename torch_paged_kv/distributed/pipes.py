@@ -25,8 +25,8 @@ _buffers = threading.local()
 
 
 def _wire_buffers(device: torch.device, pin: bool, size: int) -> list[torch.Tensor]:
-    """Two wire buffers of at least `size` bytes, kept for the next transfer of this thread (a fresh
-    large allocation page-faults on first touch: 3-10x slower copies on the CPU)."""
+    """`PIPELINE_DEPTH` wire buffers of at least `size` bytes, kept for the next transfer of this thread
+    (a fresh large allocation page-faults on first touch: 3-10x slower copies on the CPU)."""
     cache = _buffers.__dict__.setdefault("by_device", {})
     held = cache.get((device, pin))
     if held is None or held[0].numel() < size:
@@ -36,7 +36,7 @@ def _wire_buffers(device: torch.device, pin: bool, size: int) -> list[torch.Tens
 
 
 def free_buffers() -> None:
-    """Drop this thread's cached wire buffers (two chunks per device; they are kept between transfers)."""
+    """Drop this thread's cached wire buffers (kept between transfers, per device)."""
     _buffers.__dict__.pop("by_device", None)
 
 

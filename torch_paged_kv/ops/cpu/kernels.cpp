@@ -765,15 +765,6 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   auto fill = [&](int64_t k0, int n, int buf) {
     const void** kp = sc.kp.data() + buf * KEY_BLOCK;
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
-    if constexpr (is_fp8<DT>()) {
-      const float** ks = sc.ks.data() + buf * KEY_BLOCK;
-      const float** vs = sc.vs.data() + buf * KEY_BLOCK;
-      for (int t = 0; t < n; ++t) {
-        const int64_t off = g.offset(it.b, k0 + t, it.h0);
-        ks[t] = scale_heads ? a.scales + off / D : a.scales;
-        vs[t] = scale_heads ? a.scales + (off + vshift) / D : a.scales + 1;
-      }
-    }
     if (staged) {
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
       const int64_t G = a.scale_groups, gran = G ? D / G : span;
@@ -806,6 +797,14 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       for (int u = 0; u < run; ++u, ++t) {
         kp[t] = row + u * token_stride;
         vp[t] = row + u * token_stride + vshift;
+      }
+    }
+    if constexpr (is_fp8<DT>()) {  // a row's scales sit at its element offset / head_dim (or the static pair)
+      const float** ks = sc.ks.data() + buf * KEY_BLOCK;
+      const float** vs = sc.vs.data() + buf * KEY_BLOCK;
+      for (int t = 0; t < n; ++t) {
+        ks[t] = scale_heads ? a.scales + (static_cast<const T*>(kp[t]) - blocks) / D : a.scales;
+        vs[t] = scale_heads ? a.scales + (static_cast<const T*>(vp[t]) - blocks) / D : a.scales + 1;
       }
     }
   };
