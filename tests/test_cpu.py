@@ -311,7 +311,9 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
 FP8_CASES = [  # dtype, scales per granularity (None: a static pair), head_dim, query dtype
     (torch.float8_e4m3fn, 64, 64, torch.bfloat16),  # one scale per token and head: codes read in place
     (torch.float8_e5m2, 32, 32, torch.float32),  # the same, e5m2
-    (torch.float8_e4m3fn, 16, 64, torch.float16),  # finer granules: dequantized blocks
+    (torch.float8_e4m3fn, 16, 64, torch.float16),  # granules of 16: in place (AVX2), else dequantized blocks
+    (torch.float8_e5m2, 32, 128, torch.bfloat16),  # granules of 32: codes read in place
+    (torch.float8_e4m3fn, 8, 64, torch.float32),  # granules of 8: dequantized blocks
     (torch.float8_e5m2, 8, 40, torch.float32),  # odd head_dim: partial vectors
     (torch.float8_e5m2, None, 64, torch.bfloat16),  # a static pair: codes read in place
 ]
@@ -421,7 +423,7 @@ def test_fp8_store_quantizes_exactly_as_the_reference(force_backend, fp8, granul
     "head_dim, groups",
     [
         (136, 0), (136, 1), (136, 17), (136, 34),  # dequantized blocks: static pair, per token, granules of 8 and 4
-        (128, 0), (128, 1),  # codes read in place, scales on scores and probabilities
+        (128, 0), (128, 1), (128, 4), (128, 8),  # codes read in place: static, per token, granules of 32 and 16
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("magnitude", [1.0, 1e-40, 2e36])  # scales near 1; subnormal; scale x 2^8 overflows

@@ -57,9 +57,9 @@ enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3, FP8_E4M3FN = 4, F
 // odd ones (a shift and a mask of one load, where the plain widening costs two per vector). The
 // query rows and output accumulators are kept in that order too (row_order / natural_order) and
 // put back in place at the end. Used when head_dim is a multiple of 2W.
-// FP8_*: FP8 codes read 2W at a time as their exact fp32 values (queries and output in fp32; the
-// scales, one per token and kv head or a static pair, applied to scores and probabilities). Used
-// when head_dim is a multiple of 2W; other FP8 pools run as F32 on dequantized blocks.
+// FP8_*: FP8 codes read 2W at a time as their exact fp32 values, each times its granule's scale as
+// it is read (the reference's dequantized values, in registers; queries and output in fp32). Used
+// when head_dim and the granule are multiples of 2W; other FP8 pools run as F32 on dequantized blocks.
 
 template <int DT>
 constexpr bool is_fp8() {
@@ -84,6 +84,11 @@ struct Storage {
 };
 
 enum Fp8 : int { NOT_FP8 = 0, E4M3FN = 1, E5M2 = 2 };
+
+template <int DT>
+constexpr int fp8_format() {
+  return DT == FP8_E4M3FN ? E4M3FN : E5M2;
+}
 
 // The exact fp32 value of every FP8 code of one format (NaN codes give NaN, e5m2's inf codes inf).
 struct Fp8Values {
@@ -273,7 +278,7 @@ inline void load2(const typename Storage<DT>::T* p, vf& a, vf& b) {
     a = (vf)(x << 16);
     b = (vf)(x & 0xffff0000u);
   } else if constexpr (is_fp8<DT>()) {
-    fp8_load2<DT == FP8_E4M3FN ? E4M3FN : E5M2>(p, a, b);
+    fp8_load2<fp8_format<DT>()>(p, a, b);
   } else {
     a = load<DT>(p);
     b = load<DT>(p + W);
@@ -430,19 +435,45 @@ inline int64_t row_slot(int64_t d) {
   }
 }
 
-// S[r * ldS + t] = q_r . k_t for RT rows of `q` (fp32, row stride Dp, zero padded) and NT keys.
+// FP8_*: the scales of a list of keys (each from kv head h0's first granule) and the elements per
+// granule (a multiple of 2W dividing head_dim; a static pair: one granule spanning the item's heads).
+// Unused by the other kinds.
+struct Granules {
+  const float* const* scales = nullptr;
+  int64_t size = 0;
+};
+
+// S[r * ldS + t] = q_r . k_t for RT rows of `q` (fp32, row stride Dp, zero padded) and NT keys (for
+// FP8_*: keys of the codes' values times their granules' scales, `gr` from the first key).
 template <int DT, int RT, int NT>
 inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* const* kp, int64_t ofs, int nfull,
-                    int tail, float* S, int64_t ldS) {
+                    int tail, float* S, int64_t ldS, Granules gr) {
   using T = typename Storage<DT>::T;
   const T* rows[NT];
   for (int t = 0; t < NT; ++t) rows[t] = kp[t] + ofs;
+  const float* scale[NT];  // FP8_*: each key's scale of the granule at column j
+  const int64_t pairs = is_fp8<DT>() ? gr.size / (2 * W) : 0;  // load2 calls per granule
+  int64_t left = pairs;
+  if constexpr (is_fp8<DT>()) {
+    for (int t = 0; t < NT; ++t) scale[t] = gr.scales[t] + ofs / gr.size;
+  }
   vf acc[RT * NT];
   for (int i = 0; i < RT * NT; ++i) acc[i] = vf{};
   int j = 0;
   for (; j + 2 <= nfull; j += 2) {
     vf k0[NT], k1[NT];
     for (int t = 0; t < NT; ++t) load2<DT>(rows[t] + j * W, k0[t], k1[t]);
+    if constexpr (is_fp8<DT>()) {
+      for (int t = 0; t < NT; ++t) {
+        const vf s = splat(*scale[t]);
+        k0[t] *= s;
+        k1[t] *= s;
+      }
+      if (--left == 0) {
+        left = pairs;
+        for (int t = 0; t < NT; ++t) ++scale[t];
+      }
+    }
     for (int r = 0; r < RT; ++r) {
       vf q0 = load_f32(q + r * Dp + j * W), q1 = load_f32(q + r * Dp + (j + 1) * W);
       for (int t = 0; t < NT; ++t) {
@@ -535,7 +566,7 @@ inline void prefetch_rows_l1(const T* const* rows, int count, int64_t ofs) {
 
 template <int DT, int RT>
 inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t ofs, int n, int nfull, int tail,
-                    float* S, int64_t ldS, Ahead& ahead) {
+                    float* S, int64_t ldS, Granules gr, Ahead& ahead) {
   using T = typename Storage<DT>::T;
   const T* const* rows = reinterpret_cast<const T* const*>(kp);
   constexpr int NT = 8 / RT > 0 ? 8 / RT : 1;
@@ -543,17 +574,18 @@ inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t o
   if constexpr (NT > 1) {
     for (; t + NT <= n; t += NT) {
       if (t + 2 * NT <= n) prefetch_rows_l1(rows + t + NT, NT, ofs);
-      qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+      qk_tile<DT, RT, NT>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS, {gr.scales + t, gr.size});
       ahead.step();
     }
   }
   for (; t < n; ++t) {
-    qk_tile<DT, RT, 1>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS);
+    qk_tile<DT, RT, 1>(q, Dp, rows + t, ofs, nfull, tail, S + t, ldS, {gr.scales + t, gr.size});
     ahead.step();
   }
 }
 
-// O[r] += sum_t P[r * ldS + t] * v_t for RT rows of O (fp32, row stride Dp) over n keys, a few
+// O[r] += sum_t P[r * ldS + t] * v_t for RT rows of O (fp32, row stride Dp) over n keys (for
+// FP8_*: v_t's codes' values times their granules' scales, `gr` from the first key), a few
 // keys at a time: the rows of a block sit kv_heads * head_dim elements apart (a power of two,
 // often), so walking one column slice through all of them would evict each from L1 before the
 // next slice; a group of PV_GROUP rows stays in L1 while its slices are consumed.
@@ -562,7 +594,7 @@ constexpr int CHUNK = 16;  // keys per pass through every row tile of an item (s
 
 template <int DT, int RT>
 inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64_t ofs, int n, int nfull, int tail,
-                    float* O, int64_t Dp, Ahead& ahead) {
+                    float* O, int64_t Dp, Granules gr, Ahead& ahead) {
   using T = typename Storage<DT>::T;
   const T* vp[PV_GROUP];
   for (int t0 = 0; t0 < n; t0 += PV_GROUP) {
@@ -575,9 +607,15 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
         acc[r][0] = load_f32(O + r * Dp + j * W);
         acc[r][1] = load_f32(O + r * Dp + (j + 1) * W);
       }
+      const int64_t at = is_fp8<DT>() ? (ofs + j * W) / gr.size : 0;  // FP8_*: the granule of columns j, j + 1
       for (int t = t0; t < t1; ++t) {
         vf v0, v1;
         load2<DT>(vp[t - t0] + j * W, v0, v1);
+        if constexpr (is_fp8<DT>()) {
+          const vf s = splat(gr.scales[t][at]);
+          v0 *= s;
+          v1 *= s;
+        }
         for (int r = 0; r < RT; ++r) {
           vf p = splat(P[r * ldS + t]);
           acc[r][0] += p * v0;
@@ -758,7 +796,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
   const int64_t span = heads * D;  // elements of one key's rows of heads h0..h1
   if (staged && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
-  const int64_t scale_heads = a.scale_groups;  // FP8_*: between the scales of adjacent kv heads (0: static)
+  const int64_t scale_heads = a.scale_groups;  // FP8_*: scales per token and kv head (0: the static pair)
+  const int64_t granule = scale_heads ? D / scale_heads : span;  // FP8_*: elements per scale
   // Row pointers (at kv head h0) of key positions [k0, k0 + n) into key block buffer `buf`, a page
   // at a time (FP8_*: and their scales); for a staged FP8 pool, pointers to the rows dequantized
   // into sc.deq.
@@ -767,7 +806,6 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
     if (staged) {
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
-      const int64_t G = a.scale_groups, gran = G ? D / G : span;
       for (int t = 0; t < n; ++t) {
         const int64_t off = g.offset(it.b, k0 + t, it.h0);
         float* kd = sc.deq.data() + ((2 * buf) * KEY_BLOCK + t) * span;
@@ -775,13 +813,13 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         for (int plane = 0; plane < 2; ++plane) {
           const uint8_t* src = codes + off + plane * vshift;
           float* dst = plane ? vd : kd;
-          const float* scale = G ? a.scales + (off + plane * vshift) / D * G : a.scales + plane;
-          for (int64_t j = 0; j < span; j += gran) {
-            const float s = G ? scale[j / gran] : *scale;
+          const float* scale = scale_heads ? a.scales + (off + plane * vshift) / granule : a.scales + plane;
+          for (int64_t j = 0; j < span; j += granule) {
+            const float s = scale_heads ? scale[j / granule] : *scale;
             if (a.fp8 == E4M3FN) {
-              dequantize<E4M3FN>(src + j, gran, s, dst + j);
+              dequantize<E4M3FN>(src + j, granule, s, dst + j);
             } else {
-              dequantize<E5M2>(src + j, gran, s, dst + j);
+              dequantize<E5M2>(src + j, granule, s, dst + j);
             }
           }
         }
@@ -799,12 +837,12 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         vp[t] = row + u * token_stride + vshift;
       }
     }
-    if constexpr (is_fp8<DT>()) {  // a row's scales sit at its element offset / head_dim (or the static pair)
+    if constexpr (is_fp8<DT>()) {  // a row's scales sit at its element offset / granule (or the static pair)
       const float** ks = sc.ks.data() + buf * KEY_BLOCK;
       const float** vs = sc.vs.data() + buf * KEY_BLOCK;
       for (int t = 0; t < n; ++t) {
-        ks[t] = scale_heads ? a.scales + (static_cast<const T*>(kp[t]) - blocks) / D : a.scales;
-        vs[t] = scale_heads ? a.scales + (static_cast<const T*>(vp[t]) - blocks) / D : a.scales + 1;
+        ks[t] = scale_heads ? a.scales + (static_cast<const T*>(kp[t]) - blocks) / granule : a.scales;
+        vs[t] = scale_heads ? a.scales + (static_cast<const T*>(vp[t]) - blocks) / granule : a.scales + 1;
       }
     }
   };
@@ -819,6 +857,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int n = static_cast<int>(std::min<int64_t>(kb, khi - k0));
     const void** kp = sc.kp.data() + (block & 1) * KEY_BLOCK;  // filled by the previous block
     const void** vp = sc.vp.data() + (block & 1) * KEY_BLOCK;
+    const float* const* ks = sc.ks.data() + (block & 1) * KEY_BLOCK;  // FP8_*: their scales
+    const float* const* vs = sc.vs.data() + (block & 1) * KEY_BLOCK;
     // The row tiles with a key of this block to see (per kv head, ROW_TILE rows at a time).
     std::vector<Tile>& tiles = sc.tiles;
     tiles.clear();
@@ -844,14 +884,15 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     for (int c0 = 0; c0 < n; c0 += CHUNK) {
       const int nt = std::min(n - c0, CHUNK);
       const void* const* kc = kp + c0;
+      const Granules kg{ks + c0, granule};
       for (const Tile& tile : tiles) {
         const float* q = Q + tile.r0 * Dp;
         float* sp = S + tile.r0 * KEY_BLOCK + c0;
         switch (tile.rt) {
-          case 4: qk_rows<DT, 4>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
-          case 3: qk_rows<DT, 3>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
-          case 2: qk_rows<DT, 2>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
-          default: qk_rows<DT, 1>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, v_now); break;
+          case 4: qk_rows<DT, 4>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, kg, v_now); break;
+          case 3: qk_rows<DT, 3>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, kg, v_now); break;
+          case 2: qk_rows<DT, 2>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, kg, v_now); break;
+          default: qk_rows<DT, 1>(q, Dp, kc, tile.ofs, nt, nfull, tail, sp, KEY_BLOCK, kg, v_now); break;
         }
       }
     }
@@ -862,11 +903,6 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       if (a0 >= a1) {
         std::fill(s, s + nv, 0.0f);
         continue;
-      }
-      const int64_t head_scale = r / per_head * scale_heads;  // FP8_*: this row's kv head among the scales
-      if constexpr (is_fp8<DT>()) {  // the scores: dot products with the codes' values, times K's scales
-        const float* const* ks = sc.ks.data() + (block & 1) * KEY_BLOCK;
-        for (int64_t t = a0; t < a1; ++t) s[t] *= ks[t][head_scale];
       }
       if (a.softcap > 0.0f) {
         for (int t = 0; t < nv; t += W) store_f32(s + t, vsoftcap(load_f32(s + t), a.softcap));
@@ -888,10 +924,6 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
       L[r] = L[r] * alpha + hsum(sum);
       M[r] = m_new;
-      if constexpr (is_fp8<DT>()) {  // P V reads the codes' values: the probabilities take V's scales
-        const float* const* vs = sc.vs.data() + (block & 1) * KEY_BLOCK;
-        for (int64_t t = a0; t < a1; ++t) s[t] *= vs[t][head_scale];
-      }
       if (alpha != 1.0f) {
         float* o = O + r * Dp;
         for (int64_t d = 0; d < Dp; d += W) store_f32(o + d, load_f32(o + d) * alpha);
@@ -900,14 +932,15 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     for (int c0 = 0; c0 < n; c0 += CHUNK) {  // O += P V, CHUNK keys at a time through every row tile
       const int nt = std::min(n - c0, CHUNK);
       const void* const* vc = vp + c0;
+      const Granules vg{vs + c0, granule};
       for (const Tile& tile : tiles) {
         const float* p = S + tile.r0 * KEY_BLOCK + c0;
         float* o = O + tile.r0 * Dp;
         switch (tile.rt) {
-          case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
-          case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
-          case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
-          default: pv_rows<DT, 1>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, k_next); break;
+          case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
+          case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
+          case 2: pv_rows<DT, 2>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
+          default: pv_rows<DT, 1>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
         }
       }
     }
@@ -1103,7 +1136,8 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   a.scales = scales;
   a.scale_groups = scale_groups;
   const Tuning tune{min_split, want_items, min_work};
-  const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && scale_groups <= 1;
+  const int64_t granule = scale_groups ? head_dim / scale_groups : head_dim;  // (static: one scale per row)
+  const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && granule % (2 * W) == 0;
   switch (dtype) {
     case F32:
       if (fp8_codes && fp8 == E4M3FN) {
