@@ -572,6 +572,51 @@ def test_a_corrupted_direct_message_is_refused_and_the_channel_stays_usable(rank
     assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
 
 
+@contextlib.contextmanager
+def sums_on_device(wrong: int = 0) -> Iterator[list[int]]:
+    """Within: SUM64 sums of CPU messages take the route of GPU messages (`wire.sum64_tensor`, kept as
+    tensors, compared at the end); the `wrong`-th (1-based, 0: none) is off by one. Yields a count of
+    the sums taken that way."""
+    count, sum64_tensor = [0], wire.sum64_tensor
+
+    def counting(payload):
+        count[0] += 1
+        return sum64_tensor(payload) + (count[0] == wrong)
+
+    with patched(wire, "sums_stay_on", lambda device: True), patched(wire, "sum64_tensor", counting):
+        yield count
+
+
+def _direct_device_sums(rank: int, world: int) -> tuple[int, str]:
+    """Random ragged direct transfers (sum64) with the sums kept as tensors are bit-exact; then a
+    transfer whose sender's sum of direct message 2 is off by one is refused, the receiver as before."""
+    with direct_counted(), sums_on_device() as count:
+        _transfer_random(rank, world, [1, 5, 9, 13])  # seed % 4 == 1: sum64
+    assert count[0] > 4  # every message of both ranks (rank 1 sent them, rank 0 received them)
+    src, _, ids, _ = sender_state(5)
+    one_page = PS * PARAMS.bytes_per_token
+    with direct_counted(), sums_on_device(wrong=2 if rank == 0 else 0):
+        if rank == 0:
+            with pytest.raises(TransferError) as info:
+                send_sequences(src, ids, 1, chunk_bytes=one_page)
+            return count[0], str(info.value)
+        dst, _ = receiver_state(5, [1, 2, 3, 4])
+        before, free_pages = snapshot(dst), list(dst.page_pool.free)
+        with pytest.raises(TransferError, match="checksum") as info:
+            receive_sequences(dst, 0)
+        assert_same(before, snapshot(dst))
+        assert list(dst.page_pool.free) == free_pages
+    return count[0], str(info.value)
+
+
+def test_direct_transfers_with_sums_kept_on_the_device_are_exact_and_checked(rank_groups):
+    """The GPU route of direct messages' checksums (no read-back per message), run on CPU tensors."""
+    (sender_sums, sender), (receiver_sums, receiver) = rank_groups.get(2).run(_direct_device_sums)
+    assert sender_sums > 2 and receiver_sums > 2  # the refused transfer's messages took that route too
+    assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
+    assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
+
+
 def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
     """The receiver's own code raises at message 2 while a slow sender is still sending: before the
     error goes up, every remaining message is taken, so none lands later in pages that are free

@@ -95,7 +95,20 @@ def test_sum64_is_the_same_in_numpy_and_in_torch():
     gen = torch.Generator().manual_seed(1)
     for n in (0, 1, 4095, 4096, 4097, 3 * 4096 + 17):
         payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-        assert wire._sum64_numpy(payload) == wire._sum64_torch(payload), n
+        on_device = wire.sum64_tensor(payload)  # the device route, here on the CPU
+        assert on_device.dtype == torch.int64 and on_device.dim() == 0
+        assert wire._sum64_numpy(payload) == int(on_device) & (1 << 64) - 1 == wire.sum64(payload), n
+
+
+def test_checksums_tensor_keeps_device_sums_and_packs_host_sums_as_uint64_bits():
+    gen = torch.Generator().manual_seed(2)
+    payloads = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in (5, 4096, 9000)]
+    host = [wire.sum64(p) for p in payloads]
+    assert any(x >= 1 << 63 for x in host)  # the uint64 bits of a negative int64 survive the packing
+    want = torch.tensor(np.array(host, dtype=np.uint64).view(np.int64))
+    assert torch.equal(wire.checksums_tensor(host, torch.device("cpu")), want)
+    on_device = [wire.sum64_tensor(p) for p in payloads]
+    assert torch.equal(wire.checksums_tensor(on_device, torch.device("cpu")), want)
 
 
 # -- the fused copy and sum64 of the CPU library ------------------------------------------------------
@@ -188,6 +201,6 @@ def test_sum64_in_cpp_is_the_numpy_value(size):
         pytest.skip("no C++ compiler: sum64 runs in numpy only")
     gen = torch.Generator().manual_seed(size)
     payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
-    assert wire.sum64(payload) == wire._sum64_numpy(payload) == wire._sum64_torch(payload)
+    assert wire.sum64(payload) == wire._sum64_numpy(payload) == int(wire.sum64_tensor(payload)) & (1 << 64) - 1
     with pytest.raises(ValueError, match="contiguous"):
         wire.sum64(torch.zeros(64, dtype=torch.uint8)[::2])

@@ -22,7 +22,6 @@ import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -245,17 +244,18 @@ def _send_direct(
 ) -> None:
     """Each run of pages `send[a : a + n]` straight from the pool, then the packed scales, then every
     message's checksum. A message is summed once its send completed, while the next ones go out (a
-    page changed meanwhile shows up as a mismatch)."""
+    page changed meanwhile shows up as a mismatch); off the CPU the sums stay on the device
+    (`wire.message_checksum`) and go out as they are."""
     payloads = [pipe.message(send[a], n) for a, n in messages]
     if pipe.scales is not None:
         payloads.append(pipe.pack_scales(send))
     pending: collections.deque[tuple[int, Any]] = collections.deque()
-    sums: list[int] = []
+    sums: list[int | torch.Tensor] = []
 
     def finish() -> None:
         k, work = pending.popleft()
         _wait(work, timeout, f"sending chunk {k + 1}", dst)
-        sums.append(wire.checksum(payloads[k], kind))
+        sums.append(wire.message_checksum(payloads[k], kind))
 
     for k, payload in enumerate(payloads):
         if len(pending) == DIRECT_IN_FLIGHT:
@@ -263,8 +263,7 @@ def _send_direct(
         pending.append((k, _post(dist.isend, payload, dst, group, f"sending chunk {k + 1}")))
     while pending:
         finish()
-    checksums = torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(payloads[0].device)
-    _exchange(dist.isend, checksums, dst, group, timeout, "sending the checksums")
+    _exchange(dist.isend, wire.checksums_tensor(sums, payloads[0].device), dst, group, timeout, "sending the checksums")
 
 
 def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: wire.Preamble) -> str | None:
@@ -438,10 +437,10 @@ def _receive_direct(
     timeout: Any,
 ) -> int:
     """Receive each run of `messages` straight into pool pages `pages[a : a + n]` (`DIRECT_IN_FLIGHT`
-    posted ahead), summing each as it lands, then the scales and the sender's checksums; the scales
-    are written only if everything matched. Returns the pages written: all of them, also in a
-    TransferError's `pages_written` (a posted receive may have written its pages). Raises
-    TransferError.
+    posted ahead), summing each as it lands (on the device off the CPU, compared once at the end),
+    then the scales and the sender's checksums; the scales are written only if everything matched.
+    Returns the pages written: all of them, also in a TransferError's `pages_written` (a posted
+    receive may have written its pages). Raises TransferError.
 
     On any failure every remaining message is still taken (or fails at once on a closed pair, or
     times out, which closes it) before the error goes up: no message may land later in pages that
@@ -465,7 +464,7 @@ def _receive_direct(
         for k, payload in enumerate(payloads):
             _wait(works.pop(k), timeout, what.format(k + 1), src, written)
             post_before(k + 1 + DIRECT_IN_FLIGHT)
-            sums.append(wire.checksum(payload, preamble.checksum))
+            sums.append(wire.message_checksum(payload, preamble.checksum))
         checksums_work = _post(dist.irecv, expected, src, group, "receiving the checksums", written)
         _wait(checksums_work, timeout, "receiving the checksums", src, written)
     except BaseException:
@@ -475,11 +474,11 @@ def _receive_direct(
                 tensor = payloads[k] if k < len(payloads) else expected
                 (work or dist.irecv(tensor, src, group=group)).wait(timeout)
         raise
-    for k, (got, want) in enumerate(zip(sums, expected.cpu().numpy().view(np.uint64).tolist(), strict=True)):
-        if got != want:
-            name = wire.CHECKSUM_NAMES[preamble.checksum]
-            where = f"chunk {k + 1} of {len(payloads)} from rank {src}"
-            raise TransferError(f"checksum ({name}) mismatch in {where}", written)
+    mismatched = (wire.checksums_tensor(sums, expected.device) != expected).nonzero().cpu()  # one wait, at the end
+    if mismatched.numel():
+        name, k = wire.CHECKSUM_NAMES[preamble.checksum], int(mismatched[0])
+        where = f"chunk {k + 1} of {len(payloads)} from rank {src}"
+        raise TransferError(f"checksum ({name}) mismatch in {where}", written)
     if pipe.scales is not None:
         pipe.unpack_scales(payloads[-1], pages)
     return written

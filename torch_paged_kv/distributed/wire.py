@@ -217,6 +217,7 @@ def direct_messages(flags: list[int]) -> list[tuple[int, int]]:
 _ROW_BYTES = 4096
 _ROW_WORDS = _ROW_BYTES // 8
 _K = 0x9E37_79B9_7F4A_7C15
+_K_INT64 = _K - (1 << 64)  # the same bits as a (negative) int64
 _MASK = (1 << 64) - 1
 
 
@@ -230,7 +231,7 @@ def sum64(payload: torch.Tensor) -> int:
     transport faults and bugs). Two passes of sums: several times faster than zlib's CRC-32 on a
     CPU (numpy, one thread) and a few torch reductions on a GPU (no copy to the host)."""
     if payload.device.type != "cpu":
-        return _sum64_torch(payload)
+        return int(sum64_tensor(payload).item()) & _MASK
     if has_copy_sum64():
         if payload.dtype != torch.uint8 or not payload.is_contiguous():
             raise ValueError(f"payload: expected a contiguous uint8 tensor, got {payload.dtype}")
@@ -261,7 +262,10 @@ def _sum64_numpy(payload: torch.Tensor) -> int:
     return (a + _K * b + payload.numel()) & _MASK
 
 
-def _sum64_torch(payload: torch.Tensor) -> int:
+def sum64_tensor(payload: torch.Tensor) -> torch.Tensor:
+    """`sum64` of a contiguous uint8 tensor as a 0-d int64 tensor (its uint64 bits) on the payload's
+    device: torch reductions whose int64 arithmetic wraps mod 2**64, nothing copied to the host (on a
+    GPU, no wait for the stream)."""
     body, tail = _rows(payload)
     words = body.view(torch.int64).view(-1, _ROW_WORDS)
     rows, cols = words.sum(1), words.sum(0)
@@ -270,8 +274,29 @@ def _sum64_torch(payload: torch.Tensor) -> int:
         rows, cols = torch.cat([rows, last.sum().view(1)]), cols + last
     weights = torch.arange(1, 2 * rows.numel() + 1, 2, dtype=torch.int64, device=payload.device)
     column_weights = torch.from_numpy(_COLUMN_WEIGHTS.view(np.int64)).to(payload.device)
-    a, b = (rows * weights).sum().item() & _MASK, (cols * column_weights).sum().item() & _MASK
-    return (a + _K * b + payload.numel()) & _MASK
+    a, b = (rows * weights).sum(), (cols * column_weights).sum()
+    return a + _K_INT64 * b + payload.numel()
+
+
+def sums_stay_on(device: torch.device) -> bool:
+    """Whether SUM64 checksums of messages on `device` stay there (`message_checksum`): off the CPU,
+    where one sum per message read back to the host would wait for the device each time."""
+    return device.type != "cpu"
+
+
+def message_checksum(payload: torch.Tensor, kind: int) -> int | torch.Tensor:
+    """`checksum(payload, kind)`, or for SUM64 where `sums_stay_on` the payload's device,
+    `sum64_tensor(payload)`: the caller compares many at once (`checksums_tensor`)."""
+    if kind == SUM64 and sums_stay_on(payload.device):
+        return sum64_tensor(payload)
+    return checksum(payload, kind)
+
+
+def checksums_tensor(sums: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`message_checksum`s in order as int64 `[len(sums)]` (uint64 bits) on `device`."""
+    if sums and isinstance(sums[0], torch.Tensor):  # (all of one kind: the messages share a device)
+        return torch.stack(sums).to(device)
+    return torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(device)
 
 
 _COLUMN_WEIGHTS = np.arange(1, 2 * _ROW_WORDS + 1, 2, dtype=np.uint64)
