@@ -7,8 +7,10 @@ every cache. Each case runs one untimed `generate` (warm-up; compilation with --
 `--repeats` timed ones, round-robin over the cases so that load drifts hit all alike; reported, as
 medians over the repeats: tokens/s (new tokens of all rows / wall time, prefill included), the
 prefill (until the first new token) and the median decode step, timed by a streamer that
-`generate` calls after every step. PagedCache runs with the paged_kv attention (from the pages) and
-with sdpa (gathered K/V), and with the ops' value checks off (`TORCH_PAGED_KV_VALIDATE=shapes`).
+`generate` calls after every step; "decode vs StaticCache" is the median over repeats of
+StaticCache's decode step over the case's in the same round. PagedCache runs with the paged_kv
+attention (from the pages) and with sdpa (gathered K/V), and with the ops' value checks off
+(`TORCH_PAGED_KV_VALIDATE=shapes`).
 """
 
 from __future__ import annotations
@@ -174,10 +176,13 @@ def main() -> int:
                 "same tokens as DynamicCache": bool(torch.equal(out, outputs[0])),
             }
         )
-    static = next(r for r in rows if r["cache"] == "StaticCache")
-    for row in rows:
+    static_index = next(i for i, r in enumerate(rows) if r["cache"] == "StaticCache")
+    static, static_runs = rows[static_index], timings[static_index]
+    for row, runs in zip(rows, timings, strict=True):
         row["vs StaticCache"] = round(row["tokens/s"] / static["tokens/s"], 2)
-        row["decode vs StaticCache"] = round(static["decode step ms"] / row["decode step ms"], 2)
+        # paired by round: the machine's speed drifts between rounds more than within one
+        paired = [a.decode_step / b.decode_step for a, b in zip(static_runs, runs, strict=True)]
+        row["decode vs StaticCache"] = round(statistics.median(paired), 2)
     setup = {
         "batch": args.batch,
         "prompts": f"{args.prompt // 2}..{args.prompt} left-padded",
