@@ -538,40 +538,6 @@ def test_fp8_pages_go_direct_with_their_scales(rank_groups):
     assert sender == receiver > 1
 
 
-def _corrupted_direct(rank: int, world: int) -> str:
-    """The sender's checksum of direct message 2 is off by one: the receiver takes every message, then
-    refuses; its manager is as before (every page it wrote is free again); the channel stays usable."""
-    src, model, ids, _ = sender_state(5)
-    one_page = PS * PARAMS.bytes_per_token
-    with direct_counted():
-        if rank == 0:
-            with wrong_checksum(2), pytest.raises(TransferError) as info:
-                send_sequences(src, ids, 1, chunk_bytes=one_page)
-            send_sequences(src, ids, 1, chunk_bytes=one_page)
-            return str(info.value)
-        dst, dst_model = receiver_state(5, [1, 2, 3, 4])
-        before, free_pages = snapshot(dst), list(dst.page_pool.free)
-        with pytest.raises(TransferError, match="checksum") as info:
-            receive_sequences(dst, 0)
-        assert_same(before, snapshot(dst))
-        assert list(dst.page_pool.free) == free_pages
-        assert info.value.pages_written == used_pages(src, ids)  # every posted receive may have written
-        receive_sequences(dst, 0)
-    check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
-    return str(info.value)
-
-
-def used_pages(manager: pk.KVCacheManager, ids: list) -> int:
-    """Distinct pages the sequences `ids` use (what a transfer with nothing cached sends)."""
-    return len({p for i in ids for p in manager.pages(i)[: -(-manager.cache_length(i) // PS)]})
-
-
-def test_a_corrupted_direct_message_is_refused_and_the_channel_stays_usable(rank_groups):
-    sender, receiver = rank_groups.get(2).run(_corrupted_direct)
-    assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
-    assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
-
-
 @contextlib.contextmanager
 def sums_on_device(wrong: int = 0) -> Iterator[list[int]]:
     """Within: SUM64 sums of CPU messages take the route of GPU messages (`wire.sum64_tensor`, kept as
@@ -587,34 +553,56 @@ def sums_on_device(wrong: int = 0) -> Iterator[list[int]]:
         yield count
 
 
-def _direct_device_sums(rank: int, world: int) -> tuple[int, str]:
-    """Random ragged direct transfers (sum64) with the sums kept as tensors are bit-exact; then a
-    transfer whose sender's sum of direct message 2 is off by one is refused, the receiver as before."""
-    with direct_counted(), sums_on_device() as count:
-        _transfer_random(rank, world, [1, 5, 9, 13])  # seed % 4 == 1: sum64
-    assert count[0] > 4  # every message of both ranks (rank 1 sent them, rank 0 received them)
-    src, _, ids, _ = sender_state(5)
+def _corrupted_direct(rank: int, world: int, on_device: bool) -> tuple[str, int]:
+    """The sender's checksum of direct message 2 is off by one: the receiver takes every message, then
+    refuses; its manager is as before (every page it wrote is free again); the channel stays usable.
+    `on_device`: the sums kept as tensors (the route of GPU messages). Returns the error and the
+    number of sums taken as tensors."""
+    src, model, ids, _ = sender_state(5)
     one_page = PS * PARAMS.bytes_per_token
-    with direct_counted(), sums_on_device(wrong=2 if rank == 0 else 0):
+    sums = sums_on_device(wrong=2 if rank == 0 else 0) if on_device else contextlib.nullcontext([0])
+    with direct_counted(), sums as count:
         if rank == 0:
-            with pytest.raises(TransferError) as info:
+            with contextlib.nullcontext() if on_device else wrong_checksum(2), pytest.raises(TransferError) as info:
                 send_sequences(src, ids, 1, chunk_bytes=one_page)
-            return count[0], str(info.value)
-        dst, _ = receiver_state(5, [1, 2, 3, 4])
+            send_sequences(src, ids, 1, chunk_bytes=one_page)
+            return str(info.value), count[0]
+        dst, dst_model = receiver_state(5, [1, 2, 3, 4])
         before, free_pages = snapshot(dst), list(dst.page_pool.free)
         with pytest.raises(TransferError, match="checksum") as info:
             receive_sequences(dst, 0)
         assert_same(before, snapshot(dst))
         assert list(dst.page_pool.free) == free_pages
-    return count[0], str(info.value)
+        assert info.value.pages_written == used_pages(src, ids)  # every posted receive may have written
+        receive_sequences(dst, 0)
+    check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
+    return str(info.value), count[0]
 
 
-def test_direct_transfers_with_sums_kept_on_the_device_are_exact_and_checked(rank_groups):
-    """The GPU route of direct messages' checksums (no read-back per message), run on CPU tensors."""
-    (sender_sums, sender), (receiver_sums, receiver) = rank_groups.get(2).run(_direct_device_sums)
-    assert sender_sums > 2 and receiver_sums > 2  # the refused transfer's messages took that route too
+def used_pages(manager: pk.KVCacheManager, ids: list) -> int:
+    """Distinct pages the sequences `ids` use (what a transfer with nothing cached sends)."""
+    return len({p for i in ids for p in manager.pages(i)[: -(-manager.cache_length(i) // PS)]})
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_corrupted_direct_message_is_refused_and_the_channel_stays_usable(rank_groups, on_device):
+    (sender, sender_sums), (receiver, receiver_sums) = rank_groups.get(2).run(_corrupted_direct, on_device)
     assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
     assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
+    assert (sender_sums > 4 and receiver_sums > 4) if on_device else sender_sums == receiver_sums == 0
+
+
+def _transfer_random_device_sums(rank: int, world: int, seeds: list[int]) -> int:
+    with direct_counted(), sums_on_device() as count:
+        _transfer_random(rank, world, seeds)
+    return count[0]
+
+
+def test_direct_transfers_with_sums_kept_on_the_device_are_bit_exact(rank_groups):
+    """Random ragged direct transfers (sum64) with the sums kept as tensors and compared at the end,
+    the route of GPU messages, run on CPU tensors: bit-exact (and a wrong sum is refused, above)."""
+    seeds = [1, 5, 9, 13]  # seed % 4 == 1: sum64; rank 1 sends, rank 0 receives
+    assert all(sums > len(seeds) for sums in rank_groups.get(2).run(_transfer_random_device_sums, seeds))
 
 
 def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
