@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_paged_kv as pk
-from torch_paged_kv.testing import attention_fp64, make_paged_batch
+from torch_paged_kv.testing import attention_fp64, make_fp8_batch, make_paged_batch
 
 # Output rounding of the dtype (half an ulp is 2^-24 / 2^-11 / 2^-8 relative) plus fp32 accumulation.
 RTOL = {torch.float32: 1e-5, torch.float16: 2 * 2**-11, torch.bfloat16: 2 * 2**-8}
@@ -65,6 +65,36 @@ def test_attention_matches_fp64(force_backend, backend, shape, mask, dtype):
     for i, (k, v) in enumerate(zip(b.keys, b.values, strict=True)):
         assert torch.equal(key[i, : k.shape[0]], k) and torch.equal(value[i, : v.shape[0]], v)
         assert not key[i, k.shape[0] :].any() and not value[i, v.shape[0] :].any()
+
+
+@st.composite
+def fp8_batches(draw):
+    """A batch shape for an FP8 cache: head_dim 16, 32 or 64 and scales per granule of 8 to 64
+    elements dividing it, per token and head, or a static pair (None)."""
+    shape = draw(batches())
+    head_dim = draw(st.sampled_from([16, 32, 64]))
+    granules = [None, *(g for g in (8, 16, 32, 64) if head_dim % g == 0)]
+    return {**shape, "head_dim": head_dim, "granularity": draw(st.sampled_from(granules))}
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=fp8_batches(),
+    mask=masks,
+    fp8=st.sampled_from([torch.float8_e4m3fn, torch.float8_e5m2]),
+    q_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_fp8_attention_matches_fp64_on_the_dequantized_cache(force_backend, backend, shape, mask, fp8, q_dtype):
+    """store_kv quantizes this step's rows and flash_attention reads the FP8 pages (random codes and
+    scales in every unused slot) as fp64 attention over what the cache holds."""
+    force_backend(backend)
+    b, new_keys, new_values = make_fp8_batch(dtype=fp8, **shape)
+    pk.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
+    q = b.q.to(q_dtype)
+    out = pk.flash_attention(q, b.blocks, *b.step, b.layer_idx, 0.3, **mask, scales=b.scales)
+    ref = attention_fp64(q, b.keys, b.values, shape["cache_lengths"], 0.3, **mask)
+    assert out.dtype == q_dtype and _close(out, ref, q_dtype)
 
 
 @pytest.mark.skipif(
