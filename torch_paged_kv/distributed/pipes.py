@@ -64,6 +64,33 @@ def _runs(pages: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts, index[starts], np.diff(starts, append=len(index))
 
 
+def _move(pool: torch.Tensor, data: torch.Tensor, pages: list[int], to_wire: bool) -> None:
+    """Pool pages `pages` (rows of uint8 `pool`) into the rows of `data` (`to_wire`) or back. On the
+    CPU in numpy: one thread (torch's copies split over busy cores can run 10x slower), one memcpy per
+    run of consecutive large pages, else one indexed copy."""
+    if pool.device.type == data.device.type == "cpu":
+        pool_np, data_np = pool.numpy(), data.numpy()
+        if pool.shape[1] >= LOOP_MIN_PAGE_BYTES:
+            for position, first, count in zip(*_runs(pages), strict=True):
+                a, b = data_np[position : position + count], pool_np[first : first + count]
+                np.copyto(a, b) if to_wire else np.copyto(b, a)
+            return
+        pool_np, data_np = _widest(pool_np, data_np)
+        index = np.asarray(pages, dtype=np.int64)
+        if to_wire:
+            np.take(pool_np, index, axis=0, out=data_np)
+        else:
+            pool_np[index] = data_np
+        return
+    index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+    if not to_wire:  # blocking copy to the pool's device: the buffer is reused for the next chunk
+        pool.index_copy_(0, index, data.to(pool.device))
+    elif pool.device == data.device:
+        torch.index_select(pool, 0, index, out=data)
+    else:
+        data.copy_(pool.index_select(0, index))
+
+
 class PackedPipe:
     """Packed messages: pages move between a pool (`blocks`, plus `scales` if any) and the reused wire
     buffers. A CPU pool and wire with the SUM64 checksum copy and checksum in one pass
@@ -74,12 +101,10 @@ class PackedPipe:
         self.scales = None if scales is None else byte_pages(scales)
         self.page_bytes = self.blocks.shape[1]
         self.scale_bytes = 0 if self.scales is None else self.scales.shape[1]
-        self.pool_device = blocks.device
-        self.wire_device = wire_dev
         size = chunk_pages * (self.page_bytes + self.scale_bytes) + wire.TRAILER_BYTES
-        pin = wire_dev.type == "cpu" and self.pool_device.type == "cuda"
+        pin = wire_dev.type == "cpu" and blocks.device.type == "cuda"
         self.buffers = _wire_buffers(wire_dev, pin, size)
-        self.fusable = self.pool_device.type == wire_dev.type == "cpu" and wire.has_copy_sum64()
+        self.fusable = blocks.device.type == wire_dev.type == "cpu" and wire.has_copy_sum64()
 
     def _fuses(self, kind: int) -> bool:
         """Whether messages with checksum `kind` are copied and checked in one pass."""
@@ -96,32 +121,6 @@ class PackedPipe:
             end = n * (self.page_bytes + self.scale_bytes)
             parts.append((self.scales, message[n * self.page_bytes : end].view(n, self.scale_bytes)))
         return parts
-
-    def _move(self, pool: torch.Tensor, data: torch.Tensor, pages: list[int], to_wire: bool) -> None:
-        """Pool pages `pages` into the message part `data` (`to_wire`) or back. On the CPU in numpy:
-        one thread (torch's copies split over busy cores can run 10x slower), one memcpy per run of
-        consecutive large pages, else one indexed copy."""
-        if self.pool_device.type == self.wire_device.type == "cpu":
-            pool_np, data_np = pool.numpy(), data.numpy()
-            if pool.shape[1] >= LOOP_MIN_PAGE_BYTES:
-                for position, first, count in zip(*_runs(pages), strict=True):
-                    a, b = data_np[position : position + count], pool_np[first : first + count]
-                    np.copyto(a, b) if to_wire else np.copyto(b, a)
-                return
-            pool_np, data_np = _widest(pool_np, data_np)
-            index = np.asarray(pages, dtype=np.int64)
-            if to_wire:
-                np.take(pool_np, index, axis=0, out=data_np)
-            else:
-                pool_np[index] = data_np
-            return
-        index = torch.tensor(pages, dtype=torch.long, device=self.pool_device)
-        if not to_wire:  # blocking copy to the pool's device: the buffer is reused for the next chunk
-            pool.index_copy_(0, index, data.to(self.pool_device))
-        elif self.pool_device == self.wire_device:
-            torch.index_select(pool, 0, index, out=data)
-        else:
-            data.copy_(pool.index_select(0, index))
 
     def _segments(self, pages: list[int]) -> np.ndarray:
         """`wire.copy_sum64` segments of a message of `pages`: one per run of consecutive pages,
@@ -142,7 +141,7 @@ class PackedPipe:
             wire.put_trailer(message, wire.copy_sum64(self._segments(pages), payload, to_payload=True))
             return
         for pool, data in self._parts(message, len(pages)):
-            self._move(pool, data, pages, to_wire=True)
+            _move(pool, data, pages, to_wire=True)
         wire.put_trailer(message, wire.checksum(payload, kind))
 
     def scatter(self, message: torch.Tensor, pages: list[int], kind: int) -> tuple[bool, int]:
@@ -155,7 +154,7 @@ class PackedPipe:
         if wire.checksum(payload, kind) != expected:
             return False, 0
         for pool, data in self._parts(message, len(pages)):
-            self._move(pool, data, pages, to_wire=False)
+            _move(pool, data, pages, to_wire=False)
         return True, len(pages)
 
 
@@ -173,9 +172,9 @@ class DirectPipe:
 
     def pack_scales(self, pages: list[int]) -> torch.Tensor:
         """The scales of `pages`, in order, as one flat uint8 message."""
-        assert self.scales is not None
-        index = torch.tensor(pages, dtype=torch.long, device=self.scales.device)
-        return self.scales.index_select(0, index).view(-1)
+        message = self.scales_message(len(pages))
+        _move(self.scales, message.view(len(pages), -1), pages, to_wire=True)
+        return message
 
     def scales_message(self, num_pages: int) -> torch.Tensor:
         """An empty message for the scales of `num_pages` pages."""
@@ -185,5 +184,4 @@ class DirectPipe:
     def unpack_scales(self, message: torch.Tensor, pages: list[int]) -> None:
         """Write a `pack_scales` message into the scales of `pages`."""
         assert self.scales is not None
-        index = torch.tensor(pages, dtype=torch.long, device=self.scales.device)
-        self.scales.index_copy_(0, index, message.view(len(pages), -1))
+        _move(self.scales, message.view(len(pages), -1), pages, to_wire=False)
