@@ -31,6 +31,9 @@ LIBRARY_NAME = "paged_kv_cpu"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
 # Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
 VARIANT_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+EXTRA_FLAGS_ENV = "TORCH_PAGED_KV_CPU_FLAGS"
+"""Compiler flags appended to each variant (split on spaces), e.g. `-mno-avx512f` to build and test
+the AVX2 path on an AVX-512 machine; part of the cache key like every flag."""
 
 
 class BuildError(RuntimeError):
@@ -118,8 +121,9 @@ def _build_and_load() -> ctypes.CDLL:
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
     sources = [path.read_bytes() for path in SOURCES]
+    extra = os.environ.get(EXTRA_FLAGS_ENV, "").split()
     errors = []
-    for flags in VARIANT_FLAGS:
+    for flags in (variant + extra for variant in VARIANT_FLAGS):
         path = cache_dir() / "cpu" / _key(compiler, flags, sources) / f"lib{LIBRARY_NAME}.so"
         if not path.exists():
             error = _compile(compiler, flags, SOURCES, path)
@@ -136,6 +140,7 @@ def _build_and_load() -> ctypes.CDLL:
 SIGNATURES = {  # name -> (argument types, result type); the op kernels take one packed argument block
     "pkv_vector_width": ([], ctypes.c_int),
     "pkv_openmp": ([], ctypes.c_int),
+    "pkv_bf16_dot": ([], ctypes.c_int),
     "pkv_flash_attention": ([ctypes.c_char_p], None),
     "pkv_store_kv": ([ctypes.c_char_p], None),
     "pkv_store_kv_fp8": ([ctypes.c_char_p], None),

@@ -1,0 +1,60 @@
+"""The `cpu` backend's narrower instruction-set paths, built and tested on a machine that has wider
+ones: the library is compiled `-march=native`, so without this a CPU with AVX-512 BF16 would only
+ever test the bf16 dot-product path, and one with AVX-512 never the AVX2 path. Each case builds the
+library with `TORCH_PAGED_KV_CPU_FLAGS` in a fresh cache, checks that the build took the narrower
+path, and runs test_cpu.py (fp64 and reference comparisons) on it in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from torch_paged_kv.ops.cpu import build
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# flags appended, what the host needs for the case to be narrower than the default build,
+# and what the library must then report: (floats per vector, bf16 dot products)
+CASES = [
+    ("-mno-avx512bf16", "avx512_bf16", (16, 0)),
+    ("-mno-avx512f", "avx512f", (8, 0)),
+]
+
+
+@pytest.mark.parametrize("flags, host_feature, expected", CASES, ids=[case[0] for case in CASES])
+def test_a_narrower_instruction_set_build_passes_the_cpu_tests(tmp_path, flags, host_feature, expected):
+    if build.find_compiler() is None:
+        pytest.skip("no C++ compiler: the cpu backend cannot be built here")
+    if host_feature not in cpu_flags():
+        pytest.skip(f"this CPU has no {host_feature}: the default build already takes the narrower path")
+    env = {**os.environ, build.EXTRA_FLAGS_ENV: flags, "TORCH_PAGED_KV_CACHE_DIR": str(tmp_path)}
+    probe = (
+        "from torch_paged_kv.ops.cpu import build; lib = build.library(); "
+        "print(lib.pkv_vector_width(), lib.pkv_bf16_dot())"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    assert tuple(map(int, result.stdout.split())) == expected
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "test_cpu.py")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        cwd=HERE.parent,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout
