@@ -16,7 +16,9 @@
 // (causal / window / lengths), an online softmax, and O += P V. Long key ranges are split across
 // items when there are too few items for the threads, and the splits merged after. Storage
 // dtypes: fp32, bf16, fp16, converted to fp32 as they are loaded (`load`, `load2`, `load_part`);
-// with AVX512-BF16, bf16 rows are multiplied as they lie instead (`bf16_dot`).
+// with AVX512-BF16, bf16 rows are multiplied as they lie instead (`bf16_dot`). A kv head with at
+// least W query rows in an item (prefill) takes the keys-major tiles instead of the dot-product
+// ones: queries and accumulators transposed, rows along the lanes (`qk_keys_major`, `pv_keys_major`).
 // FP8 caches (e4m3fn, e5m2): each key block's rows are dequantized (a code's exact value times
 // its scale, the reference's fp32 product) into a per-thread fp32 block, which the fp32 path then
 // reads; queries and output are fp32 (kernels.py converts).
@@ -684,6 +686,197 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
   }
 }
 
+// Prefill-shaped items (a kv head with at least W query rows) compute scores keys-major, as outer
+// products: the head's query rows are transposed once per item into Qt ([head_dim][rows rounded
+// up to W], rows along the lanes), and each key element, broadcast, multiplies a vector of W rows'
+// query elements. No horizontal sums, and each key element loaded feeds KM_RV * W rows (the
+// dot-product tile above feeds ROW_TILE). P = softmax(S) stays keys-major, St[t][r], for P V.
+// P V likewise keeps the accumulators transposed, Ot[d][r]: each V element, broadcast, times a
+// vector of W rows' probabilities.
+#if defined(__AVX512F__)
+constexpr int KM_RV = 4, KM_NT = 6, KM_ND = 6;  // row vectors x keys (x columns): 24 accumulators of 32 registers
+#else
+constexpr int KM_RV = 2, KM_NT = 4, KM_ND = 4;  // 8 accumulators of 16 registers
+#endif
+
+// Element 0 of p as fp32 in every lane.
+template <int DT>
+inline vf bcast(const typename Storage<DT>::T* p) {
+  if constexpr (DT == F32) {
+    return splat(*p);
+  } else if constexpr (scalar_dtype<DT>() == F16) {
+#if defined(__F16C__)
+    return splat(_cvtsh_ss(*p));
+#else
+    return splat(load_scalar<F16>(p));
+#endif
+  } else {
+    return splat(load_scalar<BF16>(p));
+  }
+}
+
+// St[t * ldS + v * W + lane] = sum_d Qt[d][v * W + lane] * k_t[d] for RV row vectors of Qt (ldq
+// lanes per d) and NT keys (rows kp[t] + ofs). bf16_dot kinds: Qt holds bf16 pairs (d, d + 1), ldq
+// pairs per pair of d.
+template <int DT, int RV, int NT>
+inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>::T* const* kp, int64_t ofs,
+                       int64_t D, float* St, int64_t ldS) {
+  using T = typename Storage<DT>::T;
+  const T* rows[NT];
+  for (int t = 0; t < NT; ++t) rows[t] = kp[t] + ofs;
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_dot<DT>()) {
+    const uint32_t* q2 = reinterpret_cast<const uint32_t*>(qt);
+    __m512 acc[NT][RV];
+    for (int t = 0; t < NT; ++t)
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 2) {
+      __m512bh q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(q2 + (d / 2) * ldq + v * W);
+      for (int t = 0; t < NT; ++t) {
+        uint32_t pair;
+        std::memcpy(&pair, rows[t] + d, sizeof pair);
+        const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], q[v], k);
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(St + t * ldS + v * W, acc[t][v]);
+    return;
+  }
+#endif
+  vf acc[NT][RV];
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = vf{};
+  for (int64_t d = 0; d < D; ++d) {
+    vf q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = load_f32(qt + d * ldq + v * W);
+    for (int t = 0; t < NT; ++t) {
+      const vf k = bcast<DT>(rows[t] + d);
+      for (int v = 0; v < RV; ++v) acc[t][v] += k * q[v];
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < RV; ++v) store_f32(St + t * ldS + v * W, acc[t][v]);
+}
+
+template <int DT, int NT>
+inline void qk_tile_km_rv(int rv, const float* qt, int64_t ldq, const typename Storage<DT>::T* const* kp,
+                          int64_t ofs, int64_t D, float* St, int64_t ldS) {
+  switch (rv) {
+    case 1: qk_tile_km<DT, 1, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+    case 2: qk_tile_km<DT, 2, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+    case 3: qk_tile_km<DT, 3, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+    default: qk_tile_km<DT, KM_RV, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+  }
+}
+
+// St[t * ldS + r] = q_r . k_t for the nv row vectors of Qt and n keys, keys-major.
+template <int DT>
+inline void qk_keys_major(const float* qt, int64_t ldq, int nv, const void* const* kp, int64_t ofs, int n, int64_t D,
+                          float* St, int64_t ldS, Ahead& ahead) {
+  using T = typename Storage<DT>::T;
+  const T* const* rows = reinterpret_cast<const T* const*>(kp);
+  for (int v0 = 0; v0 < nv; v0 += KM_RV) {
+    const int rv = std::min(KM_RV, nv - v0);
+    const float* q = qt + v0 * W;  // (bf16 pairs: W pairs per vector, the same offset)
+    float* st = St + v0 * W;
+    int t = 0;
+    for (; t + KM_NT <= n; t += KM_NT) {
+      qk_tile_km_rv<DT, KM_NT>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+      ahead.step();
+    }
+    for (; t + 2 <= n; t += 2) qk_tile_km_rv<DT, 2>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+    for (; t < n; ++t) qk_tile_km_rv<DT, 1>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+  }
+}
+
+// Ot[j * ldo + v * W + lane] = Ot[...] * alpha[v * W + lane] + sum_t Pt[t * ldp + v * W + lane] * v_t[j]
+// for RV row vectors, ND columns j of n V rows (vrows[t] + ofs).
+template <int DT, int RV, int ND>
+inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows, int64_t ofs, int n,
+                       const float* alpha, float* ot, int64_t ldo) {
+  vf acc[ND][RV];
+  for (int j = 0; j < ND; ++j)
+    for (int v = 0; v < RV; ++v) acc[j][v] = load_f32(ot + j * ldo + v * W) * load_f32(alpha + v * W);
+  for (int t = 0; t < n; ++t) {
+    vf p[RV];
+    for (int v = 0; v < RV; ++v) p[v] = load_f32(pt + t * ldp + v * W);
+    const typename Storage<DT>::T* row = vrows[t] + ofs;
+    for (int j = 0; j < ND; ++j) {
+      const vf x = bcast<DT>(row + j);
+      for (int v = 0; v < RV; ++v) acc[j][v] += x * p[v];
+    }
+  }
+  for (int j = 0; j < ND; ++j)
+    for (int v = 0; v < RV; ++v) store_f32(ot + j * ldo + v * W, acc[j][v]);
+}
+
+template <int DT, int ND>
+inline void pv_tile_km_rv(int rv, const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows,
+                          int64_t ofs, int n, const float* alpha, float* ot, int64_t ldo) {
+  switch (rv) {
+    case 1: pv_tile_km<DT, 1, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+    case 2: pv_tile_km<DT, 2, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+    case 3: pv_tile_km<DT, 3, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+    default: pv_tile_km<DT, KM_RV, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+  }
+}
+
+// Ot[d * ldo + r] = Ot[d * ldo + r] * alpha[r] + sum_t Pt[t * ldp + r] * v_t[d] for the nv row
+// vectors of Pt and Ot, n keys (all of a block: each accumulator is loaded and stored once).
+template <int DT>
+inline void pv_keys_major(const float* Pt, int64_t ldp, int nv, const void* const* vp, int64_t ofs, int n, int64_t D,
+                          const float* alpha, float* Ot, int64_t ldo, Ahead& ahead) {
+  using T = typename Storage<DT>::T;
+  const T* const* rows = reinterpret_cast<const T* const*>(vp);
+  for (int v0 = 0; v0 < nv; v0 += KM_RV) {
+    const int rv = std::min(KM_RV, nv - v0);
+    const float *pt = Pt + v0 * W, *al = alpha + v0 * W;
+    float* ot = Ot + v0 * W;
+    int64_t d = 0;
+    for (; d + KM_ND <= D; d += KM_ND) {
+      pv_tile_km_rv<DT, KM_ND>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+      ahead.step();
+    }
+    for (; d + 2 <= D; d += 2) pv_tile_km_rv<DT, 2>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+    for (; d < D; ++d) pv_tile_km_rv<DT, 1>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+  }
+}
+
+// The online softmax step of one row vector over its keys-major scores St[t * ldS] (t < n, key
+// positions k0 + t): scale (`scale` != 1), softcap, the rows' masks [lo, hi), then P in place; m
+// and l are the rows' running max and sum, alpha gets the factor for their accumulators.
+inline void softmax_keys_major(float* st, int64_t ldS, int n, int64_t k0, const int32_t* lo, const int32_t* hi,
+                               float* m, float* l, float* alpha, float scale, float softcap) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vi vlo, vhi;
+  std::memcpy(&vlo, lo, sizeof vlo);
+  std::memcpy(&vhi, hi, sizeof vhi);
+  const vf m_old = load_f32(m);
+  vf mx = m_old;
+  for (int t = 0; t < n; ++t) {
+    vf x = load_f32(st + t * ldS);
+    if (scale != 1.0f) x *= scale;
+    if (softcap > 0.0f) x = vsoftcap(x, softcap);
+    const vi pos = vi{} + static_cast<int32_t>(k0 + t);
+    x = (pos >= vlo) & (pos < vhi) ? x : splat(ninf);
+    store_f32(st + t * ldS, x);
+    mx = x > mx ? x : mx;
+  }
+  const vf base = mx == splat(ninf) ? splat(0.0f) : mx;  // rows with nothing to see yet: p = 0
+  vf sum = vf{};
+  for (int t = 0; t < n; ++t) {
+    const vf p = vexp(load_f32(st + t * ldS) - base);
+    store_f32(st + t * ldS, p);
+    sum += p;
+  }
+  const vf a = vexp(m_old - base);
+  store_f32(l, load_f32(l) * a + sum);
+  store_f32(m, mx);
+  store_f32(alpha, a);
+}
+
 struct Geometry {  // the pool and one layer of it
   int64_t num_pages, num_layers, page_size, kv_heads, head_dim;
   int64_t layer;
@@ -744,6 +937,10 @@ struct Scratch {
   std::vector<const void*> kp, vp;
   std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
   std::vector<float> deq;  // FP8 pools run as F32: K and V of the current and the next key block, dequantized
+  // Keys-major items: Qt per head, and per head and row (rows padded to W): running max and sum,
+  // key range, and the last block's accumulator factors.
+  std::vector<float> qt, ot, km_m, km_l, km_alpha;
+  std::vector<int32_t> km_lo, km_hi;
   void reserve(int64_t rows, int64_t Dp) {
     if (static_cast<int64_t>(m.size()) < rows) {
       m.resize(rows);
@@ -807,6 +1004,31 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const RowMap map{group, per_head};
   Scratch& sc = tls_scratch;
   sc.reserve(rows, Dp);
+  // Keys-major scores (qk_keys_major) for a head with a vector's worth of rows; FP8 codes stay on
+  // the dot-product tiles.
+  const bool keys_major = !is_fp8<DT>() && per_head >= W;
+  const int64_t rp = round_up(per_head, W);  // keys-major: rows per head, padded
+  if (keys_major) {
+    const int64_t padded = heads * rp;
+    if (static_cast<int64_t>(sc.s.size()) < padded * KEY_BLOCK) sc.s.resize(padded * KEY_BLOCK);
+    if (static_cast<int64_t>(sc.qt.size()) < padded * D) {
+      sc.qt.resize(padded * D);
+      sc.ot.resize(padded * D);
+    }
+    if (static_cast<int64_t>(sc.km_m.size()) < padded) {
+      sc.km_m.resize(padded);
+      sc.km_l.resize(padded);
+      sc.km_alpha.resize(padded);
+      sc.km_lo.resize(padded);
+      sc.km_hi.resize(padded);
+    }
+    std::fill(sc.qt.begin(), sc.qt.begin() + padded * D, 0.0f);
+    std::fill(sc.ot.begin(), sc.ot.begin() + padded * D, 0.0f);
+    std::fill(sc.km_m.begin(), sc.km_m.begin() + padded, -std::numeric_limits<float>::infinity());
+    std::fill(sc.km_l.begin(), sc.km_l.begin() + padded, 0.0f);
+    std::fill(sc.km_lo.begin(), sc.km_lo.begin() + padded, 0);
+    std::fill(sc.km_hi.begin(), sc.km_hi.begin() + padded, 0);
+  }
   float *Q = sc.q.data(), *O = sc.o.data(), *S = sc.s.data(), *M = sc.m.data(), *L = sc.l.data();
   const QT* qbase = static_cast<const QT*>(a.q);
   const int64_t row0 = a.offsets[it.b] + it.q0;
@@ -815,7 +1037,16 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int64_t i = map.token(r);
     const QT* src = qbase + (row0 + i) * a.q_stride_row + map.q_head(it, r) * a.q_stride_head;
     float* dst = Q + r * Dp;
-    if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are (D is a multiple of 2W: no padding)
+    const int64_t hh = r / per_head, slot = r % per_head, lane = hh * rp + slot;  // keys-major: its lane
+    if (keys_major) {  // Qt of head hh: [D][rp] scaled fp32, or for bf16_dot kinds [D / 2][rp] bf16 pairs
+      float* qt = sc.qt.data() + hh * rp * D;
+      if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are
+        uint16_t* pairs = reinterpret_cast<uint16_t*>(qt);
+        for (int64_t d = 0; d < D; ++d) pairs[((d / 2) * rp + slot) * 2 + d % 2] = src[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) qt[d * rp + slot] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
+      }
+    } else if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are (D is a multiple of 2W: no padding)
       std::memcpy(dst, src, D * sizeof(QT));
     } else {
       for (int64_t d = 0; d < D; ++d) dst[row_slot<DT>(d)] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
@@ -828,6 +1059,10 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     key_range(a, it.b, it.q0 + i, &lo, &hi);
     sc.lo[r] = std::max(lo, it.k0);
     sc.hi[r] = std::min(hi, it.k1);
+    if (keys_major) {
+      sc.km_lo[lane] = static_cast<int32_t>(sc.lo[r]);
+      sc.km_hi[lane] = static_cast<int32_t>(sc.hi[r]);
+    }
     if (sc.lo[r] < sc.hi[r]) {
       klo = std::min(klo, sc.lo[r]);
       khi = std::max(khi, sc.hi[r]);
@@ -915,13 +1150,40 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     // the next block's K rows while P V does (each phase reads what the other fetched).
     const int64_t tile_steps = static_cast<int64_t>(tiles.size()) * ((n + CHUNK - 1) / CHUNK);
     const int keys_per_tile = static_cast<int>(8 / std::min<int64_t>(ROW_TILE, per_head));  // qk_rows' NT
+    const int64_t km_steps = heads * ((rp / W + KM_RV - 1) / KM_RV) * (n / KM_NT);  // qk_keys_major's step() calls
     Ahead v_now, k_next;
-    if (!staged) v_now.start(vp, n, span_bytes, tile_steps * ((CHUNK + keys_per_tile - 1) / keys_per_tile));
+    if (!staged) {
+      v_now.start(vp, n, span_bytes,
+                  keys_major ? km_steps : tile_steps * ((CHUNK + keys_per_tile - 1) / keys_per_tile));
+    }
     if (k0 + kb < khi) {
       const int n_next = static_cast<int>(std::min<int64_t>(kb, khi - k0 - kb));
       fill(k0 + kb, n_next, (block + 1) & 1);
       const void* const* next_kp = sc.kp.data() + ((block + 1) & 1) * KEY_BLOCK;
-      if (!staged) k_next.start(next_kp, n_next, span_bytes, tile_steps * (nfull / 2));  // staged: in cache
+      if (!staged) {  // staged: in cache
+        k_next.start(next_kp, n_next, span_bytes,
+                     keys_major ? heads * ((rp / W + KM_RV - 1) / KM_RV) * (D / KM_ND)
+                                : tile_steps * (nfull / 2));
+      }
+    }
+    if (keys_major) {  // scores and softmax per head, keys-major
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        float* st = S + hh * rp * KEY_BLOCK;
+        const int64_t lane0 = hh * rp;
+        if constexpr (!is_fp8<DT>()) {
+          qk_keys_major<DT>(sc.qt.data() + lane0 * D, rp, static_cast<int>(rp / W), kp, hh * D, n, D, st, rp, v_now);
+        }
+        for (int64_t v = 0; v < rp; v += W) {
+          softmax_keys_major(st + v, rp, n, k0, sc.km_lo.data() + lane0 + v, sc.km_hi.data() + lane0 + v,
+                             sc.km_m.data() + lane0 + v, sc.km_l.data() + lane0 + v, sc.km_alpha.data() + lane0 + v,
+                             bf16_dot<DT>() ? a.scale : 1.0f, a.softcap);
+        }
+        if constexpr (!is_fp8<DT>()) {
+          pv_keys_major<DT>(st, rp, static_cast<int>(rp / W), vp, hh * D, n, D, sc.km_alpha.data() + lane0,
+                            sc.ot.data() + lane0 * D, rp, k_next);
+        }
+      }
+      continue;
     }
     // Scores, CHUNK keys at a time through every row tile.
     for (int c0 = 0; c0 < n; c0 += CHUNK) {
@@ -980,8 +1242,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const void* const* vc = vp + c0;
       const Granules vg{vs + c0, granule};
       for (const Tile& tile : tiles) {
-        const float* p = S + tile.r0 * KEY_BLOCK + c0;
         float* o = O + tile.r0 * Dp;
+        const float* p = S + tile.r0 * KEY_BLOCK + c0;
         switch (tile.rt) {
           case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
           case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
@@ -991,12 +1253,23 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
     }
   }
-  if constexpr (DT == BF16_PAIRS) {  // accumulator columns back in order
+  if (keys_major) {  // accumulators back in rows
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* ot = sc.ot.data() + (r / per_head) * rp * D + r % per_head;
+      for (int64_t d = 0; d < D; ++d) O[r * Dp + d] = ot[d * rp];
+    }
+  } else if constexpr (DT == BF16_PAIRS) {  // accumulator columns back in order
     float* tmp = Q;  // the queries are not needed any more
     for (int64_t r = 0; r < rows; ++r) {
       float* o = O + r * Dp;
       for (int64_t d = 0; d < D; ++d) tmp[d] = o[row_slot<DT>(d)];
       std::memcpy(o, tmp, D * sizeof(float));
+    }
+  }
+  if (keys_major) {  // the rows' max and sum from their lanes
+    for (int64_t r = 0; r < rows; ++r) {
+      M[r] = sc.km_m[r / per_head * rp + r % per_head];
+      L[r] = sc.km_l[r / per_head * rp + r % per_head];
     }
   }
   if (it.part >= 0) {  // a split: keep the unnormalised rows with their max and sum
