@@ -380,7 +380,7 @@ inline float load_scalar(const typename Storage<DT>::T* p) {
 }
 
 // exp(x), about 2 ulp (Cephes' polynomial); 0 below -87.3 (so exp(-inf) = 0), capped above 88.
-inline vf vexp(vf x) {
+__attribute__((always_inline)) inline vf vexp(vf x) {
   vi under = x < -87.3f;
   x = (x > 88.0f) ? splat(88.0f) : x;
   x = under ? splat(-87.3f) : x;
@@ -432,7 +432,7 @@ inline v8 to8(vf a) {  // (#if: a discarded `if constexpr` branch outside a temp
 }
 
 // out[i] = sum of a[i]'s lanes, for 8 vectors at once (a transposing add tree).
-inline void hsum8(const vf* a, float* out) {
+__attribute__((always_inline)) inline void hsum8(const vf* a, float* out) {
   v8 b[8];
   for (int i = 0; i < 8; ++i) b[i] = to8(a[i]);
   v8 x[4];
