@@ -1150,10 +1150,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const void** vp = sc.vp.data() + (block & 1) * KEY_BLOCK;
     const float* const* ks = sc.ks.data() + (block & 1) * KEY_BLOCK;  // FP8_*: their scales
     const float* const* vs = sc.vs.data() + (block & 1) * KEY_BLOCK;
-    // The row tiles with a key of this block to see (per kv head, ROW_TILE rows at a time).
+    // The row tiles with a key of this block to see (per kv head, ROW_TILE rows at a time; none
+    // keys-major).
     std::vector<Tile>& tiles = sc.tiles;
     tiles.clear();
-    for (int64_t hh = 0; hh < heads; ++hh) {
+    for (int64_t hh = 0; !keys_major && hh < heads; ++hh) {
       for (int64_t r0 = hh * per_head; r0 < (hh + 1) * per_head; r0 += ROW_TILE) {
         const int rt = static_cast<int>(std::min<int64_t>(ROW_TILE, (hh + 1) * per_head - r0));
         if (live(r0, rt, k0, n)) tiles.push_back({r0, hh * D, rt});
@@ -1255,8 +1256,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const void* const* vc = vp + c0;
       const Granules vg{vs + c0, granule};
       for (const Tile& tile : tiles) {
-        float* o = O + tile.r0 * Dp;
         const float* p = S + tile.r0 * KEY_BLOCK + c0;
+        float* o = O + tile.r0 * Dp;
         switch (tile.rt) {
           case 4: pv_rows<DT, 4>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
           case 3: pv_rows<DT, 3>(p, KEY_BLOCK, vc, tile.ofs, nt, nfull, tail, o, Dp, vg, k_next); break;
