@@ -1065,9 +1065,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       for (int64_t d = 0; d < D; ++d) dst[row_slot<DT>(d)] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
       std::fill(dst + D, dst + Dp, 0.0f);
     }
-    std::fill(O + r * Dp, O + (r + 1) * Dp, 0.0f);
-    M[r] = -std::numeric_limits<float>::infinity();
-    L[r] = 0.0f;
+    if (!keys_major) {  // (keys-major: Ot, km_m and km_l, put into O, M and L at the end)
+      std::fill(O + r * Dp, O + (r + 1) * Dp, 0.0f);
+      M[r] = -std::numeric_limits<float>::infinity();
+      L[r] = 0.0f;
+    }
     int64_t lo, hi;
     key_range(a, it.b, it.q0 + i, &lo, &hi);
     sc.lo[r] = std::max(lo, it.k0);
