@@ -377,8 +377,17 @@ def _fp8(rank: int, world: int) -> None:
     return None
 
 
-def test_fp8_pages_travel_with_their_scales(rank_groups):
-    rank_groups.get(2).run(_fp8)
+def _fp8_sums(rank: int, world: int, on_device: bool) -> int:
+    """`_fp8`, with the sums kept as tensors if `on_device`; returns how many were."""
+    with sums_on_device() if on_device else contextlib.nullcontext([0]) as count:
+        _fp8(rank, world)
+    return count[0]
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_fp8_pages_travel_with_their_scales(rank_groups, on_device):
+    sums = rank_groups.get(2).run(_fp8_sums, on_device)
+    assert all(n > 1 for n in sums) if on_device else sums == [0, 0]
 
 
 @contextlib.contextmanager
@@ -412,32 +421,39 @@ def wrong_checksum(message: int) -> Iterator[None]:
         yield
 
 
-def _corrupted(rank: int, world: int) -> str:
+def _corrupted(rank: int, world: int, on_device: bool) -> tuple[str, int]:
     """A byte flipped in chunk 2 after its checksum: the receiver drains the rest, says why, and is
-    unchanged; the sender hears the reason; the next transfer on the same channel works."""
+    unchanged; the sender hears the reason; the next transfer on the same channel works. `on_device`:
+    the sums computed, written and compared as tensors (the route of GPU wires). Returns the error and
+    the number of sums taken as tensors."""
     src, model, ids, _ = sender_state(5)
     one_page = PS * PARAMS.bytes_per_token
-    if rank == 0:
-        with corrupted_chunk(2, byte=3, bit=0x40), pytest.raises(TransferError) as info:
+    with sums_on_device() if on_device else contextlib.nullcontext([0]) as count:
+        if rank == 0:
+            with corrupted_chunk(2, byte=3, bit=0x40), pytest.raises(TransferError) as info:
+                send_sequences(src, ids, 1, chunk_bytes=one_page)
             send_sequences(src, ids, 1, chunk_bytes=one_page)
-        send_sequences(src, ids, 1, chunk_bytes=one_page)
-        return str(info.value)
-    dst, dst_model = receiver_state(5, [1, 2, 3, 4])
-    before = snapshot(dst)
-    with pytest.raises(TransferError, match="checksum") as info:
+            return str(info.value), count[0]
+        dst, dst_model = receiver_state(5, [1, 2, 3, 4])
+        before = snapshot(dst)
+        with pytest.raises(TransferError, match="checksum") as info:
+            receive_sequences(dst, 0)
+        assert_same(before, snapshot(dst))
+        # chunk 1 went in; chunk 2 too where it is checked while copied (the fused CPU path); every
+        # chunk where the verdicts are read back at the end (on the device); all given back
+        written = used_pages(src, ids) if on_device else (2 if wire.has_copy_sum64() else 1)
+        assert info.value.pages_written == written
         receive_sequences(dst, 0)
-    assert_same(before, snapshot(dst))
-    # chunk 1 went in; chunk 2 too where it is checked while copied (the fused CPU path); all given back
-    assert info.value.pages_written == (2 if wire.has_copy_sum64() else 1)
-    receive_sequences(dst, 0)
     check_contents(dst, {**dst_model, **{i: model[i] for i in ids}}, [*dst_model, *ids])
-    return str(info.value)
+    return str(info.value), count[0]
 
 
-def test_a_corrupted_chunk_is_refused_and_the_channel_stays_usable(rank_groups):
-    sender, receiver = rank_groups.get(2).run(_corrupted)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_corrupted_chunk_is_refused_and_the_channel_stays_usable(rank_groups, on_device):
+    (sender, sender_sums), (receiver, receiver_sums) = rank_groups.get(2).run(_corrupted, on_device)
     assert receiver.startswith("checksum (sum64) mismatch in chunk 2 of")
     assert "did not take the sequences: checksum (sum64) mismatch in chunk 2" in sender
+    assert (sender_sums > 4 and receiver_sums > 4) if on_device else sender_sums == receiver_sums == 0
 
 
 def _corrupted_into_cached_pages(rank: int, world: int, direct: bool) -> int:
@@ -603,6 +619,20 @@ def test_direct_transfers_with_sums_kept_on_the_device_are_bit_exact(rank_groups
     the route of GPU messages, run on CPU tensors: bit-exact (and a wrong sum is refused, above)."""
     seeds = [1, 5, 9, 13]  # seed % 4 == 1: sum64; rank 1 sends, rank 0 receives
     assert all(sums > len(seeds) for sums in rank_groups.get(2).run(_transfer_random_device_sums, seeds))
+
+
+def _transfer_random_packed_device_sums(rank: int, world: int, seeds: list[int]) -> int:
+    with sums_on_device() as count:
+        _transfer_random(rank, world, seeds)
+    return count[0]
+
+
+def test_packed_transfers_with_sums_kept_on_the_device_are_bit_exact(rank_groups):
+    """Random ragged packed transfers (sum64) whose sums are computed and written into the trailers as
+    tensors and whose verdicts are read back once at the end, the route of GPU wires, run on CPU
+    tensors: bit-exact (and a flipped byte is refused, above)."""
+    seeds = [1, 5, 9, 13]  # seed % 4 == 1: sum64; rank 1 sends, rank 0 receives
+    assert all(sums > len(seeds) for sums in rank_groups.get(2).run(_transfer_random_packed_device_sums, seeds))
 
 
 def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:

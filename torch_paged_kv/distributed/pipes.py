@@ -94,7 +94,8 @@ def _move(pool: torch.Tensor, data: torch.Tensor, pages: list[int], to_wire: boo
 class PackedPipe:
     """Packed messages: pages move between a pool (`blocks`, plus `scales` if any) and the reused wire
     buffers. A CPU pool and wire with the SUM64 checksum copy and checksum in one pass
-    (`wire.copy_sum64`)."""
+    (`wire.copy_sum64`); a wire where SUM64 sums stay on the device (`wire.sums_stay_on`: a GPU) has its
+    sums computed, written and compared there, and the receiver reads its verdicts back once."""
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor | None, wire_dev: torch.device, chunk_pages: int):
         self.blocks = byte_pages(blocks)
@@ -104,11 +105,16 @@ class PackedPipe:
         size = chunk_pages * (self.page_bytes + self.scale_bytes) + wire.TRAILER_BYTES
         pin = wire_dev.type == "cpu" and blocks.device.type == "cuda"
         self.buffers = _wire_buffers(wire_dev, pin, size)
-        self.fusable = blocks.device.type == wire_dev.type == "cpu" and wire.has_copy_sum64()
+        self.on_device = wire.sums_stay_on(wire_dev)
+        self.fusable = not self.on_device and blocks.device.type == wire_dev.type == "cpu" and wire.has_copy_sum64()
 
     def _fuses(self, kind: int) -> bool:
         """Whether messages with checksum `kind` are copied and checked in one pass."""
         return self.fusable and kind == wire.SUM64
+
+    def _stays_on_device(self, kind: int) -> bool:
+        """Whether checksums `kind` are computed and compared on the wire's device (no host wait)."""
+        return self.on_device and kind == wire.SUM64
 
     def message(self, k: int, n: int) -> torch.Tensor:
         """Buffer `k % PIPELINE_DEPTH` cut to a chunk of `n` pages (with its trailer)."""
@@ -142,13 +148,22 @@ class PackedPipe:
             return
         for pool, data in self._parts(message, len(pages)):
             _move(pool, data, pages, to_wire=True)
-        wire.put_trailer(message, wire.checksum(payload, kind))
+        on_device = self._stays_on_device(kind)
+        wire.put_trailer(message, wire.sum64_tensor(payload) if on_device else wire.checksum(payload, kind))
 
-    def scatter(self, message: torch.Tensor, pages: list[int], kind: int) -> tuple[bool, int]:
+    def scatter(self, message: torch.Tensor, pages: list[int], kind: int) -> tuple[bool | torch.Tensor, int]:
         """The pages of `message` into pool pages `pages` if its checksum matches; returns whether it
-        matched and how many pages were written. The fused path writes the pages while it checks
-        them: all of them, match or not (the caller's own fresh pages, dropped on a mismatch)."""
-        payload, expected = message[: -wire.TRAILER_BYTES], wire.get_trailer(message)
+        matched and how many pages were written. The fused and the on-device paths write the pages
+        while they check them: all of them, match or not (the caller's own fresh pages, dropped on a
+        mismatch); the on-device path's verdict is a 0-d bool tensor there, for the caller to read
+        back with the others at the end."""
+        payload = message[: -wire.TRAILER_BYTES]
+        if self._stays_on_device(kind):
+            matched = wire.sum64_tensor(payload) == wire.trailer_tensor(message)  # before the pages move
+            for pool, data in self._parts(message, len(pages)):
+                _move(pool, data, pages, to_wire=False)
+            return matched, len(pages)
+        expected = wire.get_trailer(message)
         if self._fuses(kind):
             return wire.copy_sum64(self._segments(pages), payload, to_payload=False) == expected, len(pages)
         if wire.checksum(payload, kind) != expected:

@@ -504,7 +504,7 @@ def _receive_packed(
         if k < len(sizes):
             works[k] = _post(dist.irecv, pipe.message(k, sizes[k]), src, group, what.format(k + 1), written)
 
-    written, bad = 0, None
+    written, bad, verdicts = 0, None, []  # verdicts: on-device checks, read back once at the end
     for k in range(PIPELINE_DEPTH - 1):
         post(k)
     for k, n in enumerate(sizes):
@@ -514,8 +514,14 @@ def _receive_packed(
             continue
         matched, filled = pipe.scatter(pipe.message(k, n), pages[written : written + n], preamble.checksum)
         written += filled  # with a mismatch too: `adopt` must forget cached pages that were written
-        if not matched:
-            bad = f"checksum ({wire.CHECKSUM_NAMES[preamble.checksum]}) mismatch in chunk {k + 1} of {len(sizes)}"
+        if isinstance(matched, torch.Tensor):
+            verdicts.append(matched)
+        elif not matched:
+            bad = k
+    if verdicts:
+        failed = torch.stack(verdicts).logical_not().nonzero().cpu()
+        bad = int(failed[0]) if failed.numel() else None
     if bad is not None:
-        raise TransferError(f"{bad} from rank {src}", written)
+        name = wire.CHECKSUM_NAMES[preamble.checksum]
+        raise TransferError(f"checksum ({name}) mismatch in chunk {bad + 1} of {len(sizes)} from rank {src}", written)
     return written

@@ -337,11 +337,21 @@ def checksum(payload: torch.Tensor, kind: int) -> int:
     return sum64(payload)
 
 
-def put_trailer(buffer: torch.Tensor, value: int) -> None:
-    """Write `value` as the little-endian uint64 in the last 8 bytes of `buffer`."""
-    data = torch.frombuffer(bytearray(value.to_bytes(TRAILER_BYTES, "little")), dtype=torch.uint8)
+def put_trailer(buffer: torch.Tensor, value: int | torch.Tensor) -> None:
+    """Write `value` as the little-endian uint64 in the last 8 bytes of `buffer`: an int, or a 0-d int64
+    tensor of its bits (`sum64_tensor`) on the buffer's device, copied there without a host wait."""
+    if isinstance(value, torch.Tensor):
+        data = value.reshape(1).view(torch.uint8)
+    else:
+        data = torch.frombuffer(bytearray(value.to_bytes(TRAILER_BYTES, "little")), dtype=torch.uint8)
     buffer[-TRAILER_BYTES:].copy_(data)
 
 
 def get_trailer(buffer: torch.Tensor) -> int:
+    """The little-endian uint64 in the last 8 bytes of `buffer` (read back to the host)."""
     return int.from_bytes(bytes(buffer[-TRAILER_BYTES:].cpu().numpy()), "little")
+
+
+def trailer_tensor(buffer: torch.Tensor) -> torch.Tensor:
+    """The last 8 bytes of `buffer` as a 0-d int64 tensor (uint64 bits) on its device: no host wait."""
+    return buffer[-TRAILER_BYTES:].clone().view(torch.int64).reshape(())
