@@ -19,7 +19,7 @@ hf_large="--layers 16 --hidden 1024 --batch 8 --prompt 256 --new-tokens 64 --rep
 
 declare -A commands=(
   [env]="nvidia-smi -L; python -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'; python -c 'import cutlass; print(\"cutlass DSL\", cutlass.__version__)' || echo 'no CuTe DSL (source /tmp/kit/env.sh)'"
-  [paths]="python -m pytest -q -rs tests/gpu/test_cuda_paths.py"
+  [paths]="python -m pytest -q -rs tests/gpu/test_cuda_paths.py tests/gpu/test_distributed_gpu.py"
   [triton]="python -m pytest -q -rs --durations=5 tests/gpu/test_triton_gpu.py tests/gpu/test_mla_gpu.py"
   [cute]="$need_cute && python -m pytest -q -rs --durations=5 tests/gpu/test_cute_gpu.py"
   [examples]="python examples/hf_generate.py && python examples/compiled_decode.py && python examples/checkpoint_resume.py && python examples/quickstart.py && python examples/mla_decode.py"

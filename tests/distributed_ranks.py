@@ -1,4 +1,4 @@
-"""Worker processes for multi-process tests: a gloo group of N ranks that runs test functions.
+"""Worker processes for multi-process tests: a gloo (or NCCL) group of N ranks that runs test functions.
 
 Starting processes that import torch costs seconds on the CI machines, so a `Ranks` group is
 started once and reused by the tests of a module: `ranks.run(fn, *args)` runs the module-level
@@ -25,13 +25,15 @@ GROUP_TIMEOUT_S = 30.0
 FAILURE_GRACE_S = 5.0
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -53,9 +55,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: Any, results: Any
 
 
 class Ranks:
-    """`world_size` worker processes in one gloo group."""
+    """`world_size` worker processes in one gloo group (or NCCL: rank r on GPU r)."""
 
-    def __init__(self, world_size: int, timeout: float = 120.0) -> None:
+    def __init__(self, world_size: int, timeout: float = 120.0, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._dir = tempfile.TemporaryDirectory(prefix="tpk-ranks-")
@@ -63,7 +65,9 @@ class Ranks:
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results, backend), daemon=True
+            )
             for r in range(world_size)
         ]
         for p in self._procs:
