@@ -225,6 +225,18 @@ inline __m256i fp8_to_f16_bits(__m256i x) {
 }
 #endif
 
+#if defined(__AVX512BW__)
+// fp8_to_f16_bits for 32 codes (zero-extended to 16-bit lanes).
+template <int FORMAT>
+inline __m512i fp8_to_f16_bits(__m512i x) {
+  const __m512i top = _mm512_slli_epi16(x, 8);
+  if constexpr (FORMAT == E5M2) return top;
+  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(top, 1), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(h, 1), _mm512_set1_epi16(0x7F00));
+  return _mm512_or_si512(h, _mm512_maskz_mov_epi16(nan, _mm512_set1_epi16(0x7E00)));
+}
+#endif
+
 // dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). The
 // 16-code path multiplies value / 2^8 by s * 2^8 for e4m3fn: the same real product, so the same
 // rounding (s * 2^8 is exact short of overflow, which takes the generic path).
@@ -282,7 +294,15 @@ inline vf load(const typename Storage<DT>::T* p) {
 // The exact fp32 values of the 2W FP8 codes at p (unscaled), as two vectors in order.
 template <int FORMAT>
 inline void fp8_load2(const uint8_t* p, vf& a, vf& b) {
-#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+#if defined(__AVX512BW__)
+  const __m512i h = fp8_to_f16_bits<FORMAT>(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+  a = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  b = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  if constexpr (FORMAT == E4M3FN) {  // the codes' values / 2^8: times 2^8, exact
+    a *= 256.0f;
+    b *= 256.0f;
+  }
+#elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
   const __m256i h = fp8_to_f16_bits<FORMAT>(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   a = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
   b = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
