@@ -470,6 +470,23 @@ __attribute__((always_inline)) inline void hsum8(const vf* a, float* out) {
   std::memcpy(out, &z, sizeof z);
 }
 
+// Lanes 0, 1, ... W/2 - 1 of a and b interleaved (a0 b0 a1 b1 ...), and the upper halves likewise.
+inline vf interleave_low(vf a, vf b) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+#else
+  return __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
+#endif
+}
+
+inline vf interleave_high(vf a, vf b) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+  return __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+}
+
 // Where column d of a query row or accumulator lives: d itself, or for BF16_PAIRS the slot that
 // load2 gives element d of its 2W-element group.
 template <int DT>
@@ -1294,12 +1311,14 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const float* ot = sc.ot.data() + (r / per_head) * rp * D + r % per_head;
       for (int64_t d = 0; d < D; ++d) O[r * Dp + d] = ot[d * rp];
     }
-  } else if constexpr (DT == BF16_PAIRS) {  // accumulator columns back in order
-    float* tmp = Q;  // the queries are not needed any more
+  } else if constexpr (DT == BF16_PAIRS) {  // accumulator columns back in order: evens and odds interleaved
     for (int64_t r = 0; r < rows; ++r) {
       float* o = O + r * Dp;
-      for (int64_t d = 0; d < D; ++d) tmp[d] = o[row_slot<DT>(d)];
-      std::memcpy(o, tmp, D * sizeof(float));
+      for (int64_t d = 0; d < D; d += 2 * W) {
+        const vf even = load_f32(o + d), odd = load_f32(o + d + W);
+        store_f32(o + d, interleave_low(even, odd));
+        store_f32(o + d + W, interleave_high(even, odd));
+      }
     }
   }
   if (keys_major) {  // the rows' max and sum from their lanes
