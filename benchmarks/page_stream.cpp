@@ -2,6 +2,7 @@
 // sequence's pages of one layer, K then V of each page, summed as 64-bit words in table order on
 // `threads` threads (each a contiguous share of the sequences' pages, as the kernel's items are).
 // What a paged kernel could reach on this machine if its arithmetic were free.
+// `stream_read`: the same loop over one contiguous buffer, the read bandwidth probe's second reading.
 #include <cstdint>
 
 extern "C" uint64_t page_stream(const char* blocks, const int32_t* table, int64_t table_stride, int64_t batch,
@@ -22,6 +23,24 @@ extern "C" uint64_t page_stream(const char* blocks, const int32_t* table, int64_
       }
       total += a + b + c + d;
     }
+  }
+  return total;
+}
+
+extern "C" uint64_t stream_read(const char* data, int64_t nbytes, int threads) {
+  const int64_t chunk = 1 << 16, chunks = nbytes / chunk;
+  uint64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
+  for (int64_t i = 0; i < chunks; ++i) {
+    const uint64_t* w = reinterpret_cast<const uint64_t*>(data + i * chunk);
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (int64_t k = 0; k < chunk / 8; k += 4) {
+      a += w[k];
+      b += w[k + 1];
+      c += w[k + 2];
+      d += w[k + 3];
+    }
+    total += a + b + c + d;
   }
   return total;
 }
