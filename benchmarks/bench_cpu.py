@@ -21,12 +21,13 @@ each checked against fp32 SDPA on the same K/V made contiguous before it is time
   block 128 (its `vec` kernel, which wants blocks that are multiples of 32).
 
 `GB/s` = bytes that must be read (K and V of every cached token once, q) plus out written, / time;
-`of read` divides by the machine's read bandwidth measured first: 1 GiB read on all threads by
-`tensor.sum()` and by `page_stream.cpp`'s `stream_read` (64-bit word sums), the faster median (the
-C reader reaches more than torch's sum on some machines, and a slow probe would flatter the ratio); `x cpu` is a row's time over the `cpu` row's. Prefill rows give GFLOP/s (causal: half
-the score matrix). Times: median of `--repeats` rounds after two warm-up rounds, with the fastest
-and slowest; a round calls every contender of a case once, so load from other work on the
-machine drifts over all of them alike; the load average before and after is recorded.
+`of read` divides by the machine's read bandwidth measured first: 1 GiB on huge pages read on all
+threads by `tensor.sum()` and by `page_stream.cpp`'s `stream_read` (64-bit word sums), the faster
+median (a slow probe would flatter the ratio); `x cpu` is a row's time over the `cpu` row's. Prefill
+rows give GFLOP/s (causal: half the score matrix). Times: median of `--repeats` rounds after two
+warm-up rounds, with the fastest and slowest; a round calls every contender of a case once, so load
+from other work on the machine drifts over all of them alike; the load average before and after is
+recorded.
 """
 
 from __future__ import annotations
