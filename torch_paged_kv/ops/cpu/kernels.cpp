@@ -212,29 +212,18 @@ inline vf fp8_to_f32(const uint8_t* p) {
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
-// 16 FP8 codes (zero-extended to 16-bit lanes) as fp16 bit patterns: of the same value for e5m2 (its
-// code is the fp16's top byte), of the value / 2^8 for e4m3fn (sign kept, exponent and mantissa one
-// bit lower: they then fit fp16's, subnormals included; the NaN codes become fp16 NaNs). Three to
-// five integer ops per 16 codes, where fp8_to_f32's generic vectors compile to about fifteen per 8.
-template <int FORMAT>
-inline __m256i fp8_to_f16_bits(__m256i x) {
-  const __m256i top = _mm256_slli_epi16(x, 8);
-  if constexpr (FORMAT == E5M2) return top;
-  const __m256i h = _mm256_and_si256(_mm256_srai_epi16(top, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-  const __m256i nan = _mm256_cmpeq_epi16(_mm256_slli_epi16(h, 1), _mm256_set1_epi16(0x7F00));
-  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)));
-}
-#endif
-
-#if defined(__AVX512BW__)
-// fp8_to_f16_bits for 32 codes (zero-extended to 16-bit lanes).
-template <int FORMAT>
-inline __m512i fp8_to_f16_bits(__m512i x) {
-  const __m512i top = _mm512_slli_epi16(x, 8);
-  if constexpr (FORMAT == E5M2) return top;
-  const __m512i h = _mm512_and_si512(_mm512_srai_epi16(top, 1), _mm512_set1_epi16(static_cast<short>(0xBFFF)));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(h, 1), _mm512_set1_epi16(0x7F00));
-  return _mm512_or_si512(h, _mm512_maskz_mov_epi16(nan, _mm512_set1_epi16(0x7E00)));
+// FP8 codes (zero-extended to the 16-bit lanes of an __m256i or __m512i) as fp16 bit patterns: of
+// the same value for e5m2 (its code is the fp16's top byte), of the value / 2^8 for e4m3fn (sign
+// kept, exponent and mantissa one bit lower: they then fit fp16's, subnormals included; the NaN
+// codes become fp16 NaNs). Three to five integer ops per vector, where fp8_to_f32's generic byte
+// vectors compile to about fifteen per 8 codes.
+template <int FORMAT, typename V>
+inline V fp8_to_f16_bits(V x) {
+  typedef int16_t lanes __attribute__((vector_size(sizeof(V))));
+  const lanes top = (lanes)x << 8;
+  if constexpr (FORMAT == E5M2) return (V)top;
+  const lanes h = (top >> 1) & static_cast<int16_t>(0xBFFF);  // (arithmetic shift: the sign stays)
+  return (V)((h << 1) == 0x7F00 ? (h | 0x7E00) : h);
 }
 #endif
 
