@@ -518,7 +518,7 @@ def _receive_packed(
             verdicts.append(matched)
         elif not matched:
             bad = k
-    if verdicts:
+    if verdicts:  # (then every chunk was checked on the device)
         failed = torch.stack(verdicts).logical_not().nonzero().cpu()
         bad = int(failed[0]) if failed.numel() else None
     if bad is not None:
