@@ -228,7 +228,7 @@ inline V fp8_to_f16_bits(V x) {
 #endif
 
 // dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). The
-// 16-code path multiplies value / 2^8 by s * 2^8 for e4m3fn: the same real product, so the same
+// 16- and 8-code paths multiply value / 2^8 by s * 2^8 for e4m3fn: the same real product, so the same
 // rounding (s * 2^8 is exact short of overflow, which takes the generic path).
 template <int FORMAT>
 inline void dequantize(const uint8_t* src, int64_t n, float s, float* dst) {
@@ -245,6 +245,10 @@ inline void dequantize(const uint8_t* src, int64_t n, float s, float* dst) {
       store_f32(dst + e, (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h)) * splat(mul));
       store_f32(dst + e + 8, (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)) * splat(mul));
 #endif
+    }
+    for (; e + 8 <= n; e += 8) {  // (granules of 8)
+      const __m128i codes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + e)));
+      _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_cvtph_ps(fp8_to_f16_bits<FORMAT>(codes)), _mm256_set1_ps(mul)));
     }
   }
 #endif
@@ -1032,6 +1036,17 @@ struct RowMap {
   int64_t q_head(const Item& it, int64_t r) const { return head(it, r) * group + r % group; }
 };
 
+// The fewest query rows per kv head for which an item takes the keys-major tiles (qk_keys_major):
+// two vectors' worth (one for fp32 with AVX-512, whose broadcasts are free memory operands: 16-bit
+// kinds convert each one, AVX2 tiles are narrower). Interleaved A/B (Zen 4, 8 x 2048 context, 1 to
+// 6 new tokens): at one vector of rows the dot-product tiles took 0.87-0.98x the time for bf16 and
+// fp16 (AVX-512) and 0.67-0.83x for every kind on AVX2; fp32 with AVX-512 1.12-1.25x. FP8 codes
+// have no keys-major tiles: such items run on dequantized blocks instead (flash_attention).
+template <int DT>
+constexpr int64_t keys_major_rows() {
+  return DT == F32 && W == 16 ? W : 2 * W;
+}
+
 template <int DT>
 void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t part_stride) {
   using T = typename Storage<DT>::T;
@@ -1044,12 +1059,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const RowMap map{group, per_head};
   Scratch& sc = tls_scratch;
   sc.reserve(rows, Dp);
-  // Keys-major scores (qk_keys_major) for a head with two vectors' worth of rows (one for fp32 with
-  // AVX-512, whose broadcasts are free memory operands: 16-bit kinds convert each one, AVX2 tiles are
-  // narrower); FP8 codes stay on the dot-product tiles. Interleaved A/B (Zen 4, 8 x 2048 context,
-  // 1 to 6 new tokens): at one vector of rows the dot-product tiles took 0.87-0.98x the time for
-  // bf16 and fp16 (AVX-512) and 0.67-0.83x for every kind on AVX2; fp32 with AVX-512 1.12-1.25x.
-  const bool keys_major = !is_fp8<DT>() && per_head >= (DT == F32 && W == 16 ? W : 2 * W);
+  const bool keys_major = !is_fp8<DT>() && per_head >= keys_major_rows<DT>();
   const int64_t rp = round_up(per_head, W);  // keys-major: rows per head, padded
   if (keys_major) {
     const int64_t padded = heads * rp;
@@ -1463,7 +1473,15 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   for (size_t t = 0; t < tasks.size(); ++t) remaining[t].store(tasks[t].parts, std::memory_order_relaxed);
   parallel_for<true>(n_items, threads, [&](int64_t i) {
     const Item& it = items[i];
-    attend_item<DT>(a, it, pp, part_stride);
+    if constexpr (is_fp8<DT>()) {  // prefill-shaped: codes dequantized once per key block, keys-major fp32 tiles
+      if (static_cast<int64_t>(it.nq) * group >= keys_major_rows<F32>()) {
+        attend_item<F32>(a, it, pp, part_stride);
+      } else {
+        attend_item<DT>(a, it, pp, part_stride);
+      }
+    } else {
+      attend_item<DT>(a, it, pp, part_stride);
+    }
     if (it.part >= 0 && remaining[it.task].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       merge_task<DT>(a, tasks[it.task], pp, part_stride);
     }
