@@ -20,9 +20,11 @@
 // least 2W query rows in an item (W for fp32 with AVX-512; prefill) takes the keys-major tiles
 // instead of the dot-product ones: queries and accumulators transposed, rows along the lanes
 // (`qk_keys_major`, `pv_keys_major`).
-// FP8 caches (e4m3fn, e5m2): each key block's rows are dequantized (a code's exact value times
-// its scale, the reference's fp32 product) into a per-thread fp32 block, which the fp32 path then
-// reads; queries and output are fp32 (kernels.py converts).
+// FP8 caches (e4m3fn, e5m2): the dot-product tiles read the codes as their exact values times their
+// scales (FP8_* kinds, below); prefill-shaped items, and granules or head dims those tiles do not
+// take, have each key block's rows dequantized (a code's exact value times its scale, the
+// reference's fp32 product) into a per-thread fp32 block, which the fp32 path then reads; queries
+// and output are fp32 (kernels.py converts).
 
 #include <algorithm>
 #include <atomic>
