@@ -294,22 +294,19 @@ inline void fp8_load2(const uint8_t* p, vf& a, vf& b) {
   const __m512i h = fp8_to_f16_bits<FORMAT>(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
   a = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(h));
   b = (vf)_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-  if constexpr (FORMAT == E4M3FN) {  // the codes' values / 2^8: times 2^8, exact
-    a *= 256.0f;
-    b *= 256.0f;
-  }
 #elif defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
   const __m256i h = fp8_to_f16_bits<FORMAT>(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   a = (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(h));
   b = (vf)_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+#else
+  a = fp8_to_f32<FORMAT>(p);  // (exact values already)
+  b = fp8_to_f32<FORMAT>(p + W);
+  return;
+#endif
   if constexpr (FORMAT == E4M3FN) {  // the codes' values / 2^8: times 2^8, exact
     a *= 256.0f;
     b *= 256.0f;
   }
-#else
-  a = fp8_to_f32<FORMAT>(p);
-  b = fp8_to_f32<FORMAT>(p + W);
-#endif
 }
 
 // 2W consecutive elements at p as two vectors: in order, or for BF16_PAIRS the even then the odd ones.
@@ -466,20 +463,14 @@ __attribute__((always_inline)) inline void hsum8(const vf* a, float* out) {
   std::memcpy(out, &z, sizeof z);
 }
 
-// Lanes 0, 1, ... W/2 - 1 of a and b interleaved (a0 b0 a1 b1 ...), and the upper halves likewise.
-inline vf interleave_low(vf a, vf b) {
+// a and b interleaved (a0 b0 a1 b1 ...): lanes 0 .. W/2 - 1 of each into lo, the upper halves into hi.
+inline void interleave(vf a, vf b, vf& lo, vf& hi) {
 #if defined(__AVX512F__)
-  return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  lo = __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  hi = __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 #else
-  return __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
-#endif
-}
-
-inline vf interleave_high(vf a, vf b) {
-#if defined(__AVX512F__)
-  return __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-#else
-  return __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
+  lo = __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
+  hi = __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
 #endif
 }
 
@@ -1320,9 +1311,10 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     for (int64_t r = 0; r < rows; ++r) {
       float* o = O + r * Dp;
       for (int64_t d = 0; d < D; d += 2 * W) {
-        const vf even = load_f32(o + d), odd = load_f32(o + d + W);
-        store_f32(o + d, interleave_low(even, odd));
-        store_f32(o + d + W, interleave_high(even, odd));
+        vf lo, hi;
+        interleave(load_f32(o + d), load_f32(o + d + W), lo, hi);  // the even columns, then the odd
+        store_f32(o + d, lo);
+        store_f32(o + d + W, hi);
       }
     }
   }
