@@ -141,16 +141,17 @@ def patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def direct_counted() -> Iterator[list[int]]:
-    """Within: every transfer this rank receives goes direct (no minimum run size); yields a count of
-    the direct messages this rank sent or received."""
+def direct_counted(force: bool = True) -> Iterator[list[int]]:
+    """Within: every transfer this rank receives goes direct (no minimum run size) if `force`; yields a
+    count of the direct messages this rank sent or received."""
     count, message = [0], pipes.DirectPipe.message
 
     def counting(self, first_page, n):
         count[0] += 1
         return message(self, first_page, n)
 
-    with patched(transfer_module, "DIRECT_MIN_MESSAGE_BYTES", 0), patched(pipes.DirectPipe, "message", counting):
+    minimum = 0 if force else transfer_module.DIRECT_MIN_MESSAGE_BYTES
+    with patched(transfer_module, "DIRECT_MIN_MESSAGE_BYTES", minimum), patched(pipes.DirectPipe, "message", counting):
         yield count
 
 
@@ -608,31 +609,23 @@ def test_a_corrupted_direct_message_is_refused_and_the_channel_stays_usable(rank
     assert (sender_sums > 4 and receiver_sums > 4) if on_device else sender_sums == receiver_sums == 0
 
 
-def _transfer_random_device_sums(rank: int, world: int, seeds: list[int]) -> int:
-    with direct_counted(), sums_on_device() as count:
+def _transfer_random_device_sums(rank: int, world: int, seeds: list[int], direct: bool) -> tuple[int, int]:
+    """`_transfer_random` with the sums kept as tensors, forced direct or left packed (these pages are
+    too small for direct by default); returns the sums taken as tensors and the direct messages."""
+    with direct_counted(force=direct) as messages, sums_on_device() as sums:
         _transfer_random(rank, world, seeds)
-    return count[0]
+    return sums[0], messages[0]
 
 
-def test_direct_transfers_with_sums_kept_on_the_device_are_bit_exact(rank_groups):
-    """Random ragged direct transfers (sum64) with the sums kept as tensors and compared at the end,
-    the route of GPU messages, run on CPU tensors: bit-exact (and a wrong sum is refused, above)."""
+@pytest.mark.parametrize("direct", [False, True])
+def test_transfers_with_sums_kept_on_the_device_are_bit_exact(rank_groups, direct):
+    """Random ragged transfers (sum64) with the sums kept as tensors, the route of GPU wires, run on
+    CPU tensors: direct messages' sums compared with the sender's at the end; packed chunks' sums
+    written into their trailers on the device and the verdicts read back once. Bit-exact (and a wrong
+    sum or a flipped byte is refused, above)."""
     seeds = [1, 5, 9, 13]  # seed % 4 == 1: sum64; rank 1 sends, rank 0 receives
-    assert all(sums > len(seeds) for sums in rank_groups.get(2).run(_transfer_random_device_sums, seeds))
-
-
-def _transfer_random_packed_device_sums(rank: int, world: int, seeds: list[int]) -> int:
-    with sums_on_device() as count:
-        _transfer_random(rank, world, seeds)
-    return count[0]
-
-
-def test_packed_transfers_with_sums_kept_on_the_device_are_bit_exact(rank_groups):
-    """Random ragged packed transfers (sum64) whose sums are computed and written into the trailers as
-    tensors and whose verdicts are read back once at the end, the route of GPU wires, run on CPU
-    tensors: bit-exact (and a flipped byte is refused, above)."""
-    seeds = [1, 5, 9, 13]  # seed % 4 == 1: sum64; rank 1 sends, rank 0 receives
-    assert all(sums > len(seeds) for sums in rank_groups.get(2).run(_transfer_random_packed_device_sums, seeds))
+    for sums, messages in rank_groups.get(2).run(_transfer_random_device_sums, seeds, direct):
+        assert sums > len(seeds) and (messages > len(seeds) if direct else messages == 0)
 
 
 def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
