@@ -6,6 +6,7 @@ too."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -250,6 +251,21 @@ def test_a_second_process_loads_the_cached_library_without_compiling():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 0, result.stderr
     assert float(result.stdout.split()[-1]) < 1.0  # milliseconds, in fact
+
+
+def test_the_build_key_covers_every_header_the_kernels_include():
+    """A header edit must rebuild the library: every file kernels.cpp includes (transitively, by
+    quotes) is hashed into the cache key."""
+    included, todo = set(), [build.SOURCE]
+    while todo:
+        source = todo.pop()
+        for name in re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.M):
+            path = source.parent / name
+            if path not in included:
+                included.add(path)
+                todo.append(path)
+    assert len(included) >= 8
+    assert included <= set(build.HEADERS)
 
 
 # -- the value checks' fast path ---------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""Compile `kernels.cpp` and `wire_copy.cpp` once per machine into one shared library, cache it on
-disk, load it with ctypes.
+"""Compile `kernels.cpp` (with the headers it includes) and `wire_copy.cpp` once per machine into one
+shared library, cache it on disk, load it with ctypes.
 
 The library has no torch headers (it compiles in seconds and does not depend on torch's C++ ABI):
 the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++` on `PATH`) builds it with `-O3
 -march=native` and OpenMP when the compiler supports it; `-fopenmp` links `libgomp.so.1`, which is
 the OpenMP runtime torch itself loaded, so the kernels share torch's threads. The file is keyed by
-the sources, the compiler (path, size, mtime), the flags and the CPU (`-march=native` code must not
+the sources and headers, the compiler (path, size, mtime), the flags and the CPU (`-march=native` code must not
 run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
 `$XDG_CACHE_HOME/torch_paged_kv` or `~/.cache/torch_paged_kv`), written to a temporary name and
 renamed, so concurrent first calls in several processes at worst compile twice. A warm cache loads
@@ -27,6 +27,8 @@ import threading
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
 """Compiled together, in one compiler call; the cache key hashes the bytes of each."""
+HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))
+"""The parts of `kernels.cpp` (it includes them); hashed into the cache key with the sources."""
 LIBRARY_NAME = "paged_kv_cpu"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
 # Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
@@ -120,7 +122,7 @@ def _build_and_load() -> ctypes.CDLL:
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     extra = os.environ.get(EXTRA_FLAGS_ENV, "").split()
     errors = []
     for flags in (variant + extra for variant in VARIANT_FLAGS):

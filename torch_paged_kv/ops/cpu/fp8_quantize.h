@@ -1,0 +1,114 @@
+// fp8_quantize.h: fp32 to FP8 codes by torch's rounding, and the per-granule amax (store_kv into an FP8 pool).
+// Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
+#pragma once
+
+#include "kinds.h"
+
+namespace {
+
+// fp32 -> the FP8 code of its round-to-nearest-even value, as torch converts (c10's rule): NaN
+// keeps its sign (e4m3fn's NaN code, e5m2's); callers clamp finite values to the format's range
+// first. Normal results: round the mantissa in the fp32 bits, then rebias; subnormal ones: adding
+// 2^(bias + mantissa bits - 1) (a power of two) rounds the value to the subnormal step in the add.
+template <int FORMAT>
+inline uint8_t f32_to_fp8(float f) {
+  constexpr int MANT = FORMAT == E4M3FN ? 3 : 2, BIAS = FORMAT == E4M3FN ? 7 : 15;
+  constexpr int SHIFT = 23 - MANT;
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint32_t code;
+  if (bits > 0x7f800000u) {
+    code = 0x7f;  // NaN, in either format
+  } else if (bits < static_cast<uint32_t>(127 - BIAS + 1) << 23) {  // below the smallest normal
+    const uint32_t magic_bits = static_cast<uint32_t>(127 + 24 - BIAS - MANT) << 23;  // its ulp: the step
+    float magic, x;
+    std::memcpy(&magic, &magic_bits, 4);
+    std::memcpy(&x, &bits, 4);
+    x += magic;
+    uint32_t sum;
+    std::memcpy(&sum, &x, 4);
+    code = sum - magic_bits;
+  } else {
+    bits += (static_cast<uint32_t>(BIAS - 127) << 23) + ((1u << (SHIFT - 1)) - 1) + ((bits >> SHIFT) & 1u);
+    code = bits >> SHIFT;
+  }
+  return static_cast<uint8_t>(code | (sign >> 24));
+}
+
+// The largest finite value of an FP8 format (what quantization clamps to).
+constexpr float fp8_largest(int format) { return format == E4M3FN ? 448.0f : 57344.0f; }
+
+#if defined(__AVX2__)
+// f32_to_fp8 for 8 values at once, each lane's code in its low byte (the same integer steps).
+template <int FORMAT>
+inline __m256i f32_to_fp8_x8(__m256 f) {
+  constexpr int MANT = FORMAT == E4M3FN ? 3 : 2, BIAS = FORMAT == E4M3FN ? 7 : 15, SHIFT = 23 - MANT;
+  const __m256i bits = _mm256_castps_si256(f);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i mag = _mm256_xor_si256(bits, sign);
+  const __m256i magic = _mm256_set1_epi32((127 + 24 - BIAS - MANT) << 23);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(mag), _mm256_castsi256_ps(magic))), magic);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(mag, SHIFT), _mm256_set1_epi32(1));
+  const __m256i bias = _mm256_set1_epi32(static_cast<int>((static_cast<uint32_t>(BIAS - 127) << 23) + (1u << (SHIFT - 1)) - 1));
+  const __m256i norm = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, bias), odd), SHIFT);
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((127 - BIAS + 1) << 23), mag);
+  const __m256i is_nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+  __m256i code = _mm256_blendv_epi8(norm, sub, is_sub);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), is_nan);
+  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+}
+#endif
+
+// dst[0, n) = the FP8 codes of x[0, n) / s clamped to the format's largest value (NaN stays NaN).
+template <int FORMAT>
+inline void quantize(const float* x, int64_t n, float s, uint8_t* dst) {
+  constexpr float top = fp8_largest(FORMAT);
+  int64_t d = 0;
+#if defined(__AVX2__)
+  const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(top), lo = _mm256_set1_ps(-top);
+  for (; d + 8 <= n; d += 8) {
+    const __m256 q = _mm256_div_ps(_mm256_loadu_ps(x + d), vs);
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    const __m256 kept = _mm256_blendv_ps(clamped, q, _mm256_cmp_ps(q, q, _CMP_UNORD_Q));  // NaN stays NaN
+    const __m256i code = f32_to_fp8_x8<FORMAT>(kept);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst + d), _mm_packus_epi16(words, words));
+  }
+#endif
+  for (; d < n; ++d) {
+    const float q = x[d] / s;
+    dst[d] = f32_to_fp8<FORMAT>(std::isnan(q) ? q : std::clamp(q, -top, top));
+  }
+}
+
+// The largest |x[d]| over d < n, NaNs left out; *nan says whether there was one (the reference's
+// amax: NaN makes the scale NaN, so the amax itself then does not matter).
+inline float abs_max(const float* x, int64_t n, bool* nan) {
+  float amax = 0.0f;
+  bool any_nan = false;
+  int64_t d = 0;
+#if defined(__AVX2__)
+  __m256 vmax = _mm256_setzero_ps(), vnan = _mm256_setzero_ps();
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (; d + 8 <= n; d += 8) {
+    const __m256 v = _mm256_loadu_ps(x + d);
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    vmax = _mm256_max_ps(_mm256_and_ps(v, magnitude), vmax);  // a NaN lane keeps vmax (the 2nd operand)
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float lane : lanes) amax = std::max(amax, lane);
+  any_nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; d < n; ++d) {
+    any_nan |= std::isnan(x[d]);
+    amax = std::max(amax, std::fabs(x[d]));
+  }
+  *nan = any_nan;
+  return amax;
+}
+
+}  // namespace

@@ -1,0 +1,202 @@
+// tiles_keys_major.h: the keys-major micro-kernels and their softmax: query rows along the lanes
+// (prefill-shaped items).
+// Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
+#pragma once
+
+#include "kinds.h"
+#include "read_ahead.h"
+
+namespace {
+
+// Prefill-shaped items (a kv head with at least W query rows) compute scores keys-major, as outer
+// products: the head's query rows are transposed once per item into Qt ([head_dim][rows rounded
+// up to W], rows along the lanes), and each key element, broadcast, multiplies a vector of W rows'
+// query elements. No horizontal sums, and each key element loaded feeds KM_RV * W rows (the
+// dot-product tile above feeds ROW_TILE). P = softmax(S) stays keys-major, St[t][r], for P V.
+// P V likewise keeps the accumulators transposed, Ot[d][r]: each V element, broadcast, times a
+// vector of W rows' probabilities.
+#if defined(__AVX512F__)
+constexpr int KM_RV = 4, KM_NT = 6, KM_ND = 6;  // row vectors x keys (x columns): 24 accumulators of 32 registers
+#else
+constexpr int KM_RV = 2, KM_NT = 6, KM_ND = 6;  // 12 accumulators of 16 registers (2 x 4: 1.5x slower)
+#endif
+
+// Element 0 of p as fp32 in every lane.
+template <int DT>
+inline vf bcast(const typename Storage<DT>::T* p) {
+  if constexpr (DT == F32) {
+    return splat(*p);
+  } else if constexpr (scalar_dtype<DT>() == F16) {
+#if defined(__F16C__)
+    return splat(_cvtsh_ss(*p));
+#else
+    return splat(load_scalar<F16>(p));
+#endif
+  } else {
+    return splat(load_scalar<BF16>(p));
+  }
+}
+
+// St[t * ldS + v * W + lane] = sum_d Qt[d][v * W + lane] * k_t[d] for RV row vectors of Qt (ldq
+// lanes per d) and NT keys (rows kp[t] + ofs). bf16_dot kinds: Qt holds bf16 pairs (d, d + 1), ldq
+// pairs per pair of d.
+template <int DT, int RV, int NT>
+inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>::T* const* kp, int64_t ofs,
+                       int64_t D, float* St, int64_t ldS) {
+  using T = typename Storage<DT>::T;
+  const T* rows[NT];
+  for (int t = 0; t < NT; ++t) rows[t] = kp[t] + ofs;
+#if defined(__AVX512BF16__)
+  if constexpr (bf16_dot<DT>()) {
+    const uint32_t* q2 = reinterpret_cast<const uint32_t*>(qt);
+    __m512 acc[NT][RV];
+    for (int t = 0; t < NT; ++t)
+      for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 2) {
+      __m512bh q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(q2 + (d / 2) * ldq + v * W);
+      for (int t = 0; t < NT; ++t) {
+        uint32_t pair;
+        std::memcpy(&pair, rows[t] + d, sizeof pair);
+        const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], q[v], k);
+      }
+    }
+    for (int t = 0; t < NT; ++t)
+      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(St + t * ldS + v * W, acc[t][v]);
+    return;
+  }
+#endif
+  vf acc[NT][RV];
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < RV; ++v) acc[t][v] = vf{};
+  for (int64_t d = 0; d < D; ++d) {
+    vf q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = load_f32(qt + d * ldq + v * W);
+    for (int t = 0; t < NT; ++t) {
+      const vf k = bcast<DT>(rows[t] + d);
+      for (int v = 0; v < RV; ++v) acc[t][v] += k * q[v];
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int v = 0; v < RV; ++v) store_f32(St + t * ldS + v * W, acc[t][v]);
+}
+
+template <int DT, int NT>
+inline void qk_tile_km_rv(int rv, const float* qt, int64_t ldq, const typename Storage<DT>::T* const* kp,
+                          int64_t ofs, int64_t D, float* St, int64_t ldS) {
+  switch (rv) {
+    case 1: qk_tile_km<DT, 1, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+    case 2: qk_tile_km<DT, 2, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+    case 3: qk_tile_km<DT, 3, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+    default: qk_tile_km<DT, KM_RV, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
+  }
+}
+
+// St[t * ldS + r] = q_r . k_t for the nv row vectors of Qt and n keys, keys-major.
+template <int DT>
+inline void qk_keys_major(const float* qt, int64_t ldq, int nv, const void* const* kp, int64_t ofs, int n, int64_t D,
+                          float* St, int64_t ldS, Ahead& ahead) {
+  using T = typename Storage<DT>::T;
+  const T* const* rows = reinterpret_cast<const T* const*>(kp);
+  for (int v0 = 0; v0 < nv; v0 += KM_RV) {
+    const int rv = std::min(KM_RV, nv - v0);
+    const float* q = qt + v0 * W;  // (bf16 pairs: W pairs per vector, the same offset)
+    float* st = St + v0 * W;
+    int t = 0;
+    for (; t + KM_NT <= n; t += KM_NT) {
+      qk_tile_km_rv<DT, KM_NT>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+      ahead.step();
+    }
+    for (; t + 2 <= n; t += 2) qk_tile_km_rv<DT, 2>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+    for (; t < n; ++t) qk_tile_km_rv<DT, 1>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+  }
+}
+
+// Ot[j * ldo + v * W + lane] = Ot[...] * alpha[v * W + lane] + sum_t Pt[t * ldp + v * W + lane] * v_t[j]
+// for RV row vectors, ND columns j of n V rows (vrows[t] + ofs).
+template <int DT, int RV, int ND>
+inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows, int64_t ofs, int n,
+                       const float* alpha, float* ot, int64_t ldo) {
+  vf acc[ND][RV];
+  for (int j = 0; j < ND; ++j)
+    for (int v = 0; v < RV; ++v) acc[j][v] = load_f32(ot + j * ldo + v * W) * load_f32(alpha + v * W);
+  for (int t = 0; t < n; ++t) {
+    vf p[RV];
+    for (int v = 0; v < RV; ++v) p[v] = load_f32(pt + t * ldp + v * W);
+    const typename Storage<DT>::T* row = vrows[t] + ofs;
+    for (int j = 0; j < ND; ++j) {
+      const vf x = bcast<DT>(row + j);
+      for (int v = 0; v < RV; ++v) acc[j][v] += x * p[v];
+    }
+  }
+  for (int j = 0; j < ND; ++j)
+    for (int v = 0; v < RV; ++v) store_f32(ot + j * ldo + v * W, acc[j][v]);
+}
+
+template <int DT, int ND>
+inline void pv_tile_km_rv(int rv, const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows,
+                          int64_t ofs, int n, const float* alpha, float* ot, int64_t ldo) {
+  switch (rv) {
+    case 1: pv_tile_km<DT, 1, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+    case 2: pv_tile_km<DT, 2, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+    case 3: pv_tile_km<DT, 3, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+    default: pv_tile_km<DT, KM_RV, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
+  }
+}
+
+// Ot[d * ldo + r] = Ot[d * ldo + r] * alpha[r] + sum_t Pt[t * ldp + r] * v_t[d] for the nv row
+// vectors of Pt and Ot, n keys (all of a block: each accumulator is loaded and stored once).
+template <int DT>
+inline void pv_keys_major(const float* Pt, int64_t ldp, int nv, const void* const* vp, int64_t ofs, int n, int64_t D,
+                          const float* alpha, float* Ot, int64_t ldo, Ahead& ahead) {
+  using T = typename Storage<DT>::T;
+  const T* const* rows = reinterpret_cast<const T* const*>(vp);
+  for (int v0 = 0; v0 < nv; v0 += KM_RV) {
+    const int rv = std::min(KM_RV, nv - v0);
+    const float *pt = Pt + v0 * W, *al = alpha + v0 * W;
+    float* ot = Ot + v0 * W;
+    int64_t d = 0;
+    for (; d + KM_ND <= D; d += KM_ND) {
+      pv_tile_km_rv<DT, KM_ND>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+      ahead.step();
+    }
+    for (; d + 2 <= D; d += 2) pv_tile_km_rv<DT, 2>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+    for (; d < D; ++d) pv_tile_km_rv<DT, 1>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+  }
+}
+
+// The online softmax step of one row vector over its keys-major scores St[t * ldS] (t < n, key
+// positions k0 + t): scale (`scale` != 1), softcap, the rows' masks [lo, hi), then P in place; m
+// and l are the rows' running max and sum, alpha gets the factor for their accumulators.
+inline void softmax_keys_major(float* st, int64_t ldS, int n, int64_t k0, const int32_t* lo, const int32_t* hi,
+                               float* m, float* l, float* alpha, float scale, float softcap) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vi vlo, vhi;
+  std::memcpy(&vlo, lo, sizeof vlo);
+  std::memcpy(&vhi, hi, sizeof vhi);
+  const vf m_old = load_f32(m);
+  vf mx = m_old;
+  for (int t = 0; t < n; ++t) {
+    vf x = load_f32(st + t * ldS);
+    if (scale != 1.0f) x *= scale;
+    if (softcap > 0.0f) x = vsoftcap(x, softcap);
+    const vi pos = vi{} + static_cast<int32_t>(k0 + t);
+    x = (pos >= vlo) & (pos < vhi) ? x : splat(ninf);
+    store_f32(st + t * ldS, x);
+    mx = x > mx ? x : mx;
+  }
+  const vf base = mx == splat(ninf) ? splat(0.0f) : mx;  // rows with nothing to see yet: p = 0
+  vf sum = vf{};
+  for (int t = 0; t < n; ++t) {
+    const vf p = vexp(load_f32(st + t * ldS) - base);
+    store_f32(st + t * ldS, p);
+    sum += p;
+  }
+  const vf a = vexp(m_old - base);
+  store_f32(l, load_f32(l) * a + sum);
+  store_f32(m, mx);
+  store_f32(alpha, a);
+}
+
+}  // namespace

@@ -1,0 +1,132 @@
+// vec.h: the vector width, GCC vector types, and the math on them (exp, softcap, horizontal
+// sums, interleaving).
+// Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per vector
+#else
+constexpr int W = 8;
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu __attribute__((vector_size(W * 4)));
+typedef uint16_t vh __attribute__((vector_size(W * 2)));
+typedef float v8 __attribute__((vector_size(32)));
+
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vf)_mm256_set1_ps(x);
+#else
+  vf v;
+  for (int i = 0; i < W; ++i) v[i] = x;
+  return v;
+#endif
+}
+
+inline vf load_f32(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_f32(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x), about 2 ulp (Cephes' polynomial); 0 below -87.3 (so exp(-inf) = 0), capped above 88.
+__attribute__((always_inline)) inline vf vexp(vf x) {
+  vi under = x < -87.3f;
+  x = (x > 88.0f) ? splat(88.0f) : x;
+  x = under ? splat(-87.3f) : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  vf t = x * 1.44269504088896341f + magic;
+  vf n = t - magic;
+  vf r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  vf y = p * r * r + r + 1.0f;
+  vi e = (vi)t - (vi)splat(magic);
+  y = y * (vf)((e + 127) << 23);
+  return under ? splat(0.0f) : y;
+}
+
+// softcap * tanh(x / softcap), through exp(-2|y|) (no overflow, absolute error ~1e-7 * softcap).
+inline vf vsoftcap(vf x, float softcap) {
+  vf y = x * (1.0f / softcap);
+  vi negative = y < 0.0f;
+  vf a = negative ? -y : y;
+  vf e = vexp(a * -2.0f);
+  vf t = (1.0f - e) / (1.0f + e);
+  return (negative ? -t : t) * softcap;
+}
+
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline v8 to8(vf a) {  // (#if: a discarded `if constexpr` branch outside a template must still compile)
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return a;
+#endif
+}
+
+// out[i] = sum of a[i]'s lanes, for 8 vectors at once (a transposing add tree).
+__attribute__((always_inline)) inline void hsum8(const vf* a, float* out) {
+  v8 b[8];
+  for (int i = 0; i < 8; ++i) b[i] = to8(a[i]);
+  v8 x[4];
+  for (int i = 0; i < 4; ++i) {
+    x[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 8, 1, 9, 2, 10, 3, 11) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 4, 12, 5, 13, 6, 14, 7, 15);
+  }
+  v8 y[2];
+  for (int i = 0; i < 2; ++i) {
+    y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 8, 9, 2, 3, 10, 11) +
+           __builtin_shufflevector(x[2 * i], x[2 * i + 1], 4, 5, 12, 13, 6, 7, 14, 15);
+  }
+  v8 z = __builtin_shufflevector(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+  std::memcpy(out, &z, sizeof z);
+}
+
+// a and b interleaved (a0 b0 a1 b1 ...): lanes 0 .. W/2 - 1 of each into lo, the upper halves into hi.
+inline void interleave(vf a, vf b, vf& lo, vf& hi) {
+#if defined(__AVX512F__)
+  lo = __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  hi = __builtin_shufflevector(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#else
+  lo = __builtin_shufflevector(a, b, 0, 8, 1, 9, 2, 10, 3, 11);
+  hi = __builtin_shufflevector(a, b, 4, 12, 5, 13, 6, 14, 7, 15);
+#endif
+}
+
+}  // namespace
