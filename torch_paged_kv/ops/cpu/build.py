@@ -27,8 +27,6 @@ import threading
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
 """Compiled together, in one compiler call; the cache key hashes the bytes of each."""
-HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))
-"""The parts of `kernels.cpp` (it includes them); hashed into the cache key with the sources."""
 LIBRARY_NAME = "paged_kv_cpu"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
 # Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
@@ -48,6 +46,12 @@ def cache_dir() -> pathlib.Path:
         return pathlib.Path(root)
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache") / "torch_paged_kv"
+
+
+def headers() -> tuple[pathlib.Path, ...]:
+    """The parts of `kernels.cpp` (the headers beside it, which it includes): hashed into the cache
+    key with the sources."""
+    return tuple(sorted(SOURCES[0].parent.glob("*.h")))
 
 
 def find_compiler() -> str | None:
@@ -122,7 +126,7 @@ def _build_and_load() -> ctypes.CDLL:
     compiler = find_compiler()
     if compiler is None:
         raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
+    sources = [path.read_bytes() for path in (*SOURCES, *headers())]
     extra = os.environ.get(EXTRA_FLAGS_ENV, "").split()
     errors = []
     for flags in (variant + extra for variant in VARIANT_FLAGS):
