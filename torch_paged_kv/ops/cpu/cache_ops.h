@@ -1,4 +1,5 @@
-// cache_ops.h: store_kv, gather_kv, copy_pages, and the one-pass value check of a step's index tensors.
+// cache_ops.h: store_kv, gather_kv, copy_pages, and the one-pass value check of a step's index
+// tensors.
 // Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
 #pragma once
 

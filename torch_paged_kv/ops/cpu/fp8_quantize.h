@@ -1,4 +1,5 @@
-// fp8_quantize.h: fp32 to FP8 codes by torch's rounding, and the per-granule amax (store_kv into an FP8 pool).
+// fp8_quantize.h: fp32 to FP8 codes by torch's rounding, and the per-granule amax (store_kv into
+// an FP8 pool).
 // Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
 #pragma once
 

@@ -8,7 +8,7 @@
 
 namespace {
 
-constexpr int ROW_TILE = 4;     // query rows per micro-kernel tile
+constexpr int ROW_TILE = 4;  // query rows per micro-kernel tile
 
 // FP8_*: the scales of a list of keys (each from kv head h0's first granule) and the elements per
 // granule (a multiple of 2W dividing head_dim; a static pair: one granule spanning the item's heads).
