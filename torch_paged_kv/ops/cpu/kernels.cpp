@@ -33,7 +33,9 @@
 //   tiles_rows.h        dot-product micro-kernels (decode-shaped items)
 //   tiles_keys_major.h  keys-major micro-kernels and their softmax (prefill-shaped items)
 //   parallel.h          thread count and the parallel loop
-//   attention.h         flash_attention: items, the per-item online softmax, split merging
+//   attend_item.h       one work item: its query rows, then per key block scores, mask, online
+//                       softmax and P V
+//   attention.h         flash_attention: the work items on the threads, the merge of split ranges
 //   fp8_quantize.h      fp32 to FP8 codes, per-granule amax
 //   cache_ops.h         store_kv, gather_kv, copy_pages, the value check of a step
 // This file: the packed argument blocks and the extern "C" entries kernels.py calls.
