@@ -116,6 +116,8 @@ def _page_stream_library() -> ctypes.CDLL:
     lib.page_stream.restype = ctypes.c_uint64
     lib.stream_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.stream_read.restype = ctypes.c_uint64
+    lib.overlap.argtypes = [ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_int, ctypes.c_int]
+    lib.overlap.restype = ctypes.c_double
     return lib
 
 

@@ -3,6 +3,7 @@
 // `threads` threads (each a contiguous share of the sequences' pages, as the kernel's items are).
 // What a paged kernel could reach on this machine if its arithmetic were free.
 // `stream_read`: the same sums over one contiguous buffer, the read bandwidth probe's second reader.
+// `overlap`: synthetic compute and a chunk stream, alone and together (bench_overlap.py).
 #include <cstdint>
 
 // The sum of n 64-bit words (n a multiple of 4), four chains at a time.
@@ -37,6 +38,58 @@ extern "C" uint64_t stream_read(const char* data, int64_t nbytes, int threads) {
 #pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
   for (int64_t i = 0; i < nbytes / chunk; ++i) {
     total += sum_words(reinterpret_cast<const uint64_t*>(data + i * chunk), chunk / 8);
+  }
+  return total;
+}
+
+// Synthetic compute (eight chains of vector FMAs on registers, `fmas` vector FMAs per chunk) over
+// `chunks` chunks of `chunk_bytes` at byte offsets `offsets`, split over `threads` threads, one of
+// three ways. 0: the compute alone; 1: the chunks' word sums alone; 2: both, overlapped the way the
+// kernels overlap them: while chunk i's compute runs, chunk i + 1 is prefetched into L2 in 16
+// slices spread between its parts, then chunk i is summed. How much of a core's streaming survives
+// its arithmetic (bench_overlap.py). Returns a value depending on all the work.
+typedef float vf16 __attribute__((vector_size(64)));
+
+static vf16 fma_chains(vf16 x, int64_t fmas) {
+  vf16 c[8];
+  for (int j = 0; j < 8; ++j) c[j] = x + static_cast<float>(j);
+  for (int64_t k = 0; k < fmas; k += 8) {
+    for (int j = 0; j < 8; ++j) c[j] = c[j] * 0.999f + 0.001f;
+  }
+  vf16 s = c[0];
+  for (int j = 1; j < 8; ++j) s += c[j];
+  return s;
+}
+
+extern "C" double overlap(const char* data, const int64_t* offsets, int64_t chunks, int64_t chunk_bytes, int64_t fmas,
+                          int mode, int threads) {
+  constexpr int SLICES = 16;
+  double total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
+  for (int t = 0; t < threads; ++t) {
+    const int64_t first = chunks * t / threads, last = chunks * (t + 1) / threads;
+    vf16 x = {};
+    uint64_t sum = 0;
+    for (int64_t i = first; i < last; ++i) {
+      const char* chunk = data + offsets[i];
+      if (mode == 1) {
+        sum += sum_words(reinterpret_cast<const uint64_t*>(chunk), chunk_bytes / 8);
+        continue;
+      }
+      if (mode == 0) {
+        x = fma_chains(x, fmas);
+        continue;
+      }
+      const char* next = data + offsets[i + 1 < last ? i + 1 : first];
+      const int64_t slice = chunk_bytes / SLICES;
+      for (int s = 0; s < SLICES; ++s) {
+        for (int64_t b = s * slice; b < (s + 1) * slice; b += 64) __builtin_prefetch(next + b, 0, 2);
+        x = fma_chains(x, fmas / SLICES);
+      }
+      sum += sum_words(reinterpret_cast<const uint64_t*>(chunk), chunk_bytes / 8);
+    }
+    for (int j = 0; j < 16; ++j) total += x[j];
+    total += static_cast<double>(sum);
   }
   return total;
 }
