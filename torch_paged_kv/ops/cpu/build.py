@@ -5,8 +5,8 @@ The library has no torch headers (it compiles in seconds and does not depend on 
 the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++` on `PATH`) builds it with `-O3
 -march=native` and OpenMP when the compiler supports it; `-fopenmp` links `libgomp.so.1`, which is
 the OpenMP runtime torch itself loaded, so the kernels share torch's threads. The file is keyed by
-the sources and headers, the compiler (path, size, mtime), the flags and the CPU (`-march=native` code must not
-run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
+the sources and headers, the compiler (path, size, mtime), the flags and the CPU (`-march=native`
+code must not run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
 `$XDG_CACHE_HOME/torch_paged_kv` or `~/.cache/torch_paged_kv`), written to a temporary name and
 renamed, so concurrent first calls in several processes at worst compile twice. A warm cache loads
 in milliseconds.
