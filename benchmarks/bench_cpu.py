@@ -86,7 +86,7 @@ def read_bandwidth_gbps(nbytes: int = 2**30, repeats: int = 10) -> dict[str, tup
     x = huge_pages.zeros(nbytes // 4, dtype=torch.float32, device=torch.device("cpu")).fill_(1.0)
     readers = {"torch sum": lambda: x.sum()}
     try:
-        fn = _page_stream_library().stream_read
+        fn = page_stream_library().stream_read
         readers["C stream"] = lambda: fn(x.data_ptr(), nbytes, torch.get_num_threads())
     except (RuntimeError, OSError, subprocess.CalledProcessError):
         pass
@@ -101,7 +101,7 @@ def read_bandwidth_gbps(nbytes: int = 2**30, repeats: int = 10) -> dict[str, tup
 
 
 @functools.cache
-def _page_stream_library() -> ctypes.CDLL:
+def page_stream_library() -> ctypes.CDLL:
     """`page_stream.cpp`, compiled once per run with the CPU library's compiler and flags."""
     compiler = build.find_compiler()
     if compiler is None:
@@ -124,7 +124,7 @@ def _page_stream_library() -> ctypes.CDLL:
 def page_stream(x: DecodeInputs) -> Callable[[], int]:
     """The bound for memory: `page_stream.cpp` reads every K and V page of layer 0 in table order, no
     arithmetic, on torch's threads."""
-    fn = _page_stream_library().page_stream
+    fn = page_stream_library().page_stream
     blocks, table = x.collection.blocks, x.page_table()
     _, _, layers, page, heads, head_dim = blocks.shape
     row = page * heads * head_dim * blocks.element_size()  # one page's K (or V) of one layer

@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from bench_cpu import _page_stream_library
+from bench_cpu import page_stream_library
 from harness import report
 
 from torch_paged_kv import huge_pages
@@ -39,7 +39,7 @@ def main() -> None:
     chunks = int(args.gib * 2**30) // chunk
     data = huge_pages.zeros(chunks * chunk, dtype=torch.uint8, device=torch.device("cpu")).fill_(1)
     offsets = (torch.randperm(chunks, generator=torch.Generator().manual_seed(0)) * chunk).to(torch.int64)
-    fn = _page_stream_library().overlap
+    fn = page_stream_library().overlap
     threads = torch.get_num_threads()
 
     def ms(mode: str, fmas: int) -> float:

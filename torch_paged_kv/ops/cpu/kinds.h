@@ -10,8 +10,8 @@ namespace {
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3, FP8_E4M3FN = 4, FP8_E5M2 = 5 };
 // BF16_PAIRS: bf16 storage read 2W elements at a time as two vectors, the even elements then the
 // odd ones (a shift and a mask of one load, where the plain widening costs two per vector). The
-// query rows and output accumulators are kept in that order too (row_order / natural_order) and
-// put back in place at the end. Used when head_dim is a multiple of 2W.
+// query rows and output accumulators are kept in that order too (row_slot), the accumulators put
+// back in place at the end (interleave). Used when head_dim is a multiple of 2W.
 // FP8_*: FP8 codes read 2W at a time as their exact fp32 values, each times its granule's scale as
 // it is read (the reference's dequantized values, in registers; queries and output in fp32). Used
 // when head_dim and the granule are multiples of 2W; other FP8 pools run as F32 on dequantized blocks.
