@@ -63,14 +63,14 @@ struct Tile {  // query rows [r0, r0 + rt) of an item, of the kv head at column 
 
 struct Scratch {
   std::vector<Tile> tiles;
-  std::vector<float> q, o, s, m, l;
+  Floats q, o, s, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<const void*> kp, vp;
   std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
-  std::vector<float> deq;  // FP8 pools run as F32: K and V of the current and the next key block, dequantized
+  Floats deq;  // FP8 pools run as F32: K and V of the current and the next key block, dequantized
   // Keys-major items: Qt per head, and per head and row (rows padded to W): running max and sum,
   // key range, and the last block's accumulator factors.
-  std::vector<float> qt, ot, km_m, km_l, km_alpha;
+  Floats qt, ot, km_m, km_l, km_alpha;
   std::vector<int32_t> km_lo, km_hi;
   void reserve(int64_t rows, int64_t Dp) {
     if (static_cast<int64_t>(m.size()) < rows) {

@@ -16,7 +16,7 @@ struct Task {  // the rows of an Item whose key range is split over `parts` item
   int64_t first_part, parts;
 };
 
-thread_local std::vector<float> tls_partials;
+thread_local Floats tls_partials;
 thread_local std::vector<Item> tls_spans, tls_items;
 thread_local std::vector<Task> tls_tasks;
 thread_local std::vector<std::atomic<int64_t>> tls_remaining;
@@ -115,7 +115,7 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
     tasks.push_back(task);
   }
   const int64_t part_stride = max_rows * (a.geo.head_dim + 2);
-  std::vector<float>& partials = tls_partials;
+  Floats& partials = tls_partials;
   if (parts > 0 && static_cast<int64_t>(partials.size()) < parts * part_stride) partials.resize(parts * part_stride);
   float* pp = partials.data();
   const int64_t n_items = static_cast<int64_t>(items.size());

@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
+#include <vector>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -46,6 +48,22 @@ inline vf load_f32(const float* p) {
 }
 
 inline void store_f32(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Scratch rows start on cache lines: a vector load from a malloc'd buffer (16-byte aligned) would
+// straddle two lines every time (interleaved A/B, Zen 4, decode: 0.93-0.98x the time).
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  static constexpr std::align_val_t LINE{64};
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), LINE)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, LINE); }
+  friend bool operator==(const LineAligned&, const LineAligned&) { return true; }
+  friend bool operator!=(const LineAligned&, const LineAligned&) { return false; }
+};
+using Floats = std::vector<float, LineAligned<float>>;
 
 // exp(x), about 2 ulp (Cephes' polynomial); 0 below -87.3 (so exp(-inf) = 0), capped above 88.
 __attribute__((always_inline)) inline vf vexp(vf x) {
