@@ -27,7 +27,11 @@ median (a slow probe would flatter the ratio); `x cpu` is a row's time over the 
 rows give GFLOP/s (causal: half the score matrix). Times: median of `--repeats` rounds after two
 warm-up rounds, with the fastest and slowest; a round calls every contender of a case once, so load
 from other work on the machine drifts over all of them alike; the load average before and after is
-recorded.
+recorded. Before each call (untimed) a buffer twice the last-level cache is read, so that every
+contender starts from the same caches, cold and clean (as after a layer's weights were read): what a
+call found there otherwise depended on the one before it (the reference leaves hundreds of MB of
+scratch written, whose write-backs a next decode paid for: 1.25x its time; a call after its own or
+the page stream's found the tail of its pages in L3: 0.9x). The pages-in-cache bound skips it.
 """
 
 from __future__ import annotations
@@ -280,6 +284,7 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Nam
         "flops": None,
         "contenders": contenders,
         "expected": expected,
+        "in cache": ("bound: cpu, pages in cache",),
         "expected of": {
             "bound: cpu, pages in cache": hot.sdpa_reference()[2],
             "bound: page stream, no arithmetic": None,
@@ -346,10 +351,32 @@ def _vllm(args: argparse.Namespace, make: Callable[[], Callable[[], torch.Tensor
     return build
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux), else 32 MiB."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = pathlib.Path(path).read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def cache_evictor() -> Callable[[], None]:
+    """A function that reads twice the last-level cache's size: afterwards the caches hold its
+    clean lines, none of what ran before."""
+    buffer = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+
+    def evict() -> None:
+        buffer.sum()
+
+    return evict
+
+
 def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> list[dict]:
     """Build and check every contender of `case`, then time them round-robin (one call each per
     round, `repeats` rounds after two warm-up rounds), so that load from other work on the machine
-    drifts over all of them alike."""
+    drifts over all of them alike; each call after the caches are evicted (`cache_evictor`), except
+    those the case lists as in cache."""
     rows, timed_fns = [], {}
     for name, make in case["contenders"].items():
         row: dict[str, Any] = {"case": case["case"], "dtype": str(dtype).removeprefix("torch."), "kernel": name}
@@ -375,8 +402,11 @@ def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> l
         except Exception as exc:
             row["ms"] = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
     samples: dict[str, list[float]] = {name: [] for name in timed_fns}
+    evict, in_cache = cache_evictor(), case.get("in cache", ())
     for round_ in range(repeats + 2):
         for name, fn in timed_fns.items():
+            if name not in in_cache:
+                evict()
             start = time.perf_counter()
             fn()
             if round_ >= 2:
