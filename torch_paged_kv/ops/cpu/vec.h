@@ -50,7 +50,7 @@ inline vf load_f32(const float* p) {
 inline void store_f32(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // Scratch rows start on cache lines: a vector load from a malloc'd buffer (16-byte aligned) would
-// straddle two lines every time (interleaved A/B, Zen 4, decode: 0.93-0.98x the time).
+// straddle two lines every time (interleaved A/B, Zen 4, decode: 0.94-0.99x the time).
 template <typename T>
 struct LineAligned {
   using value_type = T;
