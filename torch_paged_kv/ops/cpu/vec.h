@@ -49,8 +49,9 @@ inline vf load_f32(const float* p) {
 
 inline void store_f32(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// Scratch rows start on cache lines: a vector load from a malloc'd buffer (16-byte aligned) would
-// straddle two lines every time (interleaved A/B, Zen 4, decode: 0.94-0.99x the time).
+// Scratch buffers start on cache lines, and with them every row whose stride is a multiple of 16
+// floats (Dp with AVX-512, KEY_BLOCK): from a malloc'd buffer (16-byte aligned) each vector load of
+// such a row straddled two lines (interleaved A/B, Zen 4, decode: 0.94-0.99x the time).
 template <typename T>
 struct LineAligned {
   using value_type = T;
