@@ -38,3 +38,13 @@ def rank_groups():
     groups = RankGroups()
     yield groups
     groups.close_all()
+
+
+@pytest.fixture(scope="session")
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux's /proc/cpuinfo names them (empty where it is not there)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    except OSError:
+        return set()

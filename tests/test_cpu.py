@@ -443,10 +443,11 @@ def test_fp8_store_quantizes_exactly_as_the_reference(force_backend, fp8, granul
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("magnitude", [1.0, 1e-40, 2e36])  # scales near 1; subnormal; scale x 2^8 overflows
-def test_fp8_codes_dequantize_exactly(dtype, head_dim, groups, magnitude):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])  # bf16: scores as bf16 dot products
+def test_fp8_codes_dequantize_exactly(dtype, head_dim, groups, magnitude, q_dtype):
     """Every FP8 code (subnormals, -0, e5m2's infinities, the NaN codes) as V of the only key a
-    query sees: fp32 attention returns that V row, so it must equal code value x scale, exactly
-    (also where the product is subnormal or overflows)."""
+    query sees: attention returns that V row, so it must equal code value x scale, exactly (also
+    where the product is subnormal or overflows), rounded once to q's dtype."""
     batch = 2  # 256 or 272 slots: every code; 136: the vector path and (AVX-512) the scalar tail
     blocks = torch.full((3, 2, 1, 4, 1, head_dim), 0x38, dtype=torch.uint8)  # K: 1.0 (e4m3) / 0.5 (e5m2)
     codes = torch.arange(batch * head_dim, dtype=torch.int64).remainder(256).to(torch.uint8)
@@ -460,11 +461,25 @@ def test_fp8_codes_dequantize_exactly(dtype, head_dim, groups, magnitude):
         torch.tensor([[1], [2]], dtype=torch.int32),
         torch.arange(batch + 1, dtype=torch.int32),
     )
-    q = torch.randn(batch, 1, head_dim, generator=gen)
+    q = torch.randn(batch, 1, head_dim, generator=gen).to(q_dtype)
     got = ops.flash_attention(q, blocks, *step, 0, 0.1, True, -1, 0.0, scales)
     v = blocks[1:, 1, 0, 0, 0].float()  # torch's own conversion, then the scale
     scale = scales[1:, 1, 0, 0, 0].repeat_interleave(head_dim // groups, -1) if groups else scales[1]
-    torch.testing.assert_close(got[:, 0], v * scale, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got[:, 0], (v * scale).to(q_dtype), rtol=0, atol=0, equal_nan=True)
+
+
+def test_this_build_reads_fp8_codes_through_byte_tables_where_the_cpu_can(cpu_flags):
+    """With AVX512-VBMI (Ice Lake, Zen 4, Sapphire Rapids) the library must build the FP8 byte-table
+    conversions (and with AVX512-BF16 the bf16 dot-product scores over them), so that the tests
+    above run them; test_cpu_isa builds it without."""
+    if build.find_compiler() is None:
+        pytest.skip("no C++ compiler: the cpu backend cannot be built here")
+    if not cpu_flags:
+        pytest.skip("no /proc/cpuinfo flags to say what this CPU has")
+    if os.environ.get(build.EXTRA_FLAGS_ENV):
+        pytest.skip(f"built with {build.EXTRA_FLAGS_ENV}={os.environ[build.EXTRA_FLAGS_ENV]!r}")
+    lib = build.library()
+    assert lib.pkv_fp8_byte_tables() == int("avx512vbmi" in cpu_flags), sorted(cpu_flags)
 
 
 @pytest.mark.parametrize("arch", ["x86-64", "haswell", "skylake-avx512", "sapphirerapids"])

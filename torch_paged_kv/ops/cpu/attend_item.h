@@ -176,14 +176,21 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int64_t hh = r / per_head, slot = r % per_head, lane = hh * rp + slot;  // keys-major: its lane
     if (keys_major) {  // Qt of head hh: [D][rp] scaled fp32, or for bf16_dot kinds [D / 2][rp] bf16 pairs
       float* qt = sc.qt.data() + hh * rp * D;
-      if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are
+      if constexpr (DT == BF16_PAIRS && bf16_dot<DT>()) {  // the bf16 values as they are
         uint16_t* pairs = reinterpret_cast<uint16_t*>(qt);
         for (int64_t d = 0; d < D; ++d) pairs[((d / 2) * rp + slot) * 2 + d % 2] = src[d];
       } else {
         for (int64_t d = 0; d < D; ++d) qt[d * rp + slot] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
       }
-    } else if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are (D is a multiple of 2W: no padding)
+    } else if constexpr (DT == BF16_PAIRS && bf16_dot<DT>()) {  // the bf16 values as they are (D a multiple of 2W)
       std::memcpy(dst, src, D * sizeof(QT));
+    } else if constexpr (bf16_dot<DT>()) {  // FP8_*_DOT: fp32 queries that hold bf16 values, as bf16
+      uint16_t* pairs = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t d = 0; d < D; ++d) {
+        uint32_t u;
+        std::memcpy(&u, src + d, 4);
+        pairs[d] = static_cast<uint16_t>(u >> 16);
+      }
     } else {
       for (int64_t d = 0; d < D; ++d) dst[row_slot<DT>(d)] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
       std::fill(dst + D, dst + Dp, 0.0f);

@@ -147,7 +147,7 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
                          int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
                          double scale, int causal, int64_t window, double softcap, void* out, int64_t out_stride_row,
                          int64_t out_stride_head, int64_t min_split, int64_t want_items, int64_t min_work,
-                         int nthreads, int fp8, const float* scales, int64_t scale_groups) {
+                         int nthreads, int fp8, const float* scales, int64_t scale_groups, int q_bf16) {
   AttnArgs a;
   a.dtype = dtype;
   a.q = q;
@@ -172,9 +172,18 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   const Tuning tune{min_split, want_items, min_work};
   const int64_t granule = scale_groups ? head_dim / scale_groups : head_dim;  // (static: one scale per row)
   const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && granule % (2 * W) == 0;
+  const bool fp8_dot = fp8_dot_kinds() && fp8_codes && q_bf16 && scale_groups <= 1;  // (FP8_*_DOT)
   switch (dtype) {
     case F32:
-      if (fp8_codes && fp8 == E4M3FN) {
+      if (fp8_dot) {
+        if constexpr (fp8_dot_kinds()) {
+          if (fp8 == E4M3FN) {
+            flash_attention<FP8_E4M3FN_DOT>(a, tune, nthreads);
+          } else {
+            flash_attention<FP8_E5M2_DOT>(a, tune, nthreads);
+          }
+        }
+      } else if (fp8_codes && fp8 == E4M3FN) {
         flash_attention<FP8_E4M3FN>(a, tune, nthreads);
       } else if (fp8_codes) {
         flash_attention<FP8_E5M2>(a, tune, nthreads);

@@ -127,8 +127,9 @@ def flash_attention(
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Over an FP8 pool the kernels dequantize key blocks and run in fp32: the queries go in as fp32
-    and the fp32 output comes back in q's dtype."""
+    """Over an FP8 pool the kernels read codes as fp32 values: the queries go in as fp32 and the fp32
+    output comes back in q's dtype. The kernels are told when those queries were bf16, so that
+    scores can be bf16 dot products of the codes (exact) where the build and the scales allow."""
     result_dtype = q.dtype
     if scales is not None:
         q = q.float()
@@ -148,7 +149,7 @@ def flash_attention(
             table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
             layer_idx, q.shape[1], causal, sliding_window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
             WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), softmax_scale, softcap,
-            *_fp8_arguments(blocks, scales),
+            *_fp8_arguments(blocks, scales), result_dtype == torch.bfloat16,
         )
     )  # fmt: skip
     return out if out.dtype == result_dtype else out.to(result_dtype)
@@ -204,7 +205,7 @@ def copy_pages(
 
 
 # The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d3q")
+_FLASH_ATTENTION = struct.Struct("@27q2d4q")
 _STORE_KV = struct.Struct("@21q")
 _STORE_KV_FP8 = struct.Struct("@24q")
 _GATHER_KV = struct.Struct("@18q")

@@ -7,7 +7,16 @@
 
 namespace {
 
-enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3, FP8_E4M3FN = 4, FP8_E5M2 = 5 };
+enum DType : int {
+  F32 = 0,
+  BF16 = 1,
+  F16 = 2,
+  BF16_PAIRS = 3,
+  FP8_E4M3FN = 4,
+  FP8_E5M2 = 5,
+  FP8_E4M3FN_DOT = 6,
+  FP8_E5M2_DOT = 7
+};
 // BF16_PAIRS: bf16 storage read 2W elements at a time as two vectors, the even elements then the
 // odd ones (a shift and a mask of one load, where the plain widening costs two per vector). The
 // query rows and output accumulators are kept in that order too (row_slot), the accumulators put
@@ -15,10 +24,22 @@ enum DType : int { F32 = 0, BF16 = 1, F16 = 2, BF16_PAIRS = 3, FP8_E4M3FN = 4, F
 // FP8_*: FP8 codes read 2W at a time as their exact fp32 values, each times its granule's scale as
 // it is read (the reference's dequantized values, in registers; queries and output in fp32). Used
 // when head_dim and the granule are multiples of 2W; other FP8 pools run as F32 on dequantized blocks.
+// FP8_*_DOT: the same, with the scores as bf16 dot products (bf16_dot) of the queries' bf16 values
+// and the codes' (exact in bf16), each score then times its key's scale: for queries that were bf16
+// and one scale per token and kv head or a static pair, with AVX512-BF16 and AVX512-VBMI.
 
 template <int DT>
 constexpr bool is_fp8() {
-  return DT == FP8_E4M3FN || DT == FP8_E5M2;
+  return DT == FP8_E4M3FN || DT == FP8_E5M2 || DT == FP8_E4M3FN_DOT || DT == FP8_E5M2_DOT;
+}
+
+// Whether this build has the FP8_*_DOT kinds.
+constexpr bool fp8_dot_kinds() {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Whether rows are only read with load2 (head_dim a multiple of 2W: no odd vector, no tail).
@@ -33,14 +54,14 @@ constexpr int scalar_dtype() {
   return DT == BF16_PAIRS ? BF16 : is_fp8<DT>() ? F32 : DT;
 }
 
-// BF16_PAIRS scores through AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products a vector,
-// exact, summed in fp32), on the queries' own bf16 values (unscaled; the scale multiplies the
-// scores): half the multiply-adds of widening K, and no widening. (P V stays on widened V: P in
+// BF16_PAIRS and FP8_*_DOT score through AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products a
+// vector, exact, summed in fp32), on the queries' own bf16 values (unscaled; the scale multiplies
+// the scores): half the multiply-adds of widening K, and no widening. (P V stays on widened V: P in
 // bf16 would cost the output its last bit, measured by test_properties.)
 template <int DT>
 constexpr bool bf16_dot() {
 #if defined(__AVX512BF16__)
-  return DT == BF16_PAIRS;
+  return DT == BF16_PAIRS || (fp8_dot_kinds() && (DT == FP8_E4M3FN_DOT || DT == FP8_E5M2_DOT));
 #else
   return false;
 #endif
@@ -55,7 +76,7 @@ enum Fp8 : int { NOT_FP8 = 0, E4M3FN = 1, E5M2 = 2 };
 
 template <int DT>
 constexpr int fp8_format() {
-  return DT == FP8_E4M3FN ? E4M3FN : E5M2;
+  return DT == FP8_E4M3FN || DT == FP8_E4M3FN_DOT ? E4M3FN : E5M2;
 }
 
 // The exact fp32 value of every FP8 code of one format (NaN codes give NaN, e5m2's inf codes inf).
@@ -147,12 +168,88 @@ inline V fp8_to_f16_bits(V x) {
 }
 #endif
 
-// dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). The
+#if defined(__AVX512VBMI__)
+// The bf16 bit pattern of the value of FP8 magnitude c (codes 0-127), exact for both formats: their
+// 3 or 2 mantissa bits fit bf16's 7 and their exponents (2^-9..448, 2^-16..57344) bf16's; NaN codes
+// a NaN, e5m2's infinity inf.
+constexpr uint16_t fp8_bf16_bits(int format, int c) {
+  const int mant = format == E4M3FN ? 3 : 2, bias = format == E4M3FN ? 7 : 15;
+  const int e = c >> mant, m = c & ((1 << mant) - 1);
+  if (format == E4M3FN ? c == 127 : (e == 31 && m)) return 0x7FC0;
+  if (format == E5M2 && e == 31) return 0x7F80;
+  if (e > 0) return static_cast<uint16_t>(((e - bias + 127) << 7) | (m << (7 - mant)));
+  if (m == 0) return 0;
+  // a subnormal: m * 2^(1 - bias - mant) = (m / 2^top) * 2^(top + 1 - bias - mant), m / 2^top in [1, 2)
+  const int top = m >= 4 ? 2 : m >= 2 ? 1 : 0;
+  return static_cast<uint16_t>(((top + 1 - bias - mant + 127) << 7) | ((m - (1 << top)) << (7 - top)));
+}
+
+// Those patterns' high and low bytes: 128-byte tables for two-register byte permutes.
+struct Fp8Bf16Bytes {
+  alignas(64) uint8_t high[128] = {};
+  alignas(64) uint8_t low[128] = {};
+  constexpr explicit Fp8Bf16Bytes(int format) {
+    for (int c = 0; c < 128; ++c) {
+      high[c] = static_cast<uint8_t>(fp8_bf16_bits(format, c) >> 8);
+      low[c] = static_cast<uint8_t>(fp8_bf16_bits(format, c));
+    }
+  }
+};
+constexpr Fp8Bf16Bytes E4M3FN_BF16{E4M3FN}, E5M2_BF16{E5M2};
+
+// The bf16 patterns of the values of the 2W FP8 codes at p, one per 16-bit lane: code spread[2i] (the
+// byte index of lane i's low byte; its high byte's index must be the same) in lane i. One byte
+// permute spreads the codes, two table permutes give each lane its pattern's high, then low byte,
+// and a ternary op restores the signs.
+template <int FORMAT>
+inline __m512i fp8_bf16_lanes(const uint8_t* p, __m512i spread) {
+  const Fp8Bf16Bytes& t = FORMAT == E4M3FN ? E4M3FN_BF16 : E5M2_BF16;
+  const __m512i codes = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i x = _mm512_permutexvar_epi8(spread, codes);
+  const __m512i high = _mm512_mask2_permutex2var_epi8(_mm512_load_si512(t.high), x, 0xAAAAAAAAAAAAAAAAull,
+                                                       _mm512_load_si512(t.high + 64));  // odd bytes
+  const __m512i both = _mm512_mask2_permutex2var_epi8(_mm512_load_si512(t.low), high, 0x5555555555555555ull,
+                                                       _mm512_load_si512(t.low + 64));  // even bytes
+  return _mm512_ternarylogic_epi32(both, x, _mm512_set1_epi16(static_cast<int16_t>(0x8000)), 0xF8);
+}
+
+// Byte indices for fp8_bf16_lanes: codes in order (for bf16 dot products).
+inline __m512i fp8_spread_in_order() {
+  return _mm512_set_epi32(0x1F1F1E1E, 0x1D1D1C1C, 0x1B1B1A1A, 0x19191818, 0x17171616, 0x15151414, 0x13131212,
+                          0x11111010, 0x0F0F0E0E, 0x0D0D0C0C, 0x0B0B0A0A, 0x09090808, 0x07070606, 0x05050404,
+                          0x03030202, 0x01010000);
+}
+
+// The exact fp32 values of the 2W FP8 codes at p, in order: code i and code i + W in the low and high
+// halves of 32-bit lane i as bf16 patterns, widened by a shift and a mask.
+template <int FORMAT>
+inline void fp8_load2_vbmi(const uint8_t* p, vf& a, vf& b) {
+  const __m512i spread = _mm512_set_epi32(0x1F1F0F0F, 0x1E1E0E0E, 0x1D1D0D0D, 0x1C1C0C0C, 0x1B1B0B0B, 0x1A1A0A0A,
+                                          0x19190909, 0x18180808, 0x17170707, 0x16160606, 0x15150505, 0x14140404,
+                                          0x13130303, 0x12120202, 0x11110101, 0x10100000);
+  const __m512i bits = fp8_bf16_lanes<FORMAT>(p, spread);
+  a = (vf)_mm512_slli_epi32(bits, 16);
+  b = (vf)_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+}
+#endif
+
+// dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). With
+// AVX512-VBMI e4m3fn takes 2W codes at a time as fp8_load2 reads them; otherwise the
 // 16- and 8-code paths multiply value / 2^8 by s * 2^8 for e4m3fn: the same real product, so the same
 // rounding (s * 2^8 is exact short of overflow, which takes the generic path).
 template <int FORMAT>
 inline void dequantize(const uint8_t* src, int64_t n, float s, float* dst) {
   int64_t e = 0;
+#if defined(__AVX512VBMI__)
+  if constexpr (FORMAT == E4M3FN) {
+    for (; e + 2 * W <= n; e += 2 * W) {
+      vf a, b;
+      fp8_load2_vbmi<E4M3FN>(src + e, a, b);
+      store_f32(dst + e, a * splat(s));
+      store_f32(dst + e + W, b * splat(s));
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__F16C__)
   const float mul = FORMAT == E4M3FN ? s * 256.0f : s;
   if (std::isfinite(mul) || !std::isfinite(s)) {
@@ -208,6 +305,12 @@ inline vf load(const typename Storage<DT>::T* p) {
 // The exact fp32 values of the 2W FP8 codes at p (unscaled), as two vectors in order.
 template <int FORMAT>
 inline void fp8_load2(const uint8_t* p, vf& a, vf& b) {
+#if defined(__AVX512VBMI__)
+  if constexpr (FORMAT == E4M3FN) {  // (e5m2's fp16 route below takes fewer steps)
+    fp8_load2_vbmi<E4M3FN>(p, a, b);
+    return;
+  }
+#endif
 #if defined(__AVX512BW__)
   const __m512i h = fp8_to_f16_bits<FORMAT>(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
   a = (vf)_mm512_cvtph_ps(_mm512_castsi512_si256(h));
@@ -242,6 +345,22 @@ inline void load2(const typename Storage<DT>::T* p, vf& a, vf& b) {
     b = load<DT>(p + W);
   }
 }
+
+#if defined(__AVX512BF16__)
+// bf16_dot kinds: the 2W elements at p as bf16 patterns, in order (FP8_*_DOT: the codes' values).
+template <int DT>
+inline __m512i bf16_lanes(const typename Storage<DT>::T* p) {
+  if constexpr (DT == BF16_PAIRS) {
+    return _mm512_loadu_si512(p);
+  } else {
+#if defined(__AVX512VBMI__)
+    return fp8_bf16_lanes<fp8_format<DT>()>(p, fp8_spread_in_order());
+#else
+    static_assert(DT == BF16_PAIRS, "FP8_*_DOT needs AVX512-VBMI");
+#endif
+  }
+}
+#endif
 
 // The first n < W elements at p, zeros after (never reads past p + n).
 template <int DT>

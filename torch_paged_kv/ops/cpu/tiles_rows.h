@@ -32,7 +32,7 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
     for (int i = 0; i < RT * NT; ++i) acc[i] = _mm512_setzero_ps();
     for (int j = 0; j < nfull; j += 2) {
       __m512bh k[NT];
-      for (int t = 0; t < NT; ++t) k[t] = (__m512bh)_mm512_loadu_si512(rows[t] + j * W);
+      for (int t = 0; t < NT; ++t) k[t] = (__m512bh)bf16_lanes<DT>(rows[t] + j * W);
       for (int r = 0; r < RT; ++r) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const uint16_t*>(q + r * Dp) + j * W);
         for (int t = 0; t < NT; ++t) acc[r * NT + t] = _mm512_dpbf16_ps(acc[r * NT + t], qv, k[t]);
@@ -43,6 +43,12 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
       hsum8(reinterpret_cast<const vf*>(acc), s);
     } else {
       for (int i = 0; i < RT * NT; ++i) s[i] = _mm512_reduce_add_ps(acc[i]);
+    }
+    if constexpr (is_fp8<DT>()) {  // one scale per key and kv head
+      for (int t = 0; t < NT; ++t) {
+        const float scale = gr.scales[t][ofs / gr.size];
+        for (int r = 0; r < RT; ++r) s[r * NT + t] *= scale;
+      }
     }
     for (int r = 0; r < RT; ++r)
       for (int t = 0; t < NT; ++t) S[r * ldS + t] = s[r * NT + t];
