@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from harness import (
     DecodeInputs,
     WrongOutputError,
+    cache_evictor,
     check_close,
     decode_bytes,
     forced_backend,
@@ -350,27 +351,6 @@ def _vllm(args: argparse.Namespace, make: Callable[[], Callable[[], torch.Tensor
         return make()
 
     return build
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size from sysfs (Linux), else 32 MiB."""
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        text = pathlib.Path(path).read_text().strip()
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KM")) * scale)
-    return max(sizes, default=32 << 20)
-
-
-def cache_evictor() -> Callable[[], None]:
-    """A function that reads twice the last-level cache's size: afterwards the caches hold its
-    clean lines, none of what ran before."""
-    buffer = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
-
-    def evict() -> None:
-        buffer.sum()
-
-    return evict
 
 
 def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> list[dict]:

@@ -7,6 +7,7 @@ Every benchmark prints a markdown table last and writes the same rows, with the 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import pathlib
@@ -42,6 +43,42 @@ def time_ms(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20) -> flo
             torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) * 1e3)
     return statistics.median(samples)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux), else 32 MiB."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        text = pathlib.Path(path).read_text().strip()
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KM")) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def cache_evictor() -> Callable[[], None]:
+    """A function that reads twice the last-level cache's size: afterwards the caches hold its
+    clean lines, none of what ran before."""
+    buffer = torch.ones(2 * last_level_cache_bytes() // 4, dtype=torch.float32)
+
+    def evict() -> None:
+        buffer.sum()
+
+    return evict
+
+
+def cold_round_robin_us(fns: list[Callable[[], Any]], repeats: int = 20, warmup: int = 2) -> list[float]:
+    """Median microseconds of each of `fns` (CPU), called in turn, one call each per round, each
+    after the caches are evicted (`cache_evictor`): as a model's step finds one layer's pages, with
+    the other layers' pages and weights read since; load from other work drifts over all alike."""
+    evict, samples = cache_evictor(), [[] for _ in fns]
+    for round_ in range(warmup + repeats):
+        for fn, times in zip(fns, samples, strict=True):
+            evict()
+            start = time.perf_counter()
+            fn()
+            if round_ >= warmup:
+                times.append((time.perf_counter() - start) * 1e6)
+    return [statistics.median(times) for times in samples]
 
 
 def median_us(fn: Callable[[], Any], device: torch.device | str) -> float:
