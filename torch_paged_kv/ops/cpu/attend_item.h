@@ -67,7 +67,9 @@ struct Scratch {
   std::vector<int64_t> lo, hi;
   std::vector<const void*> kp, vp;
   std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
-  Floats deq;  // FP8 pools run as F32: K and V of the current and the next key block, dequantized
+  Floats deq;  // staged FP8 pools: K and V of the current and the next key block, dequantized (F32)
+               // or as bf16 codes (BF16_PAIRS)
+  Floats key_scales;  // staged as bf16 codes: one kv head's K, then V scale of each key of a block
   // Keys-major items: Qt per head, and per head and row (rows padded to W): running max and sum,
   // key range, and the last block's accumulator factors.
   Floats qt, ot, km_m, km_l, km_alpha;
@@ -134,7 +136,10 @@ template <int DT>
 void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t part_stride) {
   using T = typename Storage<DT>::T;
   using QT = typename Storage<scalar_dtype<DT>()>::T;
-  const bool staged = DT == F32 && a.fp8;  // an FP8 pool read through dequantized blocks
+  // An FP8 pool read through staged blocks: dequantized (F32), or the codes' bf16 values with their
+  // scales applied to scores and probabilities (BF16_PAIRS, for FP8_*_DOT's keys-major items: one
+  // scale per token and kv head or a static pair).
+  const bool staged = (DT == F32 || DT == BF16_PAIRS) && a.fp8;
   const Geometry& g = a.geo;
   const int64_t D = g.head_dim, Dp = round_up(D, W), group = a.q_heads / g.kv_heads;
   const int nfull = static_cast<int>(D / W), tail = static_cast<int>(D % W);
@@ -176,21 +181,14 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int64_t hh = r / per_head, slot = r % per_head, lane = hh * rp + slot;  // keys-major: its lane
     if (keys_major) {  // Qt of head hh: [D][rp] scaled fp32, or for bf16_dot kinds [D / 2][rp] bf16 pairs
       float* qt = sc.qt.data() + hh * rp * D;
-      if constexpr (DT == BF16_PAIRS && bf16_dot<DT>()) {  // the bf16 values as they are
+      if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are
         uint16_t* pairs = reinterpret_cast<uint16_t*>(qt);
         for (int64_t d = 0; d < D; ++d) pairs[((d / 2) * rp + slot) * 2 + d % 2] = src[d];
       } else {
         for (int64_t d = 0; d < D; ++d) qt[d * rp + slot] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
       }
-    } else if constexpr (DT == BF16_PAIRS && bf16_dot<DT>()) {  // the bf16 values as they are (D a multiple of 2W)
+    } else if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are (D is a multiple of 2W: no padding)
       std::memcpy(dst, src, D * sizeof(QT));
-    } else if constexpr (bf16_dot<DT>()) {  // FP8_*_DOT: fp32 queries that hold bf16 values, as bf16
-      uint16_t* pairs = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t d = 0; d < D; ++d) {
-        uint32_t u;
-        std::memcpy(&u, src + d, 4);
-        pairs[d] = static_cast<uint16_t>(u >> 16);
-      }
     } else {
       for (int64_t d = 0; d < D; ++d) dst[row_slot<DT>(d)] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
       std::fill(dst + D, dst + Dp, 0.0f);
@@ -219,6 +217,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
   const int64_t span = heads * D;  // elements of one key's rows of heads h0..h1
   if (staged && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
+  if (staged && sc.key_scales.size() < static_cast<size_t>(2 * KEY_BLOCK)) sc.key_scales.resize(2 * KEY_BLOCK);
   const int64_t scale_heads = a.scale_groups;  // FP8_*: scales per token and kv head (0: the static pair)
   const int64_t granule = scale_heads ? D / scale_heads : span;  // FP8_*: elements per scale
   // Row pointers (at kv head h0) of key positions [k0, k0 + n) into key block buffer `buf`, a page
@@ -227,6 +226,29 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   auto fill = [&](int64_t k0, int n, int buf) {
     const void** kp = sc.kp.data() + buf * KEY_BLOCK;
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
+    if (DT == BF16_PAIRS && staged) {  // the codes as bf16, and each row's scales
+      const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
+      uint16_t* deq = reinterpret_cast<uint16_t*>(sc.deq.data());
+      const float** ks = sc.ks.data() + buf * KEY_BLOCK;
+      const float** vs = sc.vs.data() + buf * KEY_BLOCK;
+      for (int t = 0; t < n; ++t) {
+        const int64_t off = g.offset(it.b, k0 + t, it.h0);
+        uint16_t* kd = deq + ((2 * buf) * KEY_BLOCK + t) * span;
+        uint16_t* vd = deq + ((2 * buf + 1) * KEY_BLOCK + t) * span;
+        if (a.fp8 == E4M3FN) {
+          fp8_to_bf16<E4M3FN>(codes + off, span, kd);
+          fp8_to_bf16<E4M3FN>(codes + off + vshift, span, vd);
+        } else {
+          fp8_to_bf16<E5M2>(codes + off, span, kd);
+          fp8_to_bf16<E5M2>(codes + off + vshift, span, vd);
+        }
+        kp[t] = kd;
+        vp[t] = vd;
+        ks[t] = scale_heads ? a.scales + off / granule : a.scales;
+        vs[t] = scale_heads ? a.scales + (off + vshift) / granule : a.scales + 1;
+      }
+      return;
+    }
     if (staged) {
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
       for (int t = 0; t < n; ++t) {
@@ -319,10 +341,21 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         if constexpr (!is_fp8<DT>()) {
           qk_keys_major<DT>(sc.qt.data() + lane0 * D, rp, static_cast<int>(rp / W), kp, hh * D, n, D, st, rp, v_now);
         }
+        const float *k_scale = nullptr, *v_scale = nullptr;  // (staged bf16 codes: this head's scales)
+        if (DT == BF16_PAIRS && staged) {
+          float* dst = sc.key_scales.data();
+          const int64_t at = hh * D / granule;
+          for (int t = 0; t < n; ++t) {
+            dst[t] = ks[t][at];
+            dst[KEY_BLOCK + t] = vs[t][at];
+          }
+          k_scale = dst;
+          v_scale = dst + KEY_BLOCK;
+        }
         for (int64_t v = 0; v < rp; v += W) {
           softmax_keys_major(st + v, rp, n, k0, sc.km_lo.data() + lane0 + v, sc.km_hi.data() + lane0 + v,
                              sc.km_m.data() + lane0 + v, sc.km_l.data() + lane0 + v, sc.km_alpha.data() + lane0 + v,
-                             bf16_dot<DT>() ? a.scale : 1.0f, a.softcap);
+                             bf16_dot<DT>() ? a.scale : 1.0f, a.softcap, k_scale, v_scale);
         }
         if constexpr (!is_fp8<DT>()) {
           pv_keys_major<DT>(st, rp, static_cast<int>(rp / W), vp, hh * D, n, D, sc.km_alpha.data() + lane0,

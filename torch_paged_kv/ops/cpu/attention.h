@@ -126,7 +126,13 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   for (size_t t = 0; t < tasks.size(); ++t) remaining[t].store(tasks[t].parts, std::memory_order_relaxed);
   parallel_for<true>(n_items, threads, [&](int64_t i) {
     const Item& it = items[i];
-    if constexpr (is_fp8<DT>()) {  // prefill-shaped: codes dequantized once per key block, keys-major fp32 tiles
+    if constexpr (bf16_dot<DT>() && is_fp8<DT>()) {  // prefill-shaped: codes staged as bf16, keys-major bf16 tiles
+      if (static_cast<int64_t>(it.nq) * group >= keys_major_rows<BF16_PAIRS>()) {
+        attend_item<BF16_PAIRS>(a, it, pp, part_stride);
+      } else {
+        attend_item<DT>(a, it, pp, part_stride);
+      }
+    } else if constexpr (is_fp8<DT>()) {  // prefill-shaped: codes dequantized once per key block, keys-major fp32 tiles
       if (static_cast<int64_t>(it.nq) * group >= keys_major_rows<F32>()) {
         attend_item<F32>(a, it, pp, part_stride);
       } else {
@@ -141,13 +147,15 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   });
 }
 
-void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
+// 0, or 1 where the call is not one these kernels take (FP8 with bf16 queries outside FP8_*_DOT:
+// kernels.py converts those queries to fp32).
+int run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
                          int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
                          int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
                          int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
                          double scale, int causal, int64_t window, double softcap, void* out, int64_t out_stride_row,
                          int64_t out_stride_head, int64_t min_split, int64_t want_items, int64_t min_work,
-                         int nthreads, int fp8, const float* scales, int64_t scale_groups, int q_bf16) {
+                         int nthreads, int fp8, const float* scales, int64_t scale_groups) {
   AttnArgs a;
   a.dtype = dtype;
   a.q = q;
@@ -172,18 +180,22 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
   const Tuning tune{min_split, want_items, min_work};
   const int64_t granule = scale_groups ? head_dim / scale_groups : head_dim;  // (static: one scale per row)
   const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && granule % (2 * W) == 0;
-  const bool fp8_dot = fp8_dot_kinds() && fp8_codes && q_bf16 && scale_groups <= 1;  // (FP8_*_DOT)
+  if (fp8 && dtype == BF16) {  // FP8_*_DOT: one scale per token and kv head, or a static pair
+    if constexpr (fp8_dot_kinds()) {
+      if (fp8_codes && scale_groups <= 1) {
+        if (fp8 == E4M3FN) {
+          flash_attention<FP8_E4M3FN_DOT>(a, tune, nthreads);
+        } else {
+          flash_attention<FP8_E5M2_DOT>(a, tune, nthreads);
+        }
+        return 0;
+      }
+    }
+    return 1;
+  }
   switch (dtype) {
     case F32:
-      if (fp8_dot) {
-        if constexpr (fp8_dot_kinds()) {
-          if (fp8 == E4M3FN) {
-            flash_attention<FP8_E4M3FN_DOT>(a, tune, nthreads);
-          } else {
-            flash_attention<FP8_E5M2_DOT>(a, tune, nthreads);
-          }
-        }
-      } else if (fp8_codes && fp8 == E4M3FN) {
+      if (fp8_codes && fp8 == E4M3FN) {
         flash_attention<FP8_E4M3FN>(a, tune, nthreads);
       } else if (fp8_codes) {
         flash_attention<FP8_E5M2>(a, tune, nthreads);
@@ -200,6 +212,7 @@ void run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t
       break;
     default: flash_attention<F16>(a, tune, nthreads); break;
   }
+  return 0;
 }
 
 }  // namespace

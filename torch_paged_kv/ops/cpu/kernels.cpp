@@ -24,9 +24,10 @@
 // scales (FP8_* kinds, kinds.h); prefill-shaped items, and granules or head dims those tiles do not
 // take, have each key block's rows dequantized (a code's exact value times its scale, the
 // reference's fp32 product) into a per-thread fp32 block, which the fp32 path then reads; queries
-// and output are fp32 (kernels.py converts). With AVX512-BF16 and AVX512-VBMI, queries that were
-// bf16 over one scale per token and kv head (or a static pair) take FP8_*_DOT: codes turned into
-// bf16 patterns by byte-table permutes, scores as bf16 dot products, each times its key's scale.
+// and output are fp32 (kernels.py converts). With AVX512-BF16 and AVX512-VBMI, bf16 queries over one
+// scale per token and kv head (or a static pair) stay bf16 and take FP8_*_DOT: codes turned into
+// bf16 values by byte-table permutes, scores as bf16 dot products, each times its key's scale;
+// prefill-shaped items stage each key block's codes as bf16 for the keys-major bf16 tiles.
 //
 // One translation unit, in parts (each a header included once, in this order of dependence):
 //   vec.h               vector width and types, exp / softcap / horizontal sums
@@ -78,6 +79,8 @@ int pkv_vector_width() { return W; }
 
 int pkv_bf16_dot() { return bf16_dot<BF16_PAIRS>() ? 1 : 0; }
 
+int pkv_fp8_bf16_dot() { return fp8_dot_kinds() ? 1 : 0; }
+
 int pkv_fp8_byte_tables() {
 #if defined(__AVX512VBMI__)
   return 1;
@@ -94,13 +97,13 @@ int pkv_openmp() {
 #endif
 }
 
-void pkv_flash_attention(const unsigned char* packed) {
+int pkv_flash_attention(const unsigned char* packed) {
   const Packed a{packed};
-  run_flash_attention(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
+  return run_flash_attention(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
                       a.i(6), a.i(7), a.i(8), a.i(9), a.ptr<const int32_t>(10), a.ptr<const int32_t>(11), a.i(12),
                       a.i(13), a.ptr<const int32_t>(14), a.i(15), a.i(16), a.i(17), a.d(27), static_cast<int>(a.i(18)),
                       a.i(19), a.d(28), a.ptr<void>(20), a.i(21), a.i(22), a.i(23), a.i(24), a.i(25),
-                      static_cast<int>(a.i(26)), static_cast<int>(a.i(29)), a.ptr<const float>(30), a.i(31), static_cast<int>(a.i(32)));
+                      static_cast<int>(a.i(26)), static_cast<int>(a.i(29)), a.ptr<const float>(30), a.i(31));
 }
 
 void pkv_store_kv(const unsigned char* packed) {

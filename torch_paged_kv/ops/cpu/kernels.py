@@ -12,6 +12,7 @@ A fresh `bytes` per call keeps concurrent calls from several threads apart.
 
 from __future__ import annotations
 
+import functools
 import struct
 
 import torch
@@ -127,11 +128,12 @@ def flash_attention(
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Over an FP8 pool the kernels read codes as fp32 values: the queries go in as fp32 and the fp32
-    output comes back in q's dtype. The kernels are told when those queries were bf16, so that
-    scores can be bf16 dot products of the codes (exact) where the build and the scales allow."""
+    """Over an FP8 pool the queries go in as fp32 and the fp32 output comes back in q's dtype, except
+    bf16 queries over one scale per token and kv head (or a static pair) where the build has the
+    bf16 dot-product kinds (`_fp8_bf16_dot_width`): those stay bf16."""
+    lib = _lib or load()
     result_dtype = q.dtype
-    if scales is not None:
+    if scales is not None and not _fp8_bf16_queries(lib, q, blocks, scales):
         q = q.float()
     qs = q.stride()
     if qs[2] != 1:
@@ -142,17 +144,32 @@ def flash_attention(
     os_ = out.stride()
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     table_shape = lookup_table.shape
-    (_lib or load()).pkv_flash_attention(
+    declined = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], blocks.data_ptr(), pages, layers, page_size, heads,
             head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
             table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
             layer_idx, q.shape[1], causal, sliding_window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
             WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), softmax_scale, softcap,
-            *_fp8_arguments(blocks, scales), result_dtype == torch.bfloat16,
+            *_fp8_arguments(blocks, scales),
         )
     )  # fmt: skip
+    if declined:  # (a disagreement between _fp8_bf16_queries and the kernels' dispatch)
+        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
     return out if out.dtype == result_dtype else out.to(result_dtype)
+
+
+@functools.cache
+def _fp8_bf16_dot_width(lib) -> int:
+    """The head_dim multiple the library's FP8 bf16 dot-product kinds take (0: built without them)."""
+    return 2 * lib.pkv_vector_width() if lib.pkv_fp8_bf16_dot() else 0
+
+
+def _fp8_bf16_queries(lib, q: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether an FP8 call keeps its bf16 queries: the kernels' FP8_*_DOT kinds take it (kinds.h)."""
+    width = _fp8_bf16_dot_width(lib)
+    one_scale_per_row = scales.dim() != 6 or scales.shape[-1] == 1
+    return q.dtype == torch.bfloat16 and width > 0 and blocks.shape[-1] % width == 0 and one_scale_per_row
 
 
 def _fp8_arguments(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int, int]:
@@ -205,7 +222,7 @@ def copy_pages(
 
 
 # The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d4q")
+_FLASH_ATTENTION = struct.Struct("@27q2d3q")
 _STORE_KV = struct.Struct("@21q")
 _STORE_KV_FP8 = struct.Struct("@24q")
 _GATHER_KV = struct.Struct("@18q")

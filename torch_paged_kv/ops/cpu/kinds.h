@@ -24,9 +24,9 @@ enum DType : int {
 // FP8_*: FP8 codes read 2W at a time as their exact fp32 values, each times its granule's scale as
 // it is read (the reference's dequantized values, in registers; queries and output in fp32). Used
 // when head_dim and the granule are multiples of 2W; other FP8 pools run as F32 on dequantized blocks.
-// FP8_*_DOT: the same, with the scores as bf16 dot products (bf16_dot) of the queries' bf16 values
-// and the codes' (exact in bf16), each score then times its key's scale: for queries that were bf16
-// and one scale per token and kv head or a static pair, with AVX512-BF16 and AVX512-VBMI.
+// FP8_*_DOT: the same, with bf16 queries and output and the scores as bf16 dot products (bf16_dot)
+// of the queries' values and the codes' (exact in bf16), each score then times its key's scale: for
+// one scale per token and kv head or a static pair, with AVX512-BF16 and AVX512-VBMI.
 
 template <int DT>
 constexpr bool is_fp8() {
@@ -51,7 +51,7 @@ constexpr bool whole_pairs() {
 // The dtype of the queries and the output.
 template <int DT>
 constexpr int scalar_dtype() {
-  return DT == BF16_PAIRS ? BF16 : is_fp8<DT>() ? F32 : DT;
+  return DT == BF16_PAIRS || DT == FP8_E4M3FN_DOT || DT == FP8_E5M2_DOT ? BF16 : is_fp8<DT>() ? F32 : DT;
 }
 
 // BF16_PAIRS and FP8_*_DOT score through AVX512-BF16's dot product (vdpbf16ps: 32 bf16 products a
@@ -232,6 +232,22 @@ inline void fp8_load2_vbmi(const uint8_t* p, vf& a, vf& b) {
   b = (vf)_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
 }
 #endif
+
+// dst[0, n) = the bf16 patterns of the values of the FP8 codes src[0, n) (exact; n a multiple of 2W
+// for the vector path).
+template <int FORMAT>
+inline void fp8_to_bf16(const uint8_t* src, int64_t n, uint16_t* dst) {
+  int64_t e = 0;
+#if defined(__AVX512VBMI__)
+  for (; e + 2 * W <= n; e += 2 * W) _mm512_storeu_si512(dst + e, fp8_bf16_lanes<FORMAT>(src + e, fp8_spread_in_order()));
+#endif
+  const float* values = fp8_values(FORMAT);
+  for (; e < n; ++e) {
+    uint32_t u;
+    std::memcpy(&u, &values[src[e]], 4);
+    dst[e] = static_cast<uint16_t>(u >> 16);  // (exact: the low half is zero, NaNs stay NaNs)
+  }
+}
 
 // dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). With
 // AVX512-VBMI e4m3fn takes 2W codes at a time as fp8_load2 reads them; otherwise the

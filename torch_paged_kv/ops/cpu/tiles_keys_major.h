@@ -167,10 +167,13 @@ inline void pv_keys_major(const float* Pt, int64_t ldp, int nv, const void* cons
 }
 
 // The online softmax step of one row vector over its keys-major scores St[t * ldS] (t < n, key
-// positions k0 + t): scale (`scale` != 1), softcap, the rows' masks [lo, hi), then P in place; m
-// and l are the rows' running max and sum, alpha gets the factor for their accumulators.
+// positions k0 + t): key t's scale k_scale[t] (if given), scale (`scale` != 1), softcap, the rows'
+// masks [lo, hi), then P in place, times v_scale[t] (if given) after the sum; m and l are the rows'
+// running max and sum, alpha gets the factor for their accumulators. (k_scale, v_scale: FP8 codes
+// staged as bf16 values, one scale per key and kv head.)
 inline void softmax_keys_major(float* st, int64_t ldS, int n, int64_t k0, const int32_t* lo, const int32_t* hi,
-                               float* m, float* l, float* alpha, float scale, float softcap) {
+                               float* m, float* l, float* alpha, float scale, float softcap,
+                               const float* k_scale = nullptr, const float* v_scale = nullptr) {
   const float ninf = -std::numeric_limits<float>::infinity();
   vi vlo, vhi;
   std::memcpy(&vlo, lo, sizeof vlo);
@@ -179,6 +182,7 @@ inline void softmax_keys_major(float* st, int64_t ldS, int n, int64_t k0, const 
   vf mx = m_old;
   for (int t = 0; t < n; ++t) {
     vf x = load_f32(st + t * ldS);
+    if (k_scale) x *= k_scale[t];
     if (scale != 1.0f) x *= scale;
     if (softcap > 0.0f) x = vsoftcap(x, softcap);
     const vi pos = vi{} + static_cast<int32_t>(k0 + t);
@@ -190,8 +194,8 @@ inline void softmax_keys_major(float* st, int64_t ldS, int n, int64_t k0, const 
   vf sum = vf{};
   for (int t = 0; t < n; ++t) {
     const vf p = vexp(load_f32(st + t * ldS) - base);
-    store_f32(st + t * ldS, p);
     sum += p;
+    store_f32(st + t * ldS, v_scale ? p * v_scale[t] : p);
   }
   const vf a = vexp(m_old - base);
   store_f32(l, load_f32(l) * a + sum);
