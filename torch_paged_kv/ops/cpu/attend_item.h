@@ -70,6 +70,7 @@ struct Scratch {
   Floats deq;  // staged FP8 pools: K and V of the current and the next key block, dequantized (F32)
                // or as bf16 codes (BF16_PAIRS)
   Floats key_scales;  // staged as bf16 codes: one kv head's K, then V scale of each key of a block
+  Floats v_scale;  // FP8_*_DOT: per kv head, the V scale of each key of the block (zeros after)
   // Keys-major items: Qt per head, and per head and row (rows padded to W): running max and sum,
   // key range, and the last block's accumulator factors.
   Floats qt, ot, km_m, km_l, km_alpha;
@@ -381,6 +382,17 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
     }
     const int nv = static_cast<int>(round_up(n, W));
+    // FP8_*_DOT (one V scale per key and kv head): the scales multiply P, not every code of V.
+    constexpr bool v_scales_in_p = bf16_dot<DT>() && is_fp8<DT>();
+    if constexpr (v_scales_in_p) {
+      if (static_cast<int64_t>(sc.v_scale.size()) < heads * KEY_BLOCK) sc.v_scale.resize(heads * KEY_BLOCK);
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        float* dst = sc.v_scale.data() + hh * KEY_BLOCK;
+        const int64_t at = hh * D / granule;
+        for (int t = 0; t < n; ++t) dst[t] = vs[t][at];
+        std::fill(dst + n, dst + nv, 0.0f);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {  // softcap, mask, online softmax
       float* s = S + r * KEY_BLOCK;
       const int64_t a0 = std::max<int64_t>(sc.lo[r] - k0, 0), a1 = std::min<int64_t>(sc.hi[r] - k0, n);
@@ -404,10 +416,12 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const float m_new = std::max(M[r], hmax(vmax));
       const float alpha = std::exp(M[r] - m_new);
       vf sum = vf{};
+      const float* v_scale = v_scales_in_p ? sc.v_scale.data() + (r / per_head) * KEY_BLOCK : nullptr;
       for (int t = 0; t < nv; t += W) {
         vf p = vexp(load_f32(s + t) - m_new);
-        store_f32(s + t, p);
         sum += p;
+        if constexpr (v_scales_in_p) p *= load_f32(v_scale + t);
+        store_f32(s + t, p);
       }
       L[r] = L[r] * alpha + hsum(sum);
       M[r] = m_new;

@@ -164,7 +164,7 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
       for (int t = t0; t < t1; ++t) {
         vf v0, v1;
         load2<DT>(vp[t - t0] + j * W, v0, v1);
-        if constexpr (is_fp8<DT>()) {
+        if constexpr (is_fp8<DT>() && !bf16_dot<DT>()) {  // (FP8_*_DOT: the scales are in P)
           const vf s = splat(gr.scales[t][at]);
           v0 *= s;
           v1 *= s;
