@@ -17,6 +17,7 @@ struct Task {  // the rows of an Item whose key range is split over `parts` item
 };
 
 thread_local Floats tls_partials;
+thread_local Floats tls_merged_row;  // merge_task's accumulator
 thread_local std::vector<Item> tls_spans, tls_items;
 thread_local std::vector<Task> tls_tasks;
 thread_local std::vector<std::atomic<int64_t>> tls_remaining;
@@ -28,7 +29,8 @@ void merge_task(const AttnArgs& a, const Task& task, const float* partials, int6
   const int64_t per_head = static_cast<int64_t>(task.nq) * group, rows = (task.h1 - task.h0) * per_head;
   const RowMap map{group, per_head};
   const Item it{task.b, task.h0, task.h1, task.q0, task.nq, 0, 0, -1, -1};
-  std::vector<float> acc(D);
+  Floats& acc = tls_merged_row;
+  if (static_cast<int64_t>(acc.size()) < D) acc.resize(D);
   T* obase = static_cast<T*>(a.out);
   const int64_t row0 = a.offsets[task.b] + task.q0;
   for (int64_t r = 0; r < rows; ++r) {
@@ -36,7 +38,7 @@ void merge_task(const AttnArgs& a, const Task& task, const float* partials, int6
     for (int64_t s = 0; s < task.parts; ++s) {
       m = std::max(m, partials[(task.first_part + s) * part_stride + rows * D + r]);
     }
-    std::fill(acc.begin(), acc.end(), 0.0f);
+    std::fill(acc.begin(), acc.begin() + D, 0.0f);
     float l = 0.0f;
     for (int64_t s = 0; s < task.parts; ++s) {
       const float* src = partials + (task.first_part + s) * part_stride;
