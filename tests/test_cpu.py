@@ -482,7 +482,10 @@ def test_this_build_reads_fp8_codes_through_byte_tables_where_the_cpu_can(cpu_fl
     assert lib.pkv_fp8_byte_tables() == int("avx512vbmi" in cpu_flags), sorted(cpu_flags)
 
 
-@pytest.mark.parametrize("arch", ["x86-64", "haswell", "skylake-avx512", "sapphirerapids"])
+# (cooperlake: AVX512-BF16 without VBMI; icelake-server: VBMI without BF16)
+@pytest.mark.parametrize(
+    "arch", ["x86-64", "haswell", "skylake-avx512", "cooperlake", "icelake-server", "sapphirerapids"]
+)
 def test_kernels_compile_for_other_x86_targets(arch):
     """`-march=native` builds only for this machine's vector width; the others (AVX-512's 16-float
     vectors, plain SSE) must compile too, or the build falls back to generic code there."""
