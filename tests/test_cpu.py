@@ -341,8 +341,8 @@ def test_fp8_attention_matches_fp64_on_the_dequantized_cache(
     monkeypatch, force_backend, dtype, granularity, head_dim, q_dtype, split
 ):
     """Decodes, a chunked and a fresh prefill over FP8 pages (random bytes and scales in every
-    unused slot), causal and windowed, against fp64 attention over what the cache holds; split key
-    ranges merged after, or not."""
+    unused slot), causal, windowed and softcapped, against fp64 attention over what the cache
+    holds; split key ranges merged after, or not."""
     if split:
         monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 16)
         monkeypatch.setattr(kernels, "WANT_ITEMS", 64)
@@ -354,10 +354,10 @@ def test_fp8_attention_matches_fp64_on_the_dequantized_cache(
     ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
     force_backend("cpu")
     q = b.q.to(q_dtype)
-    for window in (-1, 50):
-        got = ops.flash_attention(q, b.blocks, *b.step, b.layer_idx, 0.2, True, window, 0.0, b.scales)
+    for window, softcap in ((-1, 0.0), (50, 0.0), (-1, 1.5)):
+        got = ops.flash_attention(q, b.blocks, *b.step, b.layer_idx, 0.2, True, window, softcap, b.scales)
         assert got.dtype == q_dtype and got.is_contiguous()
-        want = attention_fp64(q, b.keys, b.values, b.cache_lengths.tolist(), 0.2, True, window)
+        want = attention_fp64(q, b.keys, b.values, b.cache_lengths.tolist(), 0.2, True, window, softcap)
         torch.testing.assert_close(got.double(), want, **ATTENTION_TOLERANCE[q_dtype])
 
 
