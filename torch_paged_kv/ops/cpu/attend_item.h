@@ -69,8 +69,9 @@ struct Scratch {
   std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
   Floats deq;  // staged FP8 pools: K and V of the current and the next key block, dequantized (F32)
                // or as bf16 codes (BF16_PAIRS)
-  Floats key_scales;  // staged as bf16 codes: one kv head's K, then V scale of each key of a block
-  Floats v_scale;  // FP8_*_DOT: per kv head, the V scale of each key of the block (zeros after)
+  Floats km_scales;  // staged as bf16 codes: one kv head's K, then V scale of each key of a block
+  Floats p_scales;   // FP8_*_DOT row tiles: per kv head, the V scale of each key of the block (zeros
+                     // after), multiplied into P
   // Keys-major items: Qt per head, and per head and row (rows padded to W): running max and sum,
   // key range, and the last block's accumulator factors.
   Floats qt, ot, km_m, km_l, km_alpha;
@@ -218,7 +219,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
   const int64_t span = heads * D;  // elements of one key's rows of heads h0..h1
   if (staged && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
-  if (staged && sc.key_scales.size() < static_cast<size_t>(2 * KEY_BLOCK)) sc.key_scales.resize(2 * KEY_BLOCK);
+  if (staged && sc.km_scales.size() < static_cast<size_t>(2 * KEY_BLOCK)) sc.km_scales.resize(2 * KEY_BLOCK);
   const int64_t scale_heads = a.scale_groups;  // FP8_*: scales per token and kv head (0: the static pair)
   const int64_t granule = scale_heads ? D / scale_heads : span;  // FP8_*: elements per scale
   // Row pointers (at kv head h0) of key positions [k0, k0 + n) into key block buffer `buf`, a page
@@ -344,7 +345,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         }
         const float *k_scale = nullptr, *v_scale = nullptr;  // (staged bf16 codes: this head's scales)
         if (DT == BF16_PAIRS && staged) {
-          float* dst = sc.key_scales.data();
+          float* dst = sc.km_scales.data();
           const int64_t at = hh * D / granule;
           for (int t = 0; t < n; ++t) {
             dst[t] = ks[t][at];
@@ -385,9 +386,9 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     // FP8_*_DOT (one V scale per key and kv head): the scales multiply P, not every code of V.
     constexpr bool v_scales_in_p = bf16_dot<DT>() && is_fp8<DT>();
     if constexpr (v_scales_in_p) {
-      if (static_cast<int64_t>(sc.v_scale.size()) < heads * KEY_BLOCK) sc.v_scale.resize(heads * KEY_BLOCK);
+      if (static_cast<int64_t>(sc.p_scales.size()) < heads * KEY_BLOCK) sc.p_scales.resize(heads * KEY_BLOCK);
       for (int64_t hh = 0; hh < heads; ++hh) {
-        float* dst = sc.v_scale.data() + hh * KEY_BLOCK;
+        float* dst = sc.p_scales.data() + hh * KEY_BLOCK;
         const int64_t at = hh * D / granule;
         for (int t = 0; t < n; ++t) dst[t] = vs[t][at];
         std::fill(dst + n, dst + nv, 0.0f);
@@ -416,11 +417,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const float m_new = std::max(M[r], hmax(vmax));
       const float alpha = std::exp(M[r] - m_new);
       vf sum = vf{};
-      const float* v_scale = v_scales_in_p ? sc.v_scale.data() + (r / per_head) * KEY_BLOCK : nullptr;
+      const float* p_scale = v_scales_in_p ? sc.p_scales.data() + (r / per_head) * KEY_BLOCK : nullptr;
       for (int t = 0; t < nv; t += W) {
         vf p = vexp(load_f32(s + t) - m_new);
         sum += p;
-        if constexpr (v_scales_in_p) p *= load_f32(v_scale + t);
+        if constexpr (v_scales_in_p) p *= load_f32(p_scale + t);
         store_f32(s + t, p);
       }
       L[r] = L[r] * alpha + hsum(sum);

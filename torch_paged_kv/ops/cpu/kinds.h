@@ -239,7 +239,9 @@ template <int FORMAT>
 inline void fp8_to_bf16(const uint8_t* src, int64_t n, uint16_t* dst) {
   int64_t e = 0;
 #if defined(__AVX512VBMI__)
-  for (; e + 2 * W <= n; e += 2 * W) _mm512_storeu_si512(dst + e, fp8_bf16_lanes<FORMAT>(src + e, fp8_spread_in_order()));
+  for (; e + 2 * W <= n; e += 2 * W) {
+    _mm512_storeu_si512(dst + e, fp8_bf16_lanes<FORMAT>(src + e, fp8_spread_in_order()));
+  }
 #endif
   const float* values = fp8_values(FORMAT);
   for (; e < n; ++e) {

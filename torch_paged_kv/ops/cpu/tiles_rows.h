@@ -138,7 +138,8 @@ inline void qk_rows(const float* q, int64_t Dp, const void* const* kp, int64_t o
 }
 
 // O[r] += sum_t P[r * ldS + t] * v_t for RT rows of O (fp32, row stride Dp) over n keys (for
-// FP8_*: v_t's codes' values times their granules' scales, `gr` from the first key), a few
+// FP8_*: v_t's codes' values times their granules' scales, `gr` from the first key; FP8_*_DOT: the
+// values alone, P holding the scales), a few
 // keys at a time: the rows of a block sit kv_heads * head_dim elements apart (a power of two,
 // often), so walking one column slice through all of them would evict each from L1 before the
 // next slice; a group of PV_GROUP rows stays in L1 while its slices are consumed.
@@ -160,11 +161,12 @@ inline void pv_rows(const float* P, int64_t ldS, const void* const* vrows, int64
         acc[r][0] = load_f32(O + r * Dp + j * W);
         acc[r][1] = load_f32(O + r * Dp + (j + 1) * W);
       }
-      const int64_t at = is_fp8<DT>() ? (ofs + j * W) / gr.size : 0;  // FP8_*: the granule of columns j, j + 1
+      // FP8_* (not _DOT): the granule of columns j, j + 1
+      const int64_t at = is_fp8<DT>() && !bf16_dot<DT>() ? (ofs + j * W) / gr.size : 0;
       for (int t = t0; t < t1; ++t) {
         vf v0, v1;
         load2<DT>(vp[t - t0] + j * W, v0, v1);
-        if constexpr (is_fp8<DT>() && !bf16_dot<DT>()) {  // (FP8_*_DOT: the scales are in P)
+        if constexpr (is_fp8<DT>() && !bf16_dot<DT>()) {
           const vf s = splat(gr.scales[t][at]);
           v0 *= s;
           v1 *= s;
