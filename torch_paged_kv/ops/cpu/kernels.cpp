@@ -26,8 +26,9 @@
 // reference's fp32 product) into a per-thread fp32 block, which the fp32 path then reads; queries
 // and output are fp32 (kernels.py converts). With AVX512-BF16 and AVX512-VBMI, bf16 queries over one
 // scale per token and kv head (or a static pair) stay bf16 and take FP8_*_DOT: codes turned into
-// bf16 values by byte-table permutes, scores as bf16 dot products, each times its key's scale;
-// prefill-shaped items stage each key block's codes as bf16 for the keys-major bf16 tiles.
+// bf16 values by byte-table permutes, scores as bf16 dot products times their key's K scale,
+// probabilities times their key's V scale; prefill-shaped items stage each key block's codes as
+// bf16 for the keys-major bf16 tiles.
 //
 // One translation unit, in parts (each a header included once, in this order of dependence):
 //   vec.h               vector width and types, exp / softcap / horizontal sums

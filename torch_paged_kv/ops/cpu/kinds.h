@@ -24,9 +24,10 @@ enum DType : int {
 // FP8_*: FP8 codes read 2W at a time as their exact fp32 values, each times its granule's scale as
 // it is read (the reference's dequantized values, in registers; queries and output in fp32). Used
 // when head_dim and the granule are multiples of 2W; other FP8 pools run as F32 on dequantized blocks.
-// FP8_*_DOT: the same, with bf16 queries and output and the scores as bf16 dot products (bf16_dot)
-// of the queries' values and the codes' (exact in bf16), each score then times its key's scale: for
-// one scale per token and kv head or a static pair, with AVX512-BF16 and AVX512-VBMI.
+// FP8_*_DOT: codes read the same way, with bf16 queries and output, the scores as bf16 dot products
+// (bf16_dot) of the queries' values and the codes' (exact in bf16), each score then times its key's
+// K scale and each probability its V scale (V read unscaled): for one scale per token and kv head or
+// a static pair, with AVX512-BF16 and AVX512-VBMI.
 
 template <int DT>
 constexpr bool is_fp8() {
