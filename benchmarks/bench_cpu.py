@@ -55,12 +55,12 @@ import torch.nn.functional as F
 from harness import (
     DecodeInputs,
     WrongOutputError,
-    cache_evictor,
     check_close,
     decode_bytes,
     forced_backend,
     paged_decode_inputs,
     report,
+    round_robin_ms,
 )
 
 import torch_paged_kv as pk
@@ -382,16 +382,7 @@ def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> l
             row["ms"] = f"WRONG: {str(exc)[:120]}"
         except Exception as exc:
             row["ms"] = f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
-    samples: dict[str, list[float]] = {name: [] for name in timed_fns}
-    evict, in_cache = cache_evictor(), case.get("in cache", ())
-    for round_ in range(repeats + 2):
-        for name, fn in timed_fns.items():
-            if name not in in_cache:
-                evict()
-            start = time.perf_counter()
-            fn()
-            if round_ >= 2:
-                samples[name].append((time.perf_counter() - start) * 1e3)
+    samples = round_robin_ms(timed_fns, repeats, in_cache=case.get("in cache", ()))
     for row in rows:
         if row["kernel"] not in samples:
             continue

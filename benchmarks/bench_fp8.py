@@ -8,15 +8,16 @@ for one scale per token and head (granularity head_dim), per 64 and 32 elements,
 scale per tensor. Speed: paged decode over the default backend of the device, FP8 (e4m3 per token
 and head, per 32 elements, per tensor; e5m2 per token) vs bf16, bf16 queries, with the bytes each
 must read (K/V of every cached token once, plus scales, q and out). On CPU the caches are timed in
-turn, each call after the CPU caches are evicted (harness.cold_round_robin_us).
+turn, each call after the CPU caches are evicted (harness.round_robin_ms).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
-from harness import cold_round_robin_us, median_us, report
+from harness import median_us, report, round_robin_ms
 
 import torch_paged_kv as pk
 from torch_paged_kv.testing import outlier_kv, quantized_attention_error
@@ -67,7 +68,8 @@ def decode_rows(device: torch.device, batch: int, context: int, heads: tuple[int
         nbytes = kv_bytes + 2 * q.numel() * q.element_size()
         rows.append(dict(cache=name, backend=pk.backend_info(device)["flash_attention"], MB_read=nbytes / 1e6))
     if device.type == "cpu":  # cold caches, in turn (an FP8 pool half the size would stay in L3 otherwise)
-        times = cold_round_robin_us(calls)
+        samples = round_robin_ms(dict(enumerate(calls)), repeats=20)
+        times = [statistics.median(ms) * 1e3 for ms in samples.values()]
     else:
         times = [median_us(call, device) for call in calls]
     for row, out, us in zip(rows, outputs, times, strict=True):  # against the bf16 cache, the first

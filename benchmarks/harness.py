@@ -14,7 +14,7 @@ import pathlib
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -66,19 +66,23 @@ def cache_evictor() -> Callable[[], None]:
     return evict
 
 
-def cold_round_robin_us(fns: list[Callable[[], Any]], repeats: int = 20, warmup: int = 2) -> list[float]:
-    """Median microseconds of each of `fns` (CPU), called in turn, one call each per round, each
-    after the caches are evicted (`cache_evictor`): as a model's step finds one layer's pages, with
-    the other layers' pages and weights read since; load from other work drifts over all alike."""
-    evict, samples = cache_evictor(), [[] for _ in fns]
+def round_robin_ms(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2, in_cache: Collection[str] = ()
+) -> dict[str, list[float]]:
+    """Milliseconds of each call of each of `fns` (CPU), called in turn, one call each per round,
+    `repeats` rounds after `warmup`, so that load from other work on the machine drifts over all of
+    them alike; each call after the caches are evicted (`cache_evictor`: as a model's step finds one
+    layer's pages, other layers' pages and weights read since), except those named in `in_cache`."""
+    evict, samples = cache_evictor(), {name: [] for name in fns}
     for round_ in range(warmup + repeats):
-        for fn, times in zip(fns, samples, strict=True):
-            evict()
+        for name, fn in fns.items():
+            if name not in in_cache:
+                evict()
             start = time.perf_counter()
             fn()
             if round_ >= warmup:
-                times.append((time.perf_counter() - start) * 1e6)
-    return [statistics.median(times) for times in samples]
+                samples[name].append((time.perf_counter() - start) * 1e3)
+    return samples
 
 
 def median_us(fn: Callable[[], Any], device: torch.device | str) -> float:

@@ -69,9 +69,8 @@ struct Scratch {
   std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
   Floats deq;  // staged FP8 pools: K and V of the current and the next key block, dequantized (F32)
                // or as bf16 codes (BF16_PAIRS)
-  Floats km_scales;  // staged as bf16 codes: one kv head's K, then V scale of each key of a block
-  Floats p_scales;   // FP8_*_DOT row tiles: per kv head, the V scale of each key of the block (zeros
-                     // after), multiplied into P
+  Floats block_scales;  // scales on scores and probabilities: per kv head, the K then the V scale of
+                        // each key of the block (zeros after)
   // Keys-major items: Qt per head, and per head and row (rows padded to W): running max and sum,
   // key range, and the last block's accumulator factors.
   Floats qt, ot, km_m, km_l, km_alpha;
@@ -138,10 +137,13 @@ template <int DT>
 void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t part_stride) {
   using T = typename Storage<DT>::T;
   using QT = typename Storage<scalar_dtype<DT>()>::T;
-  // An FP8 pool read through staged blocks: dequantized (F32), or the codes' bf16 values with their
-  // scales applied to scores and probabilities (BF16_PAIRS, for FP8_*_DOT's keys-major items: one
-  // scale per token and kv head or a static pair).
-  const bool staged = (DT == F32 || DT == BF16_PAIRS) && a.fp8;
+  // An FP8 pool read through staged blocks: dequantized (F32), or the codes' bf16 values
+  // (BF16_PAIRS, for FP8_*_DOT's keys-major items).
+  constexpr bool bf16_codes = DT == BF16_PAIRS && fp8_dot_kinds();
+  const bool staged = (DT == F32 || bf16_codes) && a.fp8;
+  // One scale per token and kv head (or a static pair) applied to scores and probabilities instead of
+  // to each element of K and V: FP8_*_DOT and its staged bf16 codes.
+  const bool scales_in_softmax = (is_fp8<DT>() && bf16_dot<DT>()) || (bf16_codes && a.fp8);
   const Geometry& g = a.geo;
   const int64_t D = g.head_dim, Dp = round_up(D, W), group = a.q_heads / g.kv_heads;
   const int nfull = static_cast<int>(D / W), tail = static_cast<int>(D % W);
@@ -219,37 +221,46 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const int kb = static_cast<int>(std::clamp<int64_t>(BLOCK_BYTES / (2 * span_bytes), 16, KEY_BLOCK));
   const int64_t span = heads * D;  // elements of one key's rows of heads h0..h1
   if (staged && static_cast<int64_t>(sc.deq.size()) < 4 * KEY_BLOCK * span) sc.deq.resize(4 * KEY_BLOCK * span);
-  if (staged && sc.km_scales.size() < static_cast<size_t>(2 * KEY_BLOCK)) sc.km_scales.resize(2 * KEY_BLOCK);
+  if (scales_in_softmax && static_cast<int64_t>(sc.block_scales.size()) < heads * 2 * KEY_BLOCK) {
+    sc.block_scales.resize(heads * 2 * KEY_BLOCK);
+  }
   const int64_t scale_heads = a.scale_groups;  // FP8_*: scales per token and kv head (0: the static pair)
   const int64_t granule = scale_heads ? D / scale_heads : span;  // FP8_*: elements per scale
+  // The scales of the row at element offset `off` of K (plane 0) or V (plane 1): at its offset /
+  // granule, or the static pair's.
+  auto row_scales = [&](int64_t off, int plane) {
+    return scale_heads ? a.scales + (off + plane * vshift) / granule : a.scales + plane;
+  };
   // Row pointers (at kv head h0) of key positions [k0, k0 + n) into key block buffer `buf`, a page
   // at a time (FP8_*: and their scales); for a staged FP8 pool, pointers to the rows dequantized
   // into sc.deq.
   auto fill = [&](int64_t k0, int n, int buf) {
     const void** kp = sc.kp.data() + buf * KEY_BLOCK;
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
-    if (DT == BF16_PAIRS && staged) {  // the codes as bf16, and each row's scales
-      const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
-      uint16_t* deq = reinterpret_cast<uint16_t*>(sc.deq.data());
-      const float** ks = sc.ks.data() + buf * KEY_BLOCK;
-      const float** vs = sc.vs.data() + buf * KEY_BLOCK;
-      for (int t = 0; t < n; ++t) {
-        const int64_t off = g.offset(it.b, k0 + t, it.h0);
-        uint16_t* kd = deq + ((2 * buf) * KEY_BLOCK + t) * span;
-        uint16_t* vd = deq + ((2 * buf + 1) * KEY_BLOCK + t) * span;
-        if (a.fp8 == E4M3FN) {
-          fp8_to_bf16<E4M3FN>(codes + off, span, kd);
-          fp8_to_bf16<E4M3FN>(codes + off + vshift, span, vd);
-        } else {
-          fp8_to_bf16<E5M2>(codes + off, span, kd);
-          fp8_to_bf16<E5M2>(codes + off + vshift, span, vd);
+    if constexpr (bf16_codes) {  // the codes as bf16, and each row's scales
+      if (staged) {
+        const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
+        uint16_t* deq = reinterpret_cast<uint16_t*>(sc.deq.data());
+        const float** ks = sc.ks.data() + buf * KEY_BLOCK;
+        const float** vs = sc.vs.data() + buf * KEY_BLOCK;
+        for (int t = 0; t < n; ++t) {
+          const int64_t off = g.offset(it.b, k0 + t, it.h0);
+          uint16_t* kd = deq + ((2 * buf) * KEY_BLOCK + t) * span;
+          uint16_t* vd = deq + ((2 * buf + 1) * KEY_BLOCK + t) * span;
+          if (a.fp8 == E4M3FN) {
+            fp8_to_bf16<E4M3FN>(codes + off, span, kd);
+            fp8_to_bf16<E4M3FN>(codes + off + vshift, span, vd);
+          } else {
+            fp8_to_bf16<E5M2>(codes + off, span, kd);
+            fp8_to_bf16<E5M2>(codes + off + vshift, span, vd);
+          }
+          kp[t] = kd;
+          vp[t] = vd;
+          ks[t] = row_scales(off, 0);
+          vs[t] = row_scales(off, 1);
         }
-        kp[t] = kd;
-        vp[t] = vd;
-        ks[t] = scale_heads ? a.scales + off / granule : a.scales;
-        vs[t] = scale_heads ? a.scales + (off + vshift) / granule : a.scales + 1;
+        return;
       }
-      return;
     }
     if (staged) {
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
@@ -260,7 +271,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         for (int plane = 0; plane < 2; ++plane) {
           const uint8_t* src = codes + off + plane * vshift;
           float* dst = plane ? vd : kd;
-          const float* scale = scale_heads ? a.scales + (off + plane * vshift) / granule : a.scales + plane;
+          const float* scale = row_scales(off, plane);
           for (int64_t j = 0; j < span; j += granule) {
             const float s = scale_heads ? scale[j / granule] : *scale;
             if (a.fp8 == E4M3FN) {
@@ -288,8 +299,9 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const float** ks = sc.ks.data() + buf * KEY_BLOCK;
       const float** vs = sc.vs.data() + buf * KEY_BLOCK;
       for (int t = 0; t < n; ++t) {
-        ks[t] = scale_heads ? a.scales + (static_cast<const T*>(kp[t]) - blocks) / granule : a.scales;
-        vs[t] = scale_heads ? a.scales + (static_cast<const T*>(vp[t]) - blocks) / granule : a.scales + 1;
+        const int64_t off = static_cast<const T*>(kp[t]) - blocks;
+        ks[t] = row_scales(off, 0);
+        vs[t] = row_scales(off, 1);
       }
     }
   };
@@ -306,6 +318,19 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const void** vp = sc.vp.data() + (block & 1) * KEY_BLOCK;
     const float* const* ks = sc.ks.data() + (block & 1) * KEY_BLOCK;  // FP8_*: their scales
     const float* const* vs = sc.vs.data() + (block & 1) * KEY_BLOCK;
+    const int nv = static_cast<int>(round_up(n, W));
+    if (scales_in_softmax) {  // per kv head: the block's K scales, then its V scales
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        float* dst = sc.block_scales.data() + hh * 2 * KEY_BLOCK;
+        const int64_t at = hh * D / granule;
+        for (int t = 0; t < n; ++t) {
+          dst[t] = ks[t][at];
+          dst[KEY_BLOCK + t] = vs[t][at];
+        }
+        std::fill(dst + n, dst + nv, 0.0f);
+        std::fill(dst + KEY_BLOCK + n, dst + KEY_BLOCK + nv, 0.0f);
+      }
+    }
     // The row tiles with a key of this block to see (per kv head, ROW_TILE rows at a time; none
     // keys-major).
     std::vector<Tile>& tiles = sc.tiles;
@@ -343,17 +368,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         if constexpr (!is_fp8<DT>()) {
           qk_keys_major<DT>(sc.qt.data() + lane0 * D, rp, static_cast<int>(rp / W), kp, hh * D, n, D, st, rp, v_now);
         }
-        const float *k_scale = nullptr, *v_scale = nullptr;  // (staged bf16 codes: this head's scales)
-        if (DT == BF16_PAIRS && staged) {
-          float* dst = sc.km_scales.data();
-          const int64_t at = hh * D / granule;
-          for (int t = 0; t < n; ++t) {
-            dst[t] = ks[t][at];
-            dst[KEY_BLOCK + t] = vs[t][at];
-          }
-          k_scale = dst;
-          v_scale = dst + KEY_BLOCK;
-        }
+        const float* k_scale = scales_in_softmax ? sc.block_scales.data() + hh * 2 * KEY_BLOCK : nullptr;
+        const float* v_scale = scales_in_softmax ? k_scale + KEY_BLOCK : nullptr;
         for (int64_t v = 0; v < rp; v += W) {
           softmax_keys_major(st + v, rp, n, k0, sc.km_lo.data() + lane0 + v, sc.km_hi.data() + lane0 + v,
                              sc.km_m.data() + lane0 + v, sc.km_l.data() + lane0 + v, sc.km_alpha.data() + lane0 + v,
@@ -382,26 +398,18 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         }
       }
     }
-    const int nv = static_cast<int>(round_up(n, W));
-    // FP8_*_DOT (one V scale per key and kv head): the scales multiply P, not every code of V.
-    constexpr bool v_scales_in_p = bf16_dot<DT>() && is_fp8<DT>();
-    if constexpr (v_scales_in_p) {
-      if (static_cast<int64_t>(sc.p_scales.size()) < heads * KEY_BLOCK) sc.p_scales.resize(heads * KEY_BLOCK);
-      for (int64_t hh = 0; hh < heads; ++hh) {
-        float* dst = sc.p_scales.data() + hh * KEY_BLOCK;
-        const int64_t at = hh * D / granule;
-        for (int t = 0; t < n; ++t) dst[t] = vs[t][at];
-        std::fill(dst + n, dst + nv, 0.0f);
-      }
-    }
     for (int64_t r = 0; r < rows; ++r) {  // softcap, mask, online softmax
       float* s = S + r * KEY_BLOCK;
+      // (scales_in_softmax: the K scales, then the V scales of this row's kv head)
+      const float* head_scales = scales_in_softmax ? sc.block_scales.data() + r / per_head * 2 * KEY_BLOCK : nullptr;
       const int64_t a0 = std::max<int64_t>(sc.lo[r] - k0, 0), a1 = std::min<int64_t>(sc.hi[r] - k0, n);
       if (a0 >= a1) {
         std::fill(s, s + nv, 0.0f);
         continue;
       }
-      if constexpr (bf16_dot<DT>()) {  // the scores came from unscaled queries
+      if constexpr (is_fp8<DT>() && bf16_dot<DT>()) {  // unscaled queries and keys
+        for (int t = 0; t < nv; t += W) store_f32(s + t, load_f32(s + t) * load_f32(head_scales + t) * a.scale);
+      } else if constexpr (bf16_dot<DT>()) {  // the scores came from unscaled queries
         for (int t = 0; t < nv; t += W) store_f32(s + t, load_f32(s + t) * a.scale);
       }
       if (a.softcap > 0.0f) {
@@ -417,11 +425,10 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       const float m_new = std::max(M[r], hmax(vmax));
       const float alpha = std::exp(M[r] - m_new);
       vf sum = vf{};
-      const float* p_scale = v_scales_in_p ? sc.p_scales.data() + (r / per_head) * KEY_BLOCK : nullptr;
       for (int t = 0; t < nv; t += W) {
         vf p = vexp(load_f32(s + t) - m_new);
         sum += p;
-        if constexpr (v_scales_in_p) p *= load_f32(p_scale + t);
+        if constexpr (is_fp8<DT>() && bf16_dot<DT>()) p *= load_f32(head_scales + KEY_BLOCK + t);
         store_f32(s + t, p);
       }
       L[r] = L[r] * alpha + hsum(sum);

@@ -148,7 +148,6 @@ SIGNATURES = {  # name -> (argument types, result type); the op kernels take one
     "pkv_openmp": ([], ctypes.c_int),
     "pkv_bf16_dot": ([], ctypes.c_int),
     "pkv_fp8_byte_tables": ([], ctypes.c_int),
-    "pkv_fp8_bf16_dot": ([], ctypes.c_int),
     "pkv_flash_attention": ([ctypes.c_char_p], ctypes.c_int),
     "pkv_store_kv": ([ctypes.c_char_p], None),
     "pkv_store_kv_fp8": ([ctypes.c_char_p], None),

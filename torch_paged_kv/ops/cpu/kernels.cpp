@@ -80,8 +80,6 @@ int pkv_vector_width() { return W; }
 
 int pkv_bf16_dot() { return bf16_dot<BF16_PAIRS>() ? 1 : 0; }
 
-int pkv_fp8_bf16_dot() { return fp8_dot_kinds() ? 1 : 0; }
-
 int pkv_fp8_byte_tables() {
 #if defined(__AVX512VBMI__)
   return 1;

@@ -161,8 +161,9 @@ def flash_attention(
 
 @functools.cache
 def _fp8_bf16_dot_width(lib) -> int:
-    """The head_dim multiple the library's FP8 bf16 dot-product kinds take (0: built without them)."""
-    return 2 * lib.pkv_vector_width() if lib.pkv_fp8_bf16_dot() else 0
+    """The head_dim multiple the library's FP8 bf16 dot-product kinds take (0: built without them:
+    they need both the bf16 dot products and the FP8 byte tables)."""
+    return 2 * lib.pkv_vector_width() if lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables() else 0
 
 
 def _fp8_bf16_queries(lib, q: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:

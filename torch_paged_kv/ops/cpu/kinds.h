@@ -234,22 +234,17 @@ inline void fp8_load2_vbmi(const uint8_t* p, vf& a, vf& b) {
 }
 #endif
 
-// dst[0, n) = the bf16 patterns of the values of the FP8 codes src[0, n) (exact; n a multiple of 2W
-// for the vector path).
+// dst[0, n) = the bf16 patterns of the values of the FP8 codes src[0, n) (exact; n a multiple of
+// 2W). Only FP8_*_DOT's staged blocks call it, which need AVX512-VBMI.
 template <int FORMAT>
 inline void fp8_to_bf16(const uint8_t* src, int64_t n, uint16_t* dst) {
-  int64_t e = 0;
 #if defined(__AVX512VBMI__)
-  for (; e + 2 * W <= n; e += 2 * W) {
+  for (int64_t e = 0; e < n; e += 2 * W) {
     _mm512_storeu_si512(dst + e, fp8_bf16_lanes<FORMAT>(src + e, fp8_spread_in_order()));
   }
+#else
+  static_assert(FORMAT < 0, "FP8_*_DOT needs AVX512-VBMI");
 #endif
-  const float* values = fp8_values(FORMAT);
-  for (; e < n; ++e) {
-    uint32_t u;
-    std::memcpy(&u, &values[src[e]], 4);
-    dst[e] = static_cast<uint16_t>(u >> 16);  // (exact: the low half is zero, NaNs stay NaNs)
-  }
 }
 
 // dst[0, n) = the values of the FP8 codes src[0, n) times s (the reference's fp32 product). With

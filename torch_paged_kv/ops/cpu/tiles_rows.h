@@ -19,7 +19,8 @@ struct Granules {
 };
 
 // S[r * ldS + t] = q_r . k_t for RT rows of `q` (fp32, row stride Dp, zero padded) and NT keys (for
-// FP8_*: keys of the codes' values times their granules' scales, `gr` from the first key).
+// FP8_*: keys of the codes' values times their granules' scales, `gr` from the first key; FP8_*_DOT:
+// the codes' values alone, the softmax applying the scales).
 template <int DT, int RT, int NT>
 inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* const* kp, int64_t ofs, int nfull,
                     int tail, float* S, int64_t ldS, Granules gr) {
@@ -43,12 +44,6 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
       hsum8(reinterpret_cast<const vf*>(acc), s);
     } else {
       for (int i = 0; i < RT * NT; ++i) s[i] = _mm512_reduce_add_ps(acc[i]);
-    }
-    if constexpr (is_fp8<DT>()) {  // one scale per key and kv head
-      for (int t = 0; t < NT; ++t) {
-        const float scale = gr.scales[t][ofs / gr.size];
-        for (int r = 0; r < RT; ++r) s[r * NT + t] *= scale;
-      }
     }
     for (int r = 0; r < RT; ++r)
       for (int t = 0; t < NT; ++t) S[r * ldS + t] = s[r * NT + t];
