@@ -66,6 +66,7 @@ struct Scratch {
   Floats q, o, s, m, l;
   std::vector<int64_t> lo, hi;
   std::vector<const void*> kp, vp;
+  std::vector<const void*> q_rows;  // keys-major items: each row's query
   std::vector<const float*> ks, vs;  // FP8_*: the K and V scales of each key (at kv head h0)
   Floats deq;  // staged FP8 pools: K and V of the current and the next key block, dequantized (F32)
                // or as bf16 codes (BF16_PAIRS)
@@ -82,6 +83,7 @@ struct Scratch {
       lo.resize(rows);
       hi.resize(rows);
       s.resize(rows * KEY_BLOCK);
+      q_rows.resize(rows);
     }
     if (static_cast<int64_t>(q.size()) < rows * Dp) {
       q.resize(rows * Dp);
@@ -182,15 +184,9 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     const int64_t i = map.token(r);
     const QT* src = qbase + (row0 + i) * a.q_stride_row + map.q_head(it, r) * a.q_stride_head;
     float* dst = Q + r * Dp;
-    const int64_t hh = r / per_head, slot = r % per_head, lane = hh * rp + slot;  // keys-major: its lane
-    if (keys_major) {  // Qt of head hh: [D][rp] scaled fp32, or for bf16_dot kinds [D / 2][rp] bf16 pairs
-      float* qt = sc.qt.data() + hh * rp * D;
-      if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are
-        uint16_t* pairs = reinterpret_cast<uint16_t*>(qt);
-        for (int64_t d = 0; d < D; ++d) pairs[((d / 2) * rp + slot) * 2 + d % 2] = src[d];
-      } else {
-        for (int64_t d = 0; d < D; ++d) qt[d * rp + slot] = load_scalar<scalar_dtype<DT>()>(src + d) * a.scale;
-      }
+    const int64_t lane = r / per_head * rp + r % per_head;  // keys-major: its lane
+    if (keys_major) {  // Qt, after the loop
+      sc.q_rows[r] = src;
     } else if constexpr (bf16_dot<DT>()) {  // the bf16 values as they are (D is a multiple of 2W: no padding)
       std::memcpy(dst, src, D * sizeof(QT));
     } else {
@@ -214,6 +210,11 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       klo = std::min(klo, sc.lo[r]);
       khi = std::max(khi, sc.hi[r]);
     }
+  }
+  for (int64_t hh = 0; keys_major && hh < heads; ++hh) {  // Qt per head: [D][rp] scaled fp32, or
+                                                          // for bf16_dot kinds [D / 2][rp] bf16 pairs
+    queries_keys_major<DT>(reinterpret_cast<const QT* const*>(sc.q_rows.data()) + hh * per_head, per_head, D,
+                           a.scale, rp, sc.qt.data() + hh * rp * D);
   }
   const T* blocks = static_cast<const T*>(a.blocks);
   const int64_t vshift = g.plane_stride(), token_stride = g.kv_heads * D;
@@ -455,9 +456,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
     }
   }
   if (keys_major) {  // accumulators back in rows
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* ot = sc.ot.data() + (r / per_head) * rp * D + r % per_head;
-      for (int64_t d = 0; d < D; ++d) O[r * Dp + d] = ot[d * rp];
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      rows_from_keys_major(sc.ot.data() + hh * rp * D, rp, per_head, D, O + hh * per_head * Dp, Dp);
     }
   } else if constexpr (DT == BF16_PAIRS) {  // accumulator columns back in order: evens and odds interleaved
     for (int64_t r = 0; r < rows; ++r) {

@@ -21,6 +21,55 @@ constexpr int KM_RV = 4, KM_NT = 6, KM_ND = 6;  // row vectors x keys (x columns
 constexpr int KM_RV = 2, KM_NT = 6, KM_ND = 6;  // 12 accumulators of 16 registers (2 x 4: 1.5x slower)
 #endif
 
+// Qt of one head from its `count` query rows (rows[slot]): qt[d * rp + slot] = rows[slot][d] * scale,
+// or for bf16_dot kinds each row's bf16 pair (d, d + 1) as it is, at 32-bit word (d / 2) * rp + slot.
+// Blocks of W rows by W columns (elements or pairs) go through register transposes (F32 and
+// bf16_dot kinds), the rest one element at a time.
+template <int DT>
+void queries_keys_major(const typename Storage<scalar_dtype<DT>()>::T* const* rows, int64_t count, int64_t D,
+                        float scale, int64_t rp, float* qt) {
+  constexpr bool pairs = bf16_dot<DT>();
+  const int64_t cols = pairs ? D / 2 : D;  // 32-bit columns: fp32 elements or bf16 pairs
+  const int64_t full_rows = DT == F32 || pairs ? count / W * W : 0, full_cols = cols / W * W;
+  for (int64_t s0 = 0; s0 < full_rows; s0 += W) {
+    for (int64_t c0 = 0; c0 < full_cols; c0 += W) {
+      vf v[W];
+      for (int i = 0; i < W; ++i) {
+        std::memcpy(&v[i], reinterpret_cast<const char*>(rows[s0 + i]) + c0 * 4, sizeof v[i]);
+        if constexpr (!pairs) v[i] *= scale;
+      }
+      transpose(v);
+      for (int i = 0; i < W; ++i) store_f32(qt + (c0 + i) * rp + s0, v[i]);
+    }
+  }
+  for (int64_t slot = 0; slot < count; ++slot) {
+    for (int64_t c = slot < full_rows ? full_cols : 0; c < cols; ++c) {
+      if constexpr (pairs) {
+        std::memcpy(qt + c * rp + slot, rows[slot] + 2 * c, 4);
+      } else {
+        qt[c * rp + slot] = load_scalar<scalar_dtype<DT>()>(rows[slot] + c) * scale;
+      }
+    }
+  }
+}
+
+// The reverse for one head's accumulators: o[slot * ldo + d] = ot[d * rp + slot] for its `count`
+// rows.
+inline void rows_from_keys_major(const float* ot, int64_t rp, int64_t count, int64_t D, float* o, int64_t ldo) {
+  const int64_t full_rows = count / W * W, full_cols = D / W * W;
+  for (int64_t s0 = 0; s0 < full_rows; s0 += W) {
+    for (int64_t d0 = 0; d0 < full_cols; d0 += W) {
+      vf v[W];
+      for (int i = 0; i < W; ++i) v[i] = load_f32(ot + (d0 + i) * rp + s0);
+      transpose(v);
+      for (int i = 0; i < W; ++i) store_f32(o + (s0 + i) * ldo + d0, v[i]);
+    }
+  }
+  for (int64_t slot = 0; slot < count; ++slot) {
+    for (int64_t d = slot < full_rows ? full_cols : 0; d < D; ++d) o[slot * ldo + d] = ot[d * rp + slot];
+  }
+}
+
 // Element 0 of p as fp32 in every lane.
 template <int DT>
 inline vf bcast(const typename Storage<DT>::T* p) {
@@ -45,40 +94,55 @@ inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>:
                        int64_t D, float* St, int64_t ldS) {
   using T = typename Storage<DT>::T;
   const T* rows[NT];
+  UNROLLED
   for (int t = 0; t < NT; ++t) rows[t] = kp[t] + ofs;
 #if defined(__AVX512BF16__)
   if constexpr (bf16_dot<DT>()) {
     const uint32_t* q2 = reinterpret_cast<const uint32_t*>(qt);
     __m512 acc[NT][RV];
+    UNROLLED
     for (int t = 0; t < NT; ++t)
+      UNROLLED
       for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 2) {
       __m512bh q[RV];
+      UNROLLED
       for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(q2 + (d / 2) * ldq + v * W);
+      UNROLLED
       for (int t = 0; t < NT; ++t) {
         uint32_t pair;
         std::memcpy(&pair, rows[t] + d, sizeof pair);
         const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        UNROLLED
         for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], q[v], k);
       }
     }
+    UNROLLED
     for (int t = 0; t < NT; ++t)
+      UNROLLED
       for (int v = 0; v < RV; ++v) _mm512_storeu_ps(St + t * ldS + v * W, acc[t][v]);
     return;
   }
 #endif
   vf acc[NT][RV];
+  UNROLLED
   for (int t = 0; t < NT; ++t)
+    UNROLLED
     for (int v = 0; v < RV; ++v) acc[t][v] = vf{};
   for (int64_t d = 0; d < D; ++d) {
     vf q[RV];
+    UNROLLED
     for (int v = 0; v < RV; ++v) q[v] = load_f32(qt + d * ldq + v * W);
+    UNROLLED
     for (int t = 0; t < NT; ++t) {
       const vf k = bcast<DT>(rows[t] + d);
+      UNROLLED
       for (int v = 0; v < RV; ++v) acc[t][v] += k * q[v];
     }
   }
+  UNROLLED
   for (int t = 0; t < NT; ++t)
+    UNROLLED
     for (int v = 0; v < RV; ++v) store_f32(St + t * ldS + v * W, acc[t][v]);
 }
 
@@ -119,18 +183,25 @@ template <int DT, int RV, int ND>
 inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows, int64_t ofs, int n,
                        const float* alpha, float* ot, int64_t ldo) {
   vf acc[ND][RV];
+  UNROLLED
   for (int j = 0; j < ND; ++j)
+    UNROLLED
     for (int v = 0; v < RV; ++v) acc[j][v] = load_f32(ot + j * ldo + v * W) * load_f32(alpha + v * W);
   for (int t = 0; t < n; ++t) {
     vf p[RV];
+    UNROLLED
     for (int v = 0; v < RV; ++v) p[v] = load_f32(pt + t * ldp + v * W);
     const typename Storage<DT>::T* row = vrows[t] + ofs;
+    UNROLLED
     for (int j = 0; j < ND; ++j) {
       const vf x = bcast<DT>(row + j);
+      UNROLLED
       for (int v = 0; v < RV; ++v) acc[j][v] += x * p[v];
     }
   }
+  UNROLLED
   for (int j = 0; j < ND; ++j)
+    UNROLLED
     for (int v = 0; v < RV; ++v) store_f32(ot + j * ldo + v * W, acc[j][v]);
 }
 
