@@ -12,6 +12,7 @@ A fresh `bytes` per call keeps concurrent calls from several threads apart.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import struct
 
@@ -30,14 +31,14 @@ WANT_ITEMS = 0
 MIN_WORK_PER_THREAD = 1 << 17
 """Fewest multiply-adds (of Q K^T) per thread before a call uses another thread."""
 
-_lib = None
+_lib: ctypes.CDLL | None = None
 
 
 def loaded() -> bool:
     return _lib is not None
 
 
-def load():
+def load() -> ctypes.CDLL:
     """The kernel library, built and loaded on first use (raises `build.BuildError`)."""
     global _lib
     if _lib is None:
@@ -160,13 +161,13 @@ def flash_attention(
 
 
 @functools.cache
-def _fp8_bf16_dot_width(lib) -> int:
+def _fp8_bf16_dot_width(lib: ctypes.CDLL) -> int:
     """The head_dim multiple the library's FP8 bf16 dot-product kinds take (0: built without them:
     they need both the bf16 dot products and the FP8 byte tables)."""
     return 2 * lib.pkv_vector_width() if lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables() else 0
 
 
-def _fp8_bf16_queries(lib, q: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:
+def _fp8_bf16_queries(lib: ctypes.CDLL, q: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether an FP8 call keeps its bf16 queries: the kernels' FP8_*_DOT kinds take it (kinds.h)."""
     width = _fp8_bf16_dot_width(lib)
     one_scale_per_row = scales.dim() != 6 or scales.shape[-1] == 1

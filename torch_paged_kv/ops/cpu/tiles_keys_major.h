@@ -3,6 +3,8 @@
 // Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
 #pragma once
 
+#include <type_traits>
+
 #include "kinds.h"
 #include "read_ahead.h"
 
@@ -86,6 +88,18 @@ inline vf bcast(const typename Storage<DT>::T* p) {
   }
 }
 
+// f(std::integral_constant<int, RV>()) for RV = rv, 1 <= rv <= KM_RV: a tile's count of row
+// vectors as the template argument the tiles take (the last group of a head's rows may be short).
+template <class F>
+inline void with_row_vectors(int rv, const F& f) {
+  switch (rv) {
+    case 1: f(std::integral_constant<int, 1>()); break;
+    case 2: f(std::integral_constant<int, 2>()); break;
+    case 3: f(std::integral_constant<int, 3>()); break;
+    default: f(std::integral_constant<int, KM_RV>()); break;
+  }
+}
+
 // St[t * ldS + v * W + lane] = sum_d Qt[d][v * W + lane] * k_t[d] for RV row vectors of Qt (ldq
 // lanes per d) and NT keys (rows kp[t] + ofs). bf16_dot kinds: Qt holds bf16 pairs (d, d + 1), ldq
 // pairs per pair of d.
@@ -146,17 +160,6 @@ inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>:
     for (int v = 0; v < RV; ++v) store_f32(St + t * ldS + v * W, acc[t][v]);
 }
 
-template <int DT, int NT>
-inline void qk_tile_km_rv(int rv, const float* qt, int64_t ldq, const typename Storage<DT>::T* const* kp,
-                          int64_t ofs, int64_t D, float* St, int64_t ldS) {
-  switch (rv) {
-    case 1: qk_tile_km<DT, 1, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
-    case 2: qk_tile_km<DT, 2, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
-    case 3: qk_tile_km<DT, 3, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
-    default: qk_tile_km<DT, KM_RV, NT>(qt, ldq, kp, ofs, D, St, ldS); break;
-  }
-}
-
 // St[t * ldS + r] = q_r . k_t for the nv row vectors of Qt and n keys, keys-major.
 template <int DT>
 inline void qk_keys_major(const float* qt, int64_t ldq, int nv, const void* const* kp, int64_t ofs, int n, int64_t D,
@@ -167,13 +170,16 @@ inline void qk_keys_major(const float* qt, int64_t ldq, int nv, const void* cons
     const int rv = std::min(KM_RV, nv - v0);
     const float* q = qt + v0 * W;  // (bf16 pairs: W pairs per vector, the same offset)
     float* st = St + v0 * W;
-    int t = 0;
-    for (; t + KM_NT <= n; t += KM_NT) {
-      qk_tile_km_rv<DT, KM_NT>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
-      ahead.step();
-    }
-    for (; t + 2 <= n; t += 2) qk_tile_km_rv<DT, 2>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
-    for (; t < n; ++t) qk_tile_km_rv<DT, 1>(rv, q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+    with_row_vectors(rv, [&](auto rv_c) {
+      constexpr int RV = decltype(rv_c)::value;
+      int t = 0;
+      for (; t + KM_NT <= n; t += KM_NT) {
+        qk_tile_km<DT, RV, KM_NT>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+        ahead.step();
+      }
+      for (; t + 2 <= n; t += 2) qk_tile_km<DT, RV, 2>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+      for (; t < n; ++t) qk_tile_km<DT, RV, 1>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
+    });
   }
 }
 
@@ -205,17 +211,6 @@ inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>:
     for (int v = 0; v < RV; ++v) store_f32(ot + j * ldo + v * W, acc[j][v]);
 }
 
-template <int DT, int ND>
-inline void pv_tile_km_rv(int rv, const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows,
-                          int64_t ofs, int n, const float* alpha, float* ot, int64_t ldo) {
-  switch (rv) {
-    case 1: pv_tile_km<DT, 1, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
-    case 2: pv_tile_km<DT, 2, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
-    case 3: pv_tile_km<DT, 3, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
-    default: pv_tile_km<DT, KM_RV, ND>(pt, ldp, vrows, ofs, n, alpha, ot, ldo); break;
-  }
-}
-
 // Ot[d * ldo + r] = Ot[d * ldo + r] * alpha[r] + sum_t Pt[t * ldp + r] * v_t[d] for the nv row
 // vectors of Pt and Ot, n keys (all of a block: each accumulator is loaded and stored once).
 template <int DT>
@@ -227,13 +222,16 @@ inline void pv_keys_major(const float* Pt, int64_t ldp, int nv, const void* cons
     const int rv = std::min(KM_RV, nv - v0);
     const float *pt = Pt + v0 * W, *al = alpha + v0 * W;
     float* ot = Ot + v0 * W;
-    int64_t d = 0;
-    for (; d + KM_ND <= D; d += KM_ND) {
-      pv_tile_km_rv<DT, KM_ND>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
-      ahead.step();
-    }
-    for (; d + 2 <= D; d += 2) pv_tile_km_rv<DT, 2>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
-    for (; d < D; ++d) pv_tile_km_rv<DT, 1>(rv, pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+    with_row_vectors(rv, [&](auto rv_c) {
+      constexpr int RV = decltype(rv_c)::value;
+      int64_t d = 0;
+      for (; d + KM_ND <= D; d += KM_ND) {
+        pv_tile_km<DT, RV, KM_ND>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+        ahead.step();
+      }
+      for (; d + 2 <= D; d += 2) pv_tile_km<DT, RV, 2>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+      for (; d < D; ++d) pv_tile_km<DT, RV, 1>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
+    });
   }
 }
 
