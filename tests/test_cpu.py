@@ -116,6 +116,27 @@ def test_long_prefill_over_many_key_blocks_matches_fp64():
     check_attention(batch, 0.2, window=120)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_key_reaches_exactly_the_rows_that_see_it(dtype):
+    """A NaN in one key's row makes NaN every output row that sees that key (its score, then its
+    probabilities, are NaN) and changes no other row: a decode and a keys-major prefill. (The
+    reference spreads it further: SDPA's boolean mask leaves NaN in masked scores.)"""
+    batch = make_paged_batch([40, 0], [1, 48], page_size=16, num_kv_heads=2, head_dim=64, group=4, dtype=dtype, seed=7)
+    ops.store_kv(batch.new_keys, batch.new_values, batch.blocks, *batch.step, batch.layer_idx)
+    args = (batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.125)
+    clean = ops.flash_attention(*args)
+    for seq, pos, head in ((0, 10, 0), (1, 20, 1)):  # a cached key of the decode; a new one of the prefill
+        page = int(batch.lookup_table[seq, pos // 16])
+        batch.blocks[page, 0, batch.layer_idx, pos % 16, head, 5] = float("nan")
+    got = ops.flash_attention(*args)
+    nan_rows = got.isnan().any(-1)  # [tokens, q heads]: row 0 the decode, rows 1.. the prefill
+    expected = torch.zeros_like(nan_rows)
+    expected[0, :4] = True  # kv head 0's query heads
+    expected[1 + 20 :, 4:] = True  # kv head 1's, from position 20 on (causal)
+    assert torch.equal(nan_rows, expected)
+    torch.testing.assert_close(got[~expected], clean[~expected], rtol=0, atol=0)
+
+
 def test_continuous_batching_slots_match_fp64():
     batch = make_paged_batch([10, 0, 31], [1, 6, 1], page_size=40, continuous=True, group=4, dtype=torch.float16)
     check_attention(batch, 0.25, softcap=8.0)

@@ -3,7 +3,9 @@
 // Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <vector>
 
 #include "attend_item.h"
@@ -84,6 +86,13 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
       }
     }
   }
+  // Items in the order sequence, kv head, token block: two threads then write different pages of the
+  // output. Ordered by token block first, both wrote the same 4 KiB pages (a token row holds every
+  // head) and met in the kernel's page faults on a fresh output: a 2048-token fp32 prefill (32 MiB
+  // out) took 0.98x the time in this order, and the same with the output's pages already mapped.
+  std::sort(spans.begin(), spans.end(), [](const Item& x, const Item& y) {
+    return std::tie(x.b, x.h0, x.q0) < std::tie(y.b, y.h0, y.q0);
+  });
   const int threads = thread_count(nthreads, work * a.geo.head_dim, static_cast<double>(tune.min_work));
   // Split long key ranges when there are too few items to keep every thread busy.
   const int64_t min_split = std::max<int64_t>(tune.min_split, 1);

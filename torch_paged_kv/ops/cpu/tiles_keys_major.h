@@ -102,10 +102,10 @@ inline void with_row_vectors(int rv, const F& f) {
 
 // St[t * ldS + v * W + lane] = sum_d Qt[d][v * W + lane] * k_t[d] for RV row vectors of Qt (ldq
 // lanes per d) and NT keys (rows kp[t] + ofs). bf16_dot kinds: Qt holds bf16 pairs (d, d + 1), ldq
-// pairs per pair of d.
+// pairs per pair of d. One line of `share` issued per step of d.
 template <int DT, int RV, int NT>
 inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>::T* const* kp, int64_t ofs,
-                       int64_t D, float* St, int64_t ldS) {
+                       int64_t D, float* St, int64_t ldS, AheadShare share = {}) {
   using T = typename Storage<DT>::T;
   const T* rows[NT];
   UNROLLED
@@ -130,7 +130,9 @@ inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>:
         UNROLLED
         for (int v = 0; v < RV; ++v) acc[t][v] = _mm512_dpbf16_ps(acc[t][v], q[v], k);
       }
+      share.issue(d / 2);
     }
+    share.issue_from(D / 2);
     UNROLLED
     for (int t = 0; t < NT; ++t)
       UNROLLED
@@ -153,7 +155,9 @@ inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>:
       UNROLLED
       for (int v = 0; v < RV; ++v) acc[t][v] += k * q[v];
     }
+    share.issue(d);
   }
+  share.issue_from(D);
   UNROLLED
   for (int t = 0; t < NT; ++t)
     UNROLLED
@@ -174,8 +178,8 @@ inline void qk_keys_major(const float* qt, int64_t ldq, int nv, const void* cons
       constexpr int RV = decltype(rv_c)::value;
       int t = 0;
       for (; t + KM_NT <= n; t += KM_NT) {
-        qk_tile_km<DT, RV, KM_NT>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
-        ahead.step();
+        const char* lines[Ahead::MAX_LINES];
+        qk_tile_km<DT, RV, KM_NT>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS, {lines, ahead.next_lines(lines)});
       }
       for (; t + 2 <= n; t += 2) qk_tile_km<DT, RV, 2>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
       for (; t < n; ++t) qk_tile_km<DT, RV, 1>(q, ldq, rows + t, ofs, D, st + t * ldS, ldS);
@@ -184,10 +188,10 @@ inline void qk_keys_major(const float* qt, int64_t ldq, int nv, const void* cons
 }
 
 // Ot[j * ldo + v * W + lane] = Ot[...] * alpha[v * W + lane] + sum_t Pt[t * ldp + v * W + lane] * v_t[j]
-// for RV row vectors, ND columns j of n V rows (vrows[t] + ofs).
+// for RV row vectors, ND columns j of n V rows (vrows[t] + ofs). One line of `share` issued per key.
 template <int DT, int RV, int ND>
 inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>::T* const* vrows, int64_t ofs, int n,
-                       const float* alpha, float* ot, int64_t ldo) {
+                       const float* alpha, float* ot, int64_t ldo, AheadShare share = {}) {
   vf acc[ND][RV];
   UNROLLED
   for (int j = 0; j < ND; ++j)
@@ -204,7 +208,9 @@ inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>:
       UNROLLED
       for (int v = 0; v < RV; ++v) acc[j][v] += x * p[v];
     }
+    share.issue(t);
   }
+  share.issue_from(n);
   UNROLLED
   for (int j = 0; j < ND; ++j)
     UNROLLED
@@ -226,8 +232,8 @@ inline void pv_keys_major(const float* Pt, int64_t ldp, int nv, const void* cons
       constexpr int RV = decltype(rv_c)::value;
       int64_t d = 0;
       for (; d + KM_ND <= D; d += KM_ND) {
-        pv_tile_km<DT, RV, KM_ND>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
-        ahead.step();
+        const char* lines[Ahead::MAX_LINES];
+        pv_tile_km<DT, RV, KM_ND>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo, {lines, ahead.next_lines(lines)});
       }
       for (; d + 2 <= D; d += 2) pv_tile_km<DT, RV, 2>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
       for (; d < D; ++d) pv_tile_km<DT, RV, 1>(pt, ldp, rows, ofs + d, n, al, ot + d * ldo, ldo);
