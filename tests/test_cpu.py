@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -255,6 +256,34 @@ def test_without_a_compiler_cpu_calls_fall_back_to_reference(monkeypatch, tmp_pa
     force_backend("cpu")
     with pytest.raises(BackendUnavailableError, match="no C\\+\\+ compiler"):
         ops.flash_attention(batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
+
+
+def test_a_variant_that_fails_to_compile_warns_and_is_not_compiled_again(monkeypatch, tmp_path):
+    """The native variant's compile fails: the next variant loads, a RuntimeWarning quotes the first
+    error, and a later process (here: a fresh load) takes the kept failure instead of compiling."""
+    built = kernels.load()._name  # stands in for the fallback variant's build
+    monkeypatch.setenv("TORCH_PAGED_KV_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(build.EXTRA_FLAGS_ENV, raising=False)
+    monkeypatch.setattr(build, "_loaded", {})
+    compiled = []
+
+    def fake_compile(compiler, flags, sources, target):
+        compiled.append(flags)
+        if "-march=native" in flags:
+            return "kernels.cpp:1: warning: noise\nkernels.cpp:2: error: no such instruction\n1 error generated."
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(built, target)
+        return None
+
+    monkeypatch.setattr(build, "_compile", fake_compile)
+    with pytest.warns(RuntimeWarning, match="-march=native -fopenmp: kernels.cpp:2: error: no such instruction"):
+        build.library()
+    assert compiled == [build.VARIANT_FLAGS[0], build.VARIANT_FLAGS[1]]
+    monkeypatch.setattr(build, "_loaded", {})
+    compiled.clear()
+    with pytest.warns(RuntimeWarning, match="no such instruction"):
+        build.library()
+    assert compiled == []
 
 
 def test_a_second_process_loads_the_cached_library_without_compiling():

@@ -9,7 +9,9 @@ the sources and headers, the compiler (path, size, mtime), the flags and the CPU
 code must not run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
 `$XDG_CACHE_HOME/torch_paged_kv` or `~/.cache/torch_paged_kv`), written to a temporary name and
 renamed, so concurrent first calls in several processes at worst compile twice. A warm cache loads
-in milliseconds.
+in milliseconds. Where a variant fails to compile, the next one (no `-march=native`, no OpenMP) is
+tried, with a `RuntimeWarning` saying why; the failure is kept beside the library's place
+(`compile-error.txt`) so later processes do not compile it again (delete it to retry).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import warnings
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
@@ -92,7 +95,7 @@ def _compile(compiler: str, flags: list[str], sources: tuple[pathlib.Path, ...],
             [compiler, *BASE_FLAGS, *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True, check=False
         )
         if result.returncode != 0:
-            return (result.stderr or result.stdout).strip()[-2000:]
+            return (result.stderr or result.stdout).strip()[:20000]
         os.replace(tmp, target)
         return None
     finally:
@@ -131,16 +134,45 @@ def _build_and_load() -> ctypes.CDLL:
     errors = []
     for flags in (variant + extra for variant in VARIANT_FLAGS):
         path = cache_dir() / "cpu" / _key(compiler, flags, sources) / f"lib{LIBRARY_NAME}.so"
+        failed = path.with_name(FAILED_NAME)  # this variant's compile failed before: not tried again
         if not path.exists():
-            error = _compile(compiler, flags, SOURCES, path)
+            error = failed.read_text() if failed.exists() else _compile(compiler, flags, SOURCES, path)
             if error is not None:
-                errors.append(f"{' '.join(flags) or '(no extra flags)'}: {error.splitlines()[-1] if error else ''}")
+                if not failed.exists():
+                    _write_atomically(failed, error)
+                errors.append(f"{' '.join(flags) or '(no extra flags)'}: {_first_error(error)} (in full: {failed})")
                 continue
         try:
-            return _declare(ctypes.CDLL(str(path)))
+            lib = _declare(ctypes.CDLL(str(path)))
         except OSError as exc:
             errors.append(f"{path}: {exc}")
+            continue
+        if errors:  # a fallback: slower kernels (no -march=native, or no OpenMP), said once per process
+            warnings.warn(
+                f"torch_paged_kv: the CPU kernels were built with {' '.join(flags) or 'no extra flags'} and "
+                f"may run slower: {'; '.join(errors)}. Delete that file to compile it again.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return lib
     raise BuildError(f"could not build the CPU kernels with {compiler}: " + "; ".join(errors))
+
+
+FAILED_NAME = "compile-error.txt"
+
+
+def _first_error(output: str) -> str:
+    """The compiler's first error line (else its last line)."""
+    lines = output.splitlines()
+    return next((line for line in lines if "error" in line), lines[-1] if lines else "")
+
+
+def _write_atomically(target: pathlib.Path, text: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, target)
 
 
 SIGNATURES = {  # name -> (argument types, result type); the op kernels take one packed argument block
