@@ -138,7 +138,7 @@ def _build_and_load() -> ctypes.CDLL:
         if not path.exists():
             error = failed.read_text() if failed.exists() else _compile(compiler, flags, SOURCES, path)
             if error is not None:
-                if not failed.exists():
+                if not failed.exists():  # (a fresh failure)
                     _write_atomically(failed, error)
                 errors.append(f"{' '.join(flags) or '(no extra flags)'}: {_first_error(error)} (in full: {failed})")
                 continue
