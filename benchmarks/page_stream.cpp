@@ -1,19 +1,23 @@
 // The read side of a paged decode and nothing else, for bench_cpu.py's "bound" row: every
 // sequence's pages of one layer, K then V of each page, summed as 64-bit words in table order on
-// `threads` threads (each a contiguous share of the sequences' pages, as the kernel's items are).
-// What a paged kernel could reach on this machine if its arithmetic were free.
+// `threads` threads (each a contiguous share of the sequences' pages, as the kernel's items are),
+// the next page's K and V prefetched into L2 one line per line summed (as the kernel reads ahead:
+// scattered 32 KiB pages read without it reached 0.6-0.7 of a contiguous read on the Zen 4 VM, with
+// it 0.9-1.0). What a paged kernel could reach on this machine if its arithmetic were free.
 // `stream_read`: the same sums over one contiguous buffer, the read bandwidth probe's second reader.
 // `overlap`: synthetic compute and a chunk stream, alone and together (bench_overlap.py).
 #include <cstdint>
 
-// The sum of n 64-bit words (n a multiple of 4), four chains at a time.
-static uint64_t sum_words(const uint64_t* w, int64_t n) {
+// The sum of n 64-bit words (n a multiple of 8), four chains at a time; with `ahead`, the line at
+// the same offset of `ahead` is prefetched into L2 for each line summed.
+static uint64_t sum_words(const uint64_t* w, int64_t n, const char* ahead = nullptr) {
   uint64_t a = 0, b = 0, c = 0, d = 0;
-  for (int64_t k = 0; k < n; k += 4) {
-    a += w[k];
-    b += w[k + 1];
-    c += w[k + 2];
-    d += w[k + 3];
+  for (int64_t k = 0; k < n; k += 8) {
+    if (ahead) __builtin_prefetch(ahead + k * 8, 0, 2);
+    a += w[k] + w[k + 4];
+    b += w[k + 1] + w[k + 5];
+    c += w[k + 2] + w[k + 6];
+    d += w[k + 3] + w[k + 7];
   }
   return a + b + c + d;
 }
@@ -21,12 +25,18 @@ static uint64_t sum_words(const uint64_t* w, int64_t n) {
 extern "C" uint64_t page_stream(const char* blocks, const int32_t* table, int64_t table_stride, int64_t batch,
                                 int64_t pages_per_seq, int64_t page_bytes, int64_t plane_bytes, int64_t read_bytes,
                                 int threads) {
+  const int64_t pages = batch * pages_per_seq;
+  auto page_at = [&](int64_t i) {
+    return blocks + table[(i / pages_per_seq) * table_stride + i % pages_per_seq] * page_bytes;
+  };
   uint64_t total = 0;
 #pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
-  for (int64_t i = 0; i < batch * pages_per_seq; ++i) {
-    const char* page = blocks + table[(i / pages_per_seq) * table_stride + i % pages_per_seq] * page_bytes;
+  for (int64_t i = 0; i < pages; ++i) {
+    const char* page = page_at(i);
+    const char* next = i + 1 < pages ? page_at(i + 1) : nullptr;
     for (int plane = 0; plane < 2; ++plane) {
-      total += sum_words(reinterpret_cast<const uint64_t*>(page + plane * plane_bytes), read_bytes / 8);
+      total += sum_words(reinterpret_cast<const uint64_t*>(page + plane * plane_bytes), read_bytes / 8,
+                         next ? next + plane * plane_bytes : nullptr);
     }
   }
   return total;
