@@ -238,52 +238,36 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   auto fill = [&](int64_t k0, int n, int buf) {
     const void** kp = sc.kp.data() + buf * KEY_BLOCK;
     const void** vp = sc.vp.data() + buf * KEY_BLOCK;
-    if constexpr (bf16_codes) {  // the codes as bf16, and each row's scales
-      if (staged) {
-        const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
-        uint16_t* deq = reinterpret_cast<uint16_t*>(sc.deq.data());
-        const float** ks = sc.ks.data() + buf * KEY_BLOCK;
-        const float** vs = sc.vs.data() + buf * KEY_BLOCK;
-        for (int t = 0; t < n; ++t) {
-          const int64_t off = g.offset(it.b, k0 + t, it.h0);
-          uint16_t* kd = deq + ((2 * buf) * KEY_BLOCK + t) * span;
-          uint16_t* vd = deq + ((2 * buf + 1) * KEY_BLOCK + t) * span;
-          if (a.fp8 == E4M3FN) {
-            fp8_to_bf16<E4M3FN>(codes + off, span, kd);
-            fp8_to_bf16<E4M3FN>(codes + off + vshift, span, vd);
-          } else {
-            fp8_to_bf16<E5M2>(codes + off, span, kd);
-            fp8_to_bf16<E5M2>(codes + off + vshift, span, vd);
-          }
-          kp[t] = kd;
-          vp[t] = vd;
-          ks[t] = row_scales(off, 0);
-          vs[t] = row_scales(off, 1);
-        }
-        return;
-      }
-    }
-    if (staged) {
+    if (staged) {  // bf16_codes: the codes as bf16, and each row's scales; else dequantized
       const uint8_t* codes = static_cast<const uint8_t*>(a.blocks);
       for (int t = 0; t < n; ++t) {
         const int64_t off = g.offset(it.b, k0 + t, it.h0);
-        float* kd = sc.deq.data() + ((2 * buf) * KEY_BLOCK + t) * span;
-        float* vd = sc.deq.data() + ((2 * buf + 1) * KEY_BLOCK + t) * span;
         for (int plane = 0; plane < 2; ++plane) {
           const uint8_t* src = codes + off + plane * vshift;
-          float* dst = plane ? vd : kd;
+          const int64_t at = ((2 * buf + plane) * KEY_BLOCK + t) * span;  // in sc.deq, as elements
           const float* scale = row_scales(off, plane);
-          for (int64_t j = 0; j < span; j += granule) {
-            const float s = scale_heads ? scale[j / granule] : *scale;
+          if constexpr (bf16_codes) {
+            uint16_t* dst = reinterpret_cast<uint16_t*>(sc.deq.data()) + at;
             if (a.fp8 == E4M3FN) {
-              dequantize<E4M3FN>(src + j, granule, s, dst + j);
+              fp8_to_bf16<E4M3FN>(src, span, dst);
             } else {
-              dequantize<E5M2>(src + j, granule, s, dst + j);
+              fp8_to_bf16<E5M2>(src, span, dst);
             }
+            (plane ? vp : kp)[t] = dst;
+            (plane ? sc.vs : sc.ks)[buf * KEY_BLOCK + t] = scale;
+          } else {
+            float* dst = sc.deq.data() + at;
+            for (int64_t j = 0; j < span; j += granule) {
+              const float sj = scale_heads ? scale[j / granule] : *scale;
+              if (a.fp8 == E4M3FN) {
+                dequantize<E4M3FN>(src + j, granule, sj, dst + j);
+              } else {
+                dequantize<E5M2>(src + j, granule, sj, dst + j);
+              }
+            }
+            (plane ? vp : kp)[t] = dst;
           }
         }
-        kp[t] = kd;
-        vp[t] = vd;
       }
       return;
     }
