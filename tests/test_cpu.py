@@ -411,6 +411,32 @@ def test_fp8_attention_matches_fp64_on_the_dequantized_cache(
         torch.testing.assert_close(got.double(), want, **ATTENTION_TOLERANCE[q_dtype])
 
 
+@pytest.mark.parametrize("granularity, q_dtype, declined", [
+    (64, torch.float16, True),  # fp16 queries never stay narrow over FP8 codes
+    (16, torch.bfloat16, True),  # bf16 queries over granules finer than the row: declined
+    (64, torch.bfloat16, None),  # one scale per row: FP8_*_DOT where the build has it
+    (16, torch.float32, False),
+])  # fmt: skip
+def test_the_kernels_alone_decide_which_queries_over_fp8_stay_narrow(granularity, q_dtype, declined):
+    """The dispatch in attention.h declines (1) the queries it has no kind for;
+    `kernels.flash_attention` then calls again in fp32, so both give the same output."""
+    b, _, _ = make_fp8_batch([40, 9], [1, 1], granularity=granularity, head_dim=64, page_size=8, group=4, seed=3)
+    lib = kernels.load()
+    if declined is None:
+        declined = not (lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables())
+    q = b.q.to(q_dtype)
+    args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1)
+    said, out = kernels._flash_attention_call(lib, q, *args, 0.0, b.scales)
+    assert said == int(declined)
+    fp32 = kernels._flash_attention_call(lib, q.float(), *args, 0.0, b.scales)[1]
+    if not declined:
+        torch.testing.assert_close(out.float(), fp32, **ATTENTION_TOLERANCE[q_dtype])
+    got = kernels.flash_attention(q, *args, 0.0, b.scales)
+    assert got.dtype == q_dtype
+    if declined:
+        assert torch.equal(got, fp32.to(q_dtype))
+
+
 def test_fp8_copy_pages_moves_scales_with_their_pages():
     b, _, _ = make_fp8_batch([40, 9], [0, 0], granularity=16, page_size=8)
     blocks, scales = b.blocks.view(torch.uint8).clone(), b.scales.clone()

@@ -157,8 +157,10 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   });
 }
 
-// 0, or 1 where the call is not one these kernels take (FP8 with bf16 queries outside FP8_*_DOT:
-// kernels.py converts those queries to fp32).
+// 0, or 1 where the call is not one these kernels take: FP8 codes under fp16 queries, or under bf16
+// queries outside FP8_*_DOT (one scale per token and kv head or a static pair, head_dim a multiple
+// of 2W, a build with both the bf16 dot products and the FP8 byte tables). kernels.py then calls
+// again with the queries in fp32: this dispatch alone decides which queries stay narrow.
 int run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
                          int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
                          int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
@@ -203,6 +205,7 @@ int run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t 
     }
     return 1;
   }
+  if (fp8 && dtype == F16) return 1;
   switch (dtype) {
     case F32:
       if (fp8_codes && fp8 == E4M3FN) {

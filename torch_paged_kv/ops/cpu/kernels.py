@@ -13,7 +13,6 @@ A fresh `bytes` per call keeps concurrent calls from several threads apart.
 from __future__ import annotations
 
 import ctypes
-import functools
 import struct
 
 import torch
@@ -129,13 +128,37 @@ def flash_attention(
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Over an FP8 pool the queries go in as fp32 and the fp32 output comes back in q's dtype, except
-    bf16 queries over one scale per token and kv head (or a static pair) where the build has the
-    bf16 dot-product kinds (`_fp8_bf16_dot_width`): those stay bf16."""
+    """Over an FP8 pool the fp32 output comes back in q's dtype; bf16 queries stay bf16 where the
+    kernels' FP8_*_DOT kinds take them (attention.h's dispatch decides: a call it declines is made
+    again with fp32 queries), other queries go in as fp32."""
     lib = _lib or load()
     result_dtype = q.dtype
-    if scales is not None and not _fp8_bf16_queries(lib, q, blocks, scales):
+    if scales is not None and q.dtype != torch.bfloat16:
         q = q.float()
+    rest = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window)
+    declined, out = _flash_attention_call(lib, q, *rest, softcap, scales)
+    if declined and q.dtype != torch.float32:
+        declined, out = _flash_attention_call(lib, q.float(), *rest, softcap, scales)
+    if declined:
+        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
+    return out if out.dtype == result_dtype else out.to(result_dtype)
+
+
+def _flash_attention_call(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    layer_idx: int,
+    softmax_scale: float,
+    causal: bool,
+    sliding_window: int,
+    softcap: float,
+    scales: torch.Tensor | None,
+) -> tuple[int, torch.Tensor]:
+    """One `pkv_flash_attention` call: (1 if the kernels declined these queries, else 0; the output)."""
     qs = q.stride()
     if qs[2] != 1:
         q = q.contiguous()
@@ -155,23 +178,7 @@ def flash_attention(
             *_fp8_arguments(blocks, scales),
         )
     )  # fmt: skip
-    if declined:  # (a disagreement between _fp8_bf16_queries and the kernels' dispatch)
-        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
-    return out if out.dtype == result_dtype else out.to(result_dtype)
-
-
-@functools.cache
-def _fp8_bf16_dot_width(lib: ctypes.CDLL) -> int:
-    """The head_dim multiple the library's FP8 bf16 dot-product kinds take (0: built without them:
-    they need both the bf16 dot products and the FP8 byte tables)."""
-    return 2 * lib.pkv_vector_width() if lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables() else 0
-
-
-def _fp8_bf16_queries(lib: ctypes.CDLL, q: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether an FP8 call keeps its bf16 queries: the kernels' FP8_*_DOT kinds take it (kinds.h)."""
-    width = _fp8_bf16_dot_width(lib)
-    one_scale_per_row = scales.dim() != 6 or scales.shape[-1] == 1
-    return q.dtype == torch.bfloat16 and width > 0 and blocks.shape[-1] % width == 0 and one_scale_per_row
+    return declined, out
 
 
 def _fp8_arguments(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int, int]:
