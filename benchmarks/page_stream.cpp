@@ -2,9 +2,9 @@
 // sequence's pages of one layer, K then V of each page, summed as 64-bit words in table order on
 // `threads` threads (each a contiguous share of the sequences' pages, as the kernel's items are),
 // the next page's K and V prefetched into L2 one line per line summed (as the kernel reads ahead:
-// scattered 32 KiB pages read without it reached 0.6-0.7 of a contiguous read on the Zen 4 VM, with
-// it 0.9-1.0). What a paged kernel could reach on this machine if its arithmetic were free.
-// `stream_read`: the same sums over one contiguous buffer, the read bandwidth probe's second reader.
+// scattered 32 KiB pages read without it reached 0.58-0.68 of a contiguous read on the Zen 4 VM,
+// with it 0.86-0.98). What a paged kernel could reach on this machine if its arithmetic were free.
+// `stream_read`: the same sums over one contiguous buffer: bench_cpu.py's read probes.
 // `overlap`: synthetic compute and a chunk stream, alone and together (bench_overlap.py).
 #include <cstdint>
 
