@@ -102,11 +102,8 @@ def read_bandwidth_gbps(nbytes: int = 2**30, repeats: int = 10) -> dict[str, tup
     the probe reads slower than the kernels' own page stream."""
     x = huge_pages.zeros(nbytes // 4, dtype=torch.float32, device=torch.device("cpu")).fill_(1.0)
     readers = {"torch sum": lambda: x.sum()}
-    try:
-        fn = page_stream_library().stream_read
-        readers["C stream"] = lambda: fn(x.data_ptr(), nbytes, torch.get_num_threads())
-    except (RuntimeError, OSError, subprocess.CalledProcessError):
-        pass
+    if (c_stream := stream_reader(x)) is not None:
+        readers["C stream"] = c_stream
     out = {}
     for name, reader in readers.items():
         ms = timed(reader, repeats)
@@ -149,16 +146,23 @@ def page_stream(x: DecodeInputs) -> Callable[[], int]:
     return lambda: fn(*args, torch.get_num_threads())
 
 
+def stream_reader(x: torch.Tensor) -> Callable[[], int] | None:
+    """`stream_read` over `x`'s bytes (whole 64 KiB chunks) on torch's threads; None where no
+    compiler is."""
+    try:
+        fn = page_stream_library().stream_read
+    except (RuntimeError, OSError, subprocess.CalledProcessError):
+        return None
+    nbytes = x.numel() * x.element_size()
+    return lambda: fn(x.data_ptr(), nbytes, torch.get_num_threads())
+
+
 def contiguous_read(nbytes: int) -> Callable[[], Any]:
     """The read probe beside a case: `nbytes` (rounded up to 64 KiB) on huge pages, read on torch's
     threads by `stream_read` (by `tensor.sum()` where no compiler is)."""
     nbytes = -(-nbytes // 2**16) * 2**16
     x = huge_pages.zeros(nbytes // 4, dtype=torch.float32, device=torch.device("cpu")).fill_(1.0)
-    try:
-        fn = page_stream_library().stream_read
-    except (RuntimeError, OSError, subprocess.CalledProcessError):
-        return lambda: x.sum()
-    return lambda: fn(x.data_ptr(), nbytes, torch.get_num_threads())
+    return stream_reader(x) or (lambda: x.sum())
 
 
 def pages_in_cache(x: DecodeInputs) -> DecodeInputs:

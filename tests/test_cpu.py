@@ -425,13 +425,13 @@ def test_the_kernels_alone_decide_which_queries_over_fp8_stay_narrow(granularity
     if declined is None:
         declined = not (lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables())
     q = b.q.to(q_dtype)
-    args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1)
-    said, out = kernels._flash_attention_call(lib, q, *args, 0.0, b.scales)
+    args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1, 0.0, b.scales)
+    said, out = kernels._flash_attention_call(lib, q, args)
     assert said == int(declined)
-    fp32 = kernels._flash_attention_call(lib, q.float(), *args, 0.0, b.scales)[1]
+    fp32 = kernels._flash_attention_call(lib, q.float(), args)[1]
     if not declined:
         torch.testing.assert_close(out.float(), fp32, **ATTENTION_TOLERANCE[q_dtype])
-    got = kernels.flash_attention(q, *args, 0.0, b.scales)
+    got = kernels.flash_attention(q, *args)
     assert got.dtype == q_dtype
     if declined:
         assert torch.equal(got, fp32.to(q_dtype))

@@ -135,30 +135,20 @@ def flash_attention(
     result_dtype = q.dtype
     if scales is not None and q.dtype != torch.bfloat16:
         q = q.float()
-    rest = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window)
-    declined, out = _flash_attention_call(lib, q, *rest, softcap, scales)
+    args = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
+            softcap, scales)  # fmt: skip
+    declined, out = _flash_attention_call(lib, q, args)
     if declined and q.dtype != torch.float32:
-        declined, out = _flash_attention_call(lib, q.float(), *rest, softcap, scales)
+        declined, out = _flash_attention_call(lib, q.float(), args)
     if declined:
         raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
     return out if out.dtype == result_dtype else out.to(result_dtype)
 
 
-def _flash_attention_call(
-    lib: ctypes.CDLL,
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool,
-    sliding_window: int,
-    softcap: float,
-    scales: torch.Tensor | None,
-) -> tuple[int, torch.Tensor]:
-    """One `pkv_flash_attention` call: (1 if the kernels declined these queries, else 0; the output)."""
+def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tuple[int, torch.Tensor]:
+    """One `pkv_flash_attention` call on `q` and the rest of `flash_attention`'s arguments, all of
+    them, in order: (1 if the kernels declined these queries, else 0; the output)."""
+    blocks, cache_lengths, lookup_table, offsets, layer_idx, scale, causal, window, softcap, scales = args
     qs = q.stride()
     if qs[2] != 1:
         q = q.contiguous()
@@ -172,9 +162,9 @@ def _flash_attention_call(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], blocks.data_ptr(), pages, layers, page_size, heads,
             head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
-            table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
-            layer_idx, q.shape[1], causal, sliding_window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
-            WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), softmax_scale, softcap,
+            table_shape[1] if len(table_shape) == 2 else 1, offsets.data_ptr(), cache_lengths.shape[0],
+            layer_idx, q.shape[1], causal, window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
+            WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), scale, softcap,
             *_fp8_arguments(blocks, scales),
         )
     )  # fmt: skip
