@@ -34,6 +34,7 @@ typedef int32_t vi __attribute__((vector_size(W * 4)));
 typedef uint32_t vu __attribute__((vector_size(W * 4)));
 typedef uint16_t vh __attribute__((vector_size(W * 2)));
 typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 
 inline vf splat(float x) {
 #if defined(__AVX512F__)
@@ -114,16 +115,25 @@ inline vf vsoftcap(vf x, float softcap) {
   return (negative ? -t : t) * softcap;
 }
 
+// The sum and the max of v's lanes, as trees of halves (GCC writes the loops as serial scalar chains:
+// hsum is on the softmax's critical path, once per row and key block).
 inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < W; ++i) s += v[i];
-  return s;
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#else
+  const v4 q = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+#endif
 }
 
-inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = std::max(m, v[i]);
-  return m;
+inline float hmax(vf v) {  // (v holds no NaN)
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(v);
+#else
+  const v4 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3), hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const v4 q = hi > lo ? hi : lo;
+  return std::max(std::max(q[0], q[2]), std::max(q[1], q[3]));
+#endif
 }
 
 inline v8 to8(vf a) {  // (#if: a discarded `if constexpr` branch outside a template must still compile)
