@@ -75,6 +75,8 @@ inline void qk_tile(const float* q, int64_t Dp, const typename Storage<DT>::T* c
     }
     for (int r = 0; r < RT; ++r) {
       vf q0 = load_f32(q + r * Dp + j * W), q1 = load_f32(q + r * Dp + (j + 1) * W);
+      in_register(q0);
+      in_register(q1);
       for (int t = 0; t < NT; ++t) {
         acc[r * NT + t] += q0 * k0[t];
         acc[r * NT + t] += q1 * k1[t];
