@@ -118,6 +118,17 @@ def test_long_prefill_over_many_key_blocks_matches_fp64():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_peaked_scores_match_fp64(dtype):
+    """Scores spread over hundreds (a large softmax scale): each row's running max must be the true
+    max of its block, or exp overflows (a max too small) or every probability underflows (too
+    large). Decodes and a keys-major prefill. Output rows are near one-hot, so a wrong max shows."""
+    batch = make_paged_batch(
+        [300, 0], [1, 40], page_size=16, num_kv_heads=2, head_dim=64, group=4, dtype=dtype, seed=11
+    )
+    check_attention(batch, 8.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nan_key_reaches_exactly_the_rows_that_see_it(dtype):
     """A NaN in one key's row makes NaN every output row that sees that key (its score, then its
     probabilities, are NaN) and changes no other row: a decode and a keys-major prefill. (The
