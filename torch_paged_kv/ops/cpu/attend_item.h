@@ -408,7 +408,9 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         vmax = x > vmax ? x : vmax;
       }
       const float m_new = std::max(M[r], hmax(vmax));
-      const float alpha = std::exp(M[r] - m_new);
+      // exp(0) = 1 without the libm call where the row's max stays (most blocks): the call spilled
+      // every vector register the softmax holds, and back, for each row.
+      const float alpha = m_new == M[r] && std::isfinite(m_new) ? 1.0f : std::exp(M[r] - m_new);
       vf sum = vf{};
       for (int t = 0; t < nv; t += W) {
         vf p = vexp(load_f32(s + t) - m_new);
