@@ -28,7 +28,7 @@ from transformers import Cache, DynamicCache, LlamaConfig, LlamaForCausalLM, Sta
 from transformers.generation.configuration_utils import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
-from torch_paged_kv.integrations.transformers import PagedCache
+from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
 
 
 def build_model(layers: int, hidden: int, device: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
@@ -80,7 +80,7 @@ def timed_generate(model, cache: Cache, ids: torch.Tensor, kwargs: dict) -> tupl
         torch.cuda.synchronize()
     clock = StepClock()
     start = time.perf_counter()
-    out = model.generate(ids, past_key_values=cache, streamer=clock, **kwargs)
+    out = model.generate(ids, streamer=clock, **kwargs, **{cache_kwarg(model): cache})
     if ids.is_cuda:
         torch.cuda.synchronize()
     steps = [b - a for a, b in itertools.pairwise(clock.stamps[1:])]

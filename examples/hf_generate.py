@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
-from torch_paged_kv.integrations.transformers import PagedCache
+from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
 
 PROMPTS = [
     "The capital of France is",
@@ -92,7 +92,7 @@ def main() -> None:
         min_new_tokens=args.new_tokens,
         do_sample=False,
         pad_token_id=model.config.pad_token_id or 0,
-        past_key_values=cache,
+        **{cache_kwarg(model): cache},
     )
     if args.compile:
         compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
-from torch_paged_kv.integrations.transformers import PagedCache, paged_kv_mask
+from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg, paged_kv_mask
 from torch_paged_kv.ops import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +54,7 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def reference(model: LlamaForCausalLM, prompts, **kwargs) -> torch.Tensor:
     model.set_attn_implementation("sdpa")
     ids, mask = prompts
-    return model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **kwargs)
+    return model.generate(ids, attention_mask=mask, **{cache_kwarg(model): DynamicCache(config=model.config)}, **kwargs)
 
 
 def paged(model: LlamaForCausalLM, attn: str, max_batch_size: int = 4, page_size: int = 4) -> PagedCache:
@@ -64,18 +66,30 @@ def paged(model: LlamaForCausalLM, attn: str, max_batch_size: int = 4, page_size
 def test_greedy_matches_dynamic_cache(model, prompts, attn):
     expected = reference(model, prompts, **GREEDY)
     cache = paged(model, attn)
-    out = model.generate(prompts[0], attention_mask=prompts[1], past_key_values=cache, **GREEDY)
+    out = model.generate(prompts[0], attention_mask=prompts[1], **{cache_kwarg(model): cache}, **GREEDY)
     assert torch.equal(out, expected)
     lengths = cache.collection.cache_lengths.tolist()
     stored = [n + 11 for n in LENGTHS] if attn == "paged_kv" else [9 + 11] * 4  # paged_kv never stores padding
     assert lengths == stored and int(cache.get_seq_length()) == 9 + 11
 
 
+def test_cache_kwarg_is_the_current_name(model, prompts):
+    """`cache_kwarg` names the installed transformers' cache parameter: `generate` through it warns of no
+    deprecated name (transformers 5.24 deprecates `past_key_values`) and gives DynamicCache's tokens."""
+    assert cache_kwarg(model) in inspect.signature(model.forward).parameters
+    expected = reference(model, prompts, **GREEDY)
+    cache = paged(model, "paged_kv")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        out = model.generate(prompts[0], attention_mask=prompts[1], **{cache_kwarg(model): cache}, **GREEDY)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
 def test_beam_search_matches_dynamic_cache(model, prompts, attn):
     expected = reference(model, prompts, num_beams=3, **GREEDY)
     cache = paged(model, attn, max_batch_size=12)
-    out = model.generate(prompts[0], attention_mask=prompts[1], past_key_values=cache, num_beams=3, **GREEDY)
+    out = model.generate(prompts[0], attention_mask=prompts[1], **{cache_kwarg(model): cache}, num_beams=3, **GREEDY)
     assert torch.equal(out, expected)
 
 
@@ -84,7 +98,7 @@ def test_compiled_decode_matches_dynamic_cache(model, prompts, monkeypatch):
     cache = paged(model, "paged_kv")
     compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
     compile_config._compile_all_devices = True  # generate compiles the decode step off-GPU only when told
-    kwargs = dict(attention_mask=prompts[1], past_key_values=cache, compile_config=compile_config, **GREEDY)
+    kwargs = dict(attention_mask=prompts[1], **{cache_kwarg(model): cache}, compile_config=compile_config, **GREEDY)
     torch._dynamo.reset()
     assert torch.equal(model.generate(prompts[0], **kwargs), expected)
     cache.reset()
@@ -100,9 +114,9 @@ def teacher_forced_agreement(model, cache, reference: torch.Tensor, prompt: int)
     """Fraction of positions where the model with `cache` predicts `reference`'s next token, fed the
     reference tokens (greedy decoding diverges after one flip; this counts each position once)."""
     with torch.no_grad():
-        logits = [model(reference[:, :prompt], past_key_values=cache).logits[:, -1]]
+        logits = [model(reference[:, :prompt], **{cache_kwarg(model): cache}).logits[:, -1]]
         for t in range(prompt, reference.shape[1] - 1):
-            logits.append(model(reference[:, t : t + 1], past_key_values=cache).logits[:, -1])
+            logits.append(model(reference[:, t : t + 1], **{cache_kwarg(model): cache}).logits[:, -1])
     return (torch.stack(logits, 1).argmax(-1) == reference[:, prompt:]).float().mean().item()
 
 
@@ -115,7 +129,9 @@ def bf16_tiny_llama():
     model = tiny_llama(0).to(torch.bfloat16).eval()
     model.set_attn_implementation("paged_kv")
     ids = torch.randint(3, 1024, (4, 16), generator=torch.Generator().manual_seed(1))
-    tokens = model.generate(ids, past_key_values=PagedCache(model.config, 4, 64, 16), max_new_tokens=40, **GREEDY_ARGS)
+    tokens = model.generate(
+        ids, **{cache_kwarg(model): PagedCache(model.config, 4, 64, 16)}, max_new_tokens=40, **GREEDY_ARGS
+    )
     return model, tokens
 
 
@@ -139,7 +155,9 @@ def test_compiled_fp8_decode_does_not_recompile(bf16_tiny_llama):
     for first in (True, False):  # a new generate with other prompts: the same graph
         cache = PagedCache(model.config, 4, 64, 16, kv_dtype=torch.float8_e4m3fn, quantization_granularity=8)
         prompts = tokens[:, :16] if first else tokens[:, 10:26]
-        kwargs = dict(attention_mask=torch.ones_like(prompts), past_key_values=cache, compile_config=compile_config)
+        kwargs = dict(
+            attention_mask=torch.ones_like(prompts), **{cache_kwarg(model): cache}, compile_config=compile_config
+        )
         with torch.compiler.set_stance("default" if first else "fail_on_recompile"):
             model.generate(prompts, max_new_tokens=4, **kwargs, **GREEDY_ARGS)
 
@@ -148,7 +166,7 @@ def forward(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
     """Logits of `ids` (no padding) placed at positions `start..`."""
     positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
     with torch.no_grad():  # the paged ops are inference-only
-        return model(ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+        return model(ids, position_ids=positions, **{cache_kwarg(model): cache}, use_cache=True).logits
 
 
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
@@ -198,10 +216,10 @@ def test_batch_select_and_repeat_match_dynamic_cache(model, attn):
 
 def test_reset_gives_a_fresh_cache(model, prompts):
     cache = paged(model, "paged_kv")
-    first = model.generate(prompts[0], attention_mask=prompts[1], past_key_values=cache, **GREEDY)
+    first = model.generate(prompts[0], attention_mask=prompts[1], **{cache_kwarg(model): cache}, **GREEDY)
     cache.reset()
     assert int(cache.get_seq_length()) == 0 and not cache.collection.cache_lengths.any() and cache.rows == 0
-    again = model.generate(prompts[0], attention_mask=prompts[1], past_key_values=cache, **GREEDY)
+    again = model.generate(prompts[0], attention_mask=prompts[1], **{cache_kwarg(model): cache}, **GREEDY)
     assert torch.equal(first, again)
 
 
@@ -254,13 +272,17 @@ def test_shared_kv_layers_match_dynamic_cache(attn):
         activation_sparsity_pattern=[0.0] * 6,
     )
     model = Gemma3nForCausalLM(config).eval()
+    if not hasattr(config, "kv_sharing_modes"):  # transformers < 5.23 shares K/V another way: refused
+        with pytest.raises(ValueError, match="^config: its last 2 layers reuse other layers' K/V"):
+            PagedCache(model.config, max_batch_size=2, max_cache_len=32, page_size=4)
+        return
     assert model.config.kv_sharing_modes[-2:] == ["reuse", "reuse"]
     ids = torch.randint(1, 256, (2, 11), generator=torch.Generator().manual_seed(5))
     expected = reference(model, (ids, torch.ones_like(ids)), max_new_tokens=10, do_sample=False)
     model.set_attn_implementation(attn)
     cache = PagedCache(model.config, max_batch_size=2, max_cache_len=32, page_size=4)
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=10, do_sample=False
+        ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(model): cache}, max_new_tokens=10, do_sample=False
     )
     assert torch.equal(out, expected)
     assert cache.collection.params.num_layers == 4 and cache.collection.cache_lengths.tolist() == [20, 20]

@@ -88,7 +88,10 @@ def _uncached_attention(
     """Causal SDPA over the given keys, hiding padded keys; only for a forward with no past."""
     new, kv_len = query.shape[2], key.shape[2]
     if kv_len != new:
-        raise ValueError("attn_implementation='paged_kv' needs past_key_values=PagedCache(...) to use a cache")
+        raise ValueError(
+            "attn_implementation='paged_kv' needs a PagedCache as the model's cache "
+            "(cache=PagedCache(...), or past_key_values= before transformers 5.24) to attend over past keys"
+        )
     allowed = torch.ones(new, new, dtype=torch.bool, device=query.device).tril()[None, None]
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :]

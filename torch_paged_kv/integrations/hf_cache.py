@@ -24,6 +24,7 @@ cached layer). Nothing per token lives in Python ints, so a compiled decode step
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -46,6 +47,12 @@ def attention_layers(config: PreTrainedConfig) -> tuple[list[int], list[int]]:
     transformers' rule: a layer that reuses another's K/V (`kv_sharing_modes[i] == "reuse"`) attends
     but keeps nothing; a layer without attention (type "moe", "mlp") does neither."""
     num_layers = config.num_hidden_layers
+    if getattr(config, "num_kv_shared_layers", 0) and not hasattr(config, "kv_sharing_modes"):
+        raise ValueError(
+            f"config: its last {config.num_kv_shared_layers} layers reuse other layers' K/V the way transformers "
+            f"before 5.23 does it (through a `shared_layers` dict on the cache), which PagedCache does not "
+            f"follow; use transformers >= 5.23 (`kv_sharing_modes`) for this model"
+        )
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
     modes = getattr(config, "kv_sharing_modes", None) or [None] * num_layers
     attending = [i for i, kind in enumerate(types) if kind not in NO_CACHE_LAYER_TYPES]
@@ -121,15 +128,23 @@ def token_rows(states: torch.Tensor) -> torch.Tensor:
     return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword under which `model.generate(...)` and `model(...)` take a cache: `"cache"` where the
+    model's forward has that parameter (transformers >= 5.24, which deprecates the old name), else
+    `"past_key_values"`. For code that runs on both: `model.generate(ids, **{cache_kwarg(model): cache})`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _no_cache_layer() -> CacheLayerMixin:
     """transformers' placeholder for a layer without a cache (shared-KV and attention-free layers)."""
-    from transformers.cache_utils import DummyLayer  # transformers >= 5.20; older models have no such layers
+    from transformers.cache_utils import DummyLayer  # transformers >= 5.23; older models have no such layers
 
     return DummyLayer()
 
 
 class PagedCache(Cache):
-    """A `transformers.Cache` over a paged KV pool; pass it as `generate(..., past_key_values=cache)`.
+    """A `transformers.Cache` over a paged KV pool; pass it as `generate(..., cache=cache)` (transformers
+    >= 5.24; `past_key_values=cache` before: `cache_kwarg(model)` says which).
 
     Args:
         config: the model's config (`model.config`); its `_attn_implementation` picks the path.
