@@ -77,6 +77,7 @@ def test_cache_kwarg_is_the_current_name(model, prompts):
     """`cache_kwarg` names the installed transformers' cache parameter: `generate` through it warns of no
     deprecated name (transformers 5.24 deprecates `past_key_values`) and gives DynamicCache's tokens."""
     assert cache_kwarg(model) in inspect.signature(model.forward).parameters
+    assert cache_kwarg(torch.compile(model)) == cache_kwarg(model)  # (compiles nothing until called)
     expected = reference(model, prompts, **GREEDY)
     cache = paged(model, "paged_kv")
     with warnings.catch_warnings():

@@ -131,8 +131,10 @@ def token_rows(states: torch.Tensor) -> torch.Tensor:
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword under which `model.generate(...)` and `model(...)` take a cache: `"cache"` where the
     model's forward has that parameter (transformers >= 5.24, which deprecates the old name), else
-    `"past_key_values"`. For code that runs on both: `model.generate(ids, **{cache_kwarg(model): cache})`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    `"past_key_values"`. For code that runs on both: `model.generate(ids, **{cache_kwarg(model): cache})`.
+    A `torch.compile`d model is looked through to the module it wraps."""
+    forward = getattr(model, "_orig_mod", model).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def _no_cache_layer() -> CacheLayerMixin:
