@@ -50,8 +50,8 @@ def attention_layers(config: PreTrainedConfig) -> tuple[list[int], list[int]]:
     if getattr(config, "num_kv_shared_layers", 0) and not hasattr(config, "kv_sharing_modes"):
         raise ValueError(
             f"config: its last {config.num_kv_shared_layers} layers reuse other layers' K/V the way transformers "
-            f"before 5.23 does it (through a `shared_layers` dict on the cache), which PagedCache does not "
-            f"follow; use transformers >= 5.23 (`kv_sharing_modes`) for this model"
+            "before 5.23 does it (through a `shared_layers` dict on the cache), which PagedCache does not "
+            "follow; use transformers >= 5.23 (`kv_sharing_modes`) for this model"
         )
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
     modes = getattr(config, "kv_sharing_modes", None) or [None] * num_layers
