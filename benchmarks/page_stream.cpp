@@ -58,15 +58,22 @@ extern "C" uint64_t stream_read(const char* data, int64_t nbytes, int threads) {
 // kernels overlap them: while chunk i's compute runs, chunk i + 1 is prefetched into L2 in 16
 // slices spread between its parts, then chunk i is summed. How much of a core's streaming survives
 // its arithmetic (bench_overlap.py). Returns a value depending on all the work.
-typedef float vf16 __attribute__((vector_size(64)));
+// One register's worth: a 64-byte vector without AVX-512 is two registers GCC kept on the stack,
+// each FMA then a load and a store (the AVX2 figures before 2026-11-26 measured that loop).
+#if defined(__AVX512F__)
+typedef float vreg __attribute__((vector_size(64)));
+#else
+typedef float vreg __attribute__((vector_size(32)));
+#endif
+constexpr int LANES = sizeof(vreg) / sizeof(float);
 
-static vf16 fma_chains(vf16 x, int64_t fmas) {
-  vf16 c[8];
+static vreg fma_chains(vreg x, int64_t fmas) {
+  vreg c[8];
   for (int j = 0; j < 8; ++j) c[j] = x + static_cast<float>(j);
   for (int64_t k = 0; k < fmas; k += 8) {
     for (int j = 0; j < 8; ++j) c[j] = c[j] * 0.999f + 0.001f;
   }
-  vf16 s = c[0];
+  vreg s = c[0];
   for (int j = 1; j < 8; ++j) s += c[j];
   return s;
 }
@@ -78,7 +85,7 @@ extern "C" double overlap(const char* data, const int64_t* offsets, int64_t chun
 #pragma omp parallel for schedule(static) reduction(+ : total) num_threads(threads)
   for (int t = 0; t < threads; ++t) {
     const int64_t first = chunks * t / threads, last = chunks * (t + 1) / threads;
-    vf16 x = {};
+    vreg x = {};
     uint64_t sum = 0;
     for (int64_t i = first; i < last; ++i) {
       const char* chunk = data + offsets[i];
@@ -98,7 +105,7 @@ extern "C" double overlap(const char* data, const int64_t* offsets, int64_t chun
       }
       sum += sum_words(reinterpret_cast<const uint64_t*>(chunk), chunk_bytes / 8);
     }
-    for (int j = 0; j < 16; ++j) total += x[j];
+    for (int j = 0; j < LANES; ++j) total += x[j];
     total += static_cast<double>(sum);
   }
   return total;
