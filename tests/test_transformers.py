@@ -7,8 +7,8 @@ import inspect
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +17,12 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
+from torch_paged_kv.integrations.hf_cache import attention_layers
 from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg, paged_kv_mask
 from torch_paged_kv.ops import validate
+
+# transformers 5.24 deprecates `past_key_values` for `cache`: every call here must use the current name.
+pytestmark = pytest.mark.filterwarnings("error:.*past_key_values.*")
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = [5, 9, 3, 7]  # uneven prompts, left-padded to 9
@@ -73,17 +77,20 @@ def test_greedy_matches_dynamic_cache(model, prompts, attn):
     assert lengths == stored and int(cache.get_seq_length()) == 9 + 11
 
 
-def test_cache_kwarg_is_the_current_name(model, prompts):
-    """`cache_kwarg` names the installed transformers' cache parameter: `generate` through it warns of no
-    deprecated name (transformers 5.24 deprecates `past_key_values`) and gives DynamicCache's tokens."""
+def test_cache_kwarg_is_the_current_name(model):
+    """`cache_kwarg` names the installed transformers' cache parameter, also through `torch.compile`
+    (every `generate` here passes the cache through it, with the deprecated name's warning an error)."""
     assert cache_kwarg(model) in inspect.signature(model.forward).parameters
     assert cache_kwarg(torch.compile(model)) == cache_kwarg(model)  # (compiles nothing until called)
-    expected = reference(model, prompts, **GREEDY)
-    cache = paged(model, "paged_kv")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*past_key_values.*")
-        out = model.generate(prompts[0], attention_mask=prompts[1], **{cache_kwarg(model): cache}, **GREEDY)
-    assert torch.equal(out, expected)
+
+
+def test_kv_sharing_before_transformers_5_23_is_refused():
+    """A config that shares K/V by `num_kv_shared_layers` without `kv_sharing_modes` (Gemma3n before
+    transformers 5.23, which reads the shared K/V off the cache) is refused, not served wrong tokens."""
+    config = SimpleNamespace(num_hidden_layers=6, num_kv_shared_layers=2)
+    with pytest.raises(ValueError, match="^config: its last 2 layers reuse other layers' K/V"):
+        attention_layers(config)
+    assert attention_layers(SimpleNamespace(num_hidden_layers=3)) == ([0, 1, 2], [0, 1, 2])
 
 
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
