@@ -429,7 +429,7 @@ def test_fp8_attention_matches_fp64_on_the_dequantized_cache(
     (16, torch.float32, False),
 ])  # fmt: skip
 def test_the_kernels_alone_decide_which_queries_over_fp8_stay_narrow(granularity, q_dtype, declined):
-    """The dispatch in attention.h declines (1) the queries it has no kind for;
+    """The dispatch in attention.h declines (`kernels._DECLINED`) the queries it has no kind for;
     `kernels.flash_attention` then calls again in fp32, so both give the same output."""
     b, _, _ = make_fp8_batch([40, 9], [1, 1], granularity=granularity, head_dim=64, page_size=8, group=4, seed=3)
     lib = kernels.load()
@@ -438,7 +438,7 @@ def test_the_kernels_alone_decide_which_queries_over_fp8_stay_narrow(granularity
     q = b.q.to(q_dtype)
     args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1, 0.0, b.scales)
     said, out = kernels._flash_attention_call(lib, q, args)
-    assert said == int(declined)
+    assert said == (kernels._DECLINED if declined else 0)
     fp32 = kernels._flash_attention_call(lib, q.float(), args)[1]
     if not declined:
         torch.testing.assert_close(out.float(), fp32, **ATTENTION_TOLERANCE[q_dtype])

@@ -56,6 +56,9 @@ class StepPlan:
     first_layer: int = 0
     # op name -> the kernel the first layer's (eager, checked) call ran: later eager layers call it
     kernels: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # "rows": the new rows the first layer's checked call took (= input_row_offsets[-1]); every later
+    # layer must take as many (a shape check: its kernel trusts the step tensors' values)
+    step_rows: dict[str, int | torch.SymInt] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(
@@ -66,6 +69,13 @@ class StepPlan:
 
     def _checked(self, layer_idx: int) -> str:
         return "default" if layer_idx == self.first_layer else "unchecked"
+
+    def _rows(self, name: str, t: Tensor, layer_idx: int) -> None:
+        """Record the step's new rows at the first layer; at a later layer, require the same count."""
+        if layer_idx == self.first_layer:
+            self.step_rows["rows"] = t.shape[0]
+        elif "rows" in self.step_rows:
+            validate.check_step_rows(name, t, self.step_rows["rows"], layer_idx, self.first_layer)
 
     def _direct(self, op: str, layer_idx: int, *tensors: Tensor) -> Callable[..., Any] | None:
         """The kernel to call directly at this later layer, or None (call the op)."""
@@ -89,6 +99,7 @@ class StepPlan:
 
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
+        self._rows("key", key, layer_idx)
         kernel = self._direct("store_kv", layer_idx, key, value)
         args = (key, value, self.blocks, *self.step, layer_idx, self.scales)
         if kernel is not None:
@@ -107,6 +118,7 @@ class StepPlan:
         softcap: float = 0.0,
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
+        self._rows("q", q, layer_idx)
         kernel = self._direct("flash_attention", layer_idx, q)
         args = (q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales)
         if kernel is not None:
@@ -117,6 +129,7 @@ class StepPlan:
     def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
         """`api.store_latent` of this step's latents `[total_new, kv_lora_rank]` and rotated rope keys
         `[total_new, rope_dim]` into layer `layer_idx` of an MLA cache."""
+        self._rows("latent", latent, layer_idx)
         op = getattr(_OPS.store_latent, self._checked(layer_idx))
         op(latent, k_rope, self.blocks, *self.step, layer_idx, self.scales)
 
@@ -125,6 +138,7 @@ class StepPlan:
     ) -> Tensor:
         """`api.mla_attention` (absorbed MLA) of this step's queries at layer `layer_idx` -> `[total_new,
         num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK."""
+        self._rows("q_nope", q_nope, layer_idx)
         op = getattr(_OPS.mla_attention, self._checked(layer_idx))
         return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, self.scales)
 

@@ -1,7 +1,14 @@
 """Reference backend: every op in pure, vectorised torch (any device), fp32 accumulation.
 
-The oracle the other backends are tested against, and the CPU default. Inputs are validated
-before these run. Prefill, chunked prefill, decode and ragged mixes all take one path: gather
+The oracle the other backends are tested against, and what runs where the `cpu` kernels do not.
+Inputs are validated before these run; the `.unchecked` overloads skip the value checks, so the
+functions here still keep every read and write inside the tensors whatever the index tensors
+hold: a new row without a real page of its own is not stored, the null page is never changed, a
+gather reads only the pages holding each sequence's first `kv_len` tokens and zeroes the rest (a
+reused page's stale NaN never meets a sequence that does not own it), and attention raises
+`ValueError` on offsets or lengths that do not fit its tensors (it reads them on the host anyway).
+
+Prefill, chunked prefill, decode and ragged mixes all take one path: gather
 each sequence's pages (padded to the longest) in fp32, pad the queries, and attend per chunk of
 query positions under the contract's mask, with torch's SDPA in fp32 (an explicit masked softmax
 when `softcap` is set, which SDPA lacks). No loop runs per token.
@@ -19,6 +26,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..layout import NULL_PAGE
 from . import quant
 
 CHUNK_BUDGET_BYTES = 256 * 2**20  # mask (or, with softcap, fp32 scores) of one chunk of query positions
@@ -46,6 +54,39 @@ def _row_coordinates(input_row_offsets: torch.Tensor, total_rows: int) -> tuple[
     return seq, rows - offsets[seq]
 
 
+def row_slots(
+    rows: int,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    page_size: int,
+    num_pages: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((page, offset in the page), stored) of each of `rows` new rows: `stored` is False for a row
+    outside the offsets or without a real page (a position before 0 or past its table row, the null
+    page, an id outside the pool: only an unchecked call has such rows), whose slot is the null page's
+    first. No host sync."""
+    batch = cache_lengths.shape[0]
+    offsets = input_row_offsets.long()
+    seq, tok = _row_coordinates(input_row_offsets, rows)
+    in_step = (seq < batch) & (torch.arange(rows, device=offsets.device) >= offsets[0])
+    seq = seq.clamp(max=max(batch - 1, 0))
+    pos = cache_lengths.long()[seq] + tok
+    table = lookup_table.long()
+    width = table.shape[1] if table.dim() == 2 else 1
+    col = pos // page_size
+    pages = table[seq] if table.dim() == 1 else table[seq, col.clamp(0, width - 1)]
+    stored = in_step & (pos >= 0) & (col < width) & (pages > NULL_PAGE) & (pages < num_pages)
+    return (pages.where(stored, NULL_PAGE), (pos % page_size).where(stored, 0)), stored
+
+
+def put_rows(target: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor], stored: torch.Tensor, rows: torch.Tensor):
+    """`target[slots] = rows` (`target` `[pages, page_size, ...]`) for the `stored` rows; the others
+    write the null page's first slot with its own value (unchanged, and no host sync to drop them)."""
+    keep = stored.view(-1, *([1] * (rows.dim() - 1)))
+    target.index_put_(slots, rows.to(target.dtype).where(keep, target[NULL_PAGE, 0]))
+
+
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -56,21 +97,34 @@ def store_kv(
     layer_idx: int,
     scales: torch.Tensor | None = None,
 ) -> None:
-    seq, tok = _row_coordinates(input_row_offsets, key.shape[0])
-    pos = cache_lengths.long()[seq] + tok
-    page_size = blocks.shape[3]
-    table = lookup_table.long()
-    pages = table[seq] if table.dim() == 1 else table[seq, pos // page_size]
-    index = (pages, pos % page_size)
+    index, stored = row_slots(
+        key.shape[0], cache_lengths, lookup_table, input_row_offsets, blocks.shape[3], blocks.shape[0]
+    )
+    codes = quant.indexable(blocks)  # FP8 codes as bytes (torch's where has no FP8)
     for plane, rows in enumerate((key, value)):
         if scales is None:
-            blocks[:, plane, layer_idx].index_put_(index, rows)
+            put_rows(codes[:, plane, layer_idx], index, stored, rows)
         elif scales.dim() == 1:  # a static per-tensor scale per plane
-            blocks[:, plane, layer_idx].index_put_(index, quant.quantize_static(rows, blocks.dtype, scales[plane]))
+            q = quant.quantize_static(rows, blocks.dtype, scales[plane])
+            put_rows(codes[:, plane, layer_idx], index, stored, quant.indexable(q))
         else:
             q, row_scales = quant.quantize(rows, blocks.dtype, blocks.shape[5] // scales.shape[5])
-            blocks[:, plane, layer_idx].index_put_(index, q)
-            scales[:, plane, layer_idx].index_put_(index, row_scales)
+            put_rows(codes[:, plane, layer_idx], index, stored, quant.indexable(q))
+            put_rows(scales[:, plane, layer_idx], index, stored, row_scales)
+
+
+def readable_pages(lookup_table: torch.Tensor, kv_len: torch.Tensor, num_cols: int, page_size: int, num_pages: int):
+    """The first `num_cols` columns of the table (long; a 1-D table's slots as one column), the null
+    page wherever a column holds none of its row's first `kv_len` tokens or an id outside the pool."""
+    table = lookup_table.long()[:, :num_cols] if lookup_table.dim() == 2 else lookup_table.long()[:, None]
+    used = torch.arange(table.shape[1], device=table.device) * page_size < kv_len[:, None]
+    return table.where(used & (table >= 0) & (table < num_pages), NULL_PAGE)
+
+
+def zero_past(tokens: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+    """`tokens` `[batch, T, ...]` with every position at or past its row's `kv_len` zeroed, in place."""
+    past = torch.arange(tokens.shape[1], device=tokens.device) >= kv_len[:, None]
+    return tokens.masked_fill_(past.view(*past.shape, *([1] * (tokens.dim() - 2))), 0)
 
 
 def gather_tokens(
@@ -79,10 +133,12 @@ def gather_tokens(
     layer_idx: int,
     lookup_table: torch.Tensor,
     max_len: int,
+    kv_len: torch.Tensor,
     scratch_slot: str | None = None,
 ) -> torch.Tensor:
     """`[batch, T, heads, head_dim]` with T >= min(max_len, what the table addresses): each row's
-    first cached tokens, whole pages at a time (contents past a sequence's length are arbitrary).
+    first cached tokens, whole pages at a time, reading only the pages that hold some of its first
+    `kv_len` tokens (the null page stands for the rest; contents past a sequence's length are arbitrary).
 
     `blocks` may be any tensor laid out like a pool (`[pages, planes, layers, page_size, ...]`, such
     as per-granule scales). With `scratch_slot` the result is a view into that reused scratch buffer.
@@ -91,11 +147,13 @@ def gather_tokens(
     plane_view = blocks[:, plane, layer_idx]  # [num_pages, page_size, heads, head_dim]
     if lookup_table.dim() == 1:  # one slot per row: take only the first max_len tokens of it
         tokens = min(max_len, page_size)
-        pages, source = lookup_table, plane_view[:, :tokens].flatten(1)
+        pages = readable_pages(lookup_table, kv_len, 1, page_size, blocks.shape[0]).view(-1)
+        source = plane_view[:, :tokens].flatten(1)
     else:
         num_cols = min(-(-max_len // page_size), lookup_table.shape[1])
         tokens = num_cols * page_size
-        pages, source = lookup_table[:, :num_cols].reshape(-1), plane_view.flatten(1)
+        pages = readable_pages(lookup_table, kv_len, num_cols, page_size, blocks.shape[0]).reshape(-1)
+        source = plane_view.flatten(1)
     shape = (lookup_table.shape[0], tokens, *blocks.shape[4:])
     if scratch_slot is None:
         return source.index_select(0, pages).view(shape)
@@ -110,22 +168,22 @@ def _gather_fp32(
     layer_idx: int,
     lookup_table: torch.Tensor,
     max_len: int,
+    kv_len: torch.Tensor,
     scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """`[batch, max_len, heads, head_dim]` fp32 (dequantized for an FP8 cache): `gather_tokens` in
-    scratch (valid until the next call)."""
-    tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, f"gather{plane}")[:, :max_len]
+    scratch (valid until the next call), zeros past each row's `kv_len`."""
+    tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, kv_len, f"gather{plane}")[:, :max_len]
     if tokens.dtype == torch.float32:
-        return tokens
+        return zero_past(tokens, kv_len)
     out = _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, tokens.device).copy_(tokens)
-    if scales is None:
-        return out
-    if scales.dim() == 1:
-        return out.mul_(scales[plane])
-    token_scales = gather_tokens(scales, plane, layer_idx, lookup_table, max_len)[:, :max_len]
-    groups = token_scales.shape[-1]
-    out.view(*out.shape[:-1], groups, -1).mul_(token_scales[..., None])
-    return out
+    if scales is not None and scales.dim() == 1:
+        out.mul_(scales[plane])
+    elif scales is not None:
+        token_scales = gather_tokens(scales, plane, layer_idx, lookup_table, max_len, kv_len)[:, :max_len]
+        groups = token_scales.shape[-1]
+        out.view(*out.shape[:-1], groups, -1).mul_(token_scales[..., None])
+    return zero_past(out, kv_len)
 
 
 def gather_kv(
@@ -146,9 +204,9 @@ def gather_kv(
     for plane in (0, 1):
         out = blocks.new_zeros(batch, max_kv_len, heads, head_dim, dtype=dtype)
         if scales is None:
-            tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_kv_len)[:, :max_kv_len]
+            tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_kv_len, kv_len)[:, :max_kv_len]
         else:
-            tokens = _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv_len, scales)
+            tokens = _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv_len, kv_len, scales)
         n = tokens.shape[1]
         out[:, :n] = tokens.masked_fill(~valid[:, :n], 0)
         outputs.append(out)
@@ -172,12 +230,10 @@ def flash_attention(
     batch = cache_lengths.shape[0]
     if total == 0:
         return q.new_empty(q.shape)
-    new = input_row_offsets.diff()
-    kv_len = cache_lengths + new
-    min_kv, max_kv, max_new = torch.stack((*torch.aminmax(kv_len), new.max())).tolist()  # one host sync
+    kv_len, min_kv, max_kv, max_new = step_lengths(cache_lengths, lookup_table, input_row_offsets, blocks, "q", total)
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
     key, value = (
-        _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv, scales).transpose(1, 2) for plane in (0, 1)
+        _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv, kv_len, scales).transpose(1, 2) for plane in (0, 1)
     )
     key_pos = torch.arange(max_kv, device=q.device)
     window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
@@ -201,6 +257,35 @@ def flash_attention(
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap).transpose(1, 2)
     return out[seq, tok].to(q.dtype)
+
+
+def step_lengths(
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    blocks: torch.Tensor,
+    rows_name: str,
+    rows: int,
+) -> tuple[torch.Tensor, int, int, int]:
+    """(kv_len, min kv_len, max kv_len, most new tokens) of an attention step, read in one host
+    sync, which also checks what keeps the step inside its tensors (an unchecked call's values):
+    offsets from 0 to `rows`, never decreasing; lengths >= 0 and within their table rows."""
+    new = input_row_offsets.diff()
+    kv_len = cache_lengths + new
+    first_last = input_row_offsets[[0, -1]]
+    stats = torch.stack((*torch.aminmax(kv_len), new.max(), new.min(), cache_lengths.min(), *first_last)).tolist()
+    min_kv, max_kv, max_new, min_new, min_cached, first, last = stats
+    if first != 0 or last != rows or min_new < 0:
+        raise ValueError(
+            f"input_row_offsets: must start at 0, never decrease and end at the {rows} rows of {rows_name} "
+            "(an unchecked call whose step tensors do not match its rows)"
+        )
+    capacity = blocks.shape[3] * (lookup_table.shape[1] if lookup_table.dim() == 2 else 1)
+    if min_cached < 0 or max_kv > capacity:
+        raise ValueError(
+            "cache_lengths: a length is negative or passes what its lookup_table row addresses (an unchecked call)"
+        )
+    return kv_len, min_kv, max_kv, max_new
 
 
 def _decode_allowed(kv_len: torch.Tensor, key_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
@@ -251,7 +336,12 @@ def _attend(
 def copy_pages(
     blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
 ) -> None:
+    num_pages = blocks.shape[0]
     src, dst = src_pages.long(), dst_pages.long()
+    # an unchecked call's ids outside the pool, or a null page destination, copy nothing: such pairs
+    # copy the null page onto itself (unchanged; dropping them would need a host sync)
+    copied = (src >= 0) & (src < num_pages) & (dst > NULL_PAGE) & (dst < num_pages)
+    src, dst = src.where(copied, NULL_PAGE), dst.where(copied, NULL_PAGE)
     for pool in (blocks, scales) if scales is not None and scales.dim() == 6 else (blocks,):
         data = quant.indexable(pool)
         data.index_copy_(0, dst, data.index_select(0, src))

@@ -15,20 +15,20 @@ import torch
 import torch.nn.functional as F
 
 from . import quant
-from .reference import CHUNK_BUDGET_BYTES, _allowed, _decode_allowed, _row_coordinates, _scratch, gather_tokens
+from .reference import (
+    CHUNK_BUDGET_BYTES,
+    _allowed,
+    _decode_allowed,
+    _row_coordinates,
+    _scratch,
+    gather_tokens,
+    put_rows,
+    row_slots,
+    step_lengths,
+    zero_past,
+)
 
 ROPE_DTYPE = torch.bfloat16  # the rope part of an FP8 row (params.ROPE_DTYPE; ops never import params)
-
-
-def _slots(
-    rows: int, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor, page_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page, offset in the page) of every new row."""
-    seq, tok = _row_coordinates(input_row_offsets, rows)
-    pos = cache_lengths.long()[seq] + tok
-    table = lookup_table.long()
-    pages = table[seq] if table.dim() == 1 else table[seq, pos // page_size]
-    return pages, pos % page_size
 
 
 def store_latent(
@@ -41,18 +41,20 @@ def store_latent(
     layer_idx: int,
     scales: torch.Tensor | None = None,
 ) -> None:
-    index = _slots(latent.shape[0], cache_lengths, lookup_table, input_row_offsets, blocks.shape[3])
+    index, stored = row_slots(
+        latent.shape[0], cache_lengths, lookup_table, input_row_offsets, blocks.shape[3], blocks.shape[0]
+    )
     rows = blocks[:, 0, layer_idx, :, 0]  # [pages, page_size, row]
     if scales is None:
-        rows.index_put_(index, torch.cat((latent, k_rope), dim=1))
+        put_rows(rows, index, stored, torch.cat((latent, k_rope), dim=1))
         return
     if scales.dim() == 1:  # one static scale
         q = quant.quantize_static(latent, blocks.dtype, scales[0])
     else:
         q, row_scales = quant.quantize(latent, blocks.dtype, latent.shape[1] // scales.shape[5])
-        scales[:, 0, layer_idx, :, 0].index_put_(index, row_scales)
+        put_rows(scales[:, 0, layer_idx, :, 0], index, stored, row_scales)
     packed = torch.cat((q.view(torch.uint8), k_rope.to(ROPE_DTYPE).view(torch.uint8)), dim=1)  # the rope-aware row
-    rows.view(torch.uint8).index_put_(index, packed)
+    put_rows(rows.view(torch.uint8), index, stored, packed)
 
 
 _fp8_tables: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -75,27 +77,28 @@ def _gather_rows_fp32(
     layer_idx: int,
     lookup_table: torch.Tensor,
     max_len: int,
+    kv_len: torch.Tensor,
     rank: int,
     rope_dim: int,
     scales: torch.Tensor | None,
 ) -> torch.Tensor:
     """`[batch, max_len, kv_lora_rank + rope_dim]` fp32 logical rows (latent dequantized, then rope),
-    in reused scratch (valid until the next call); contents past a sequence's length are arbitrary."""
-    tokens = gather_tokens(quant.indexable(blocks), 0, layer_idx, lookup_table, max_len, "mla_rows")
+    in reused scratch (valid until the next call); zeros past each sequence's `kv_len`."""
+    tokens = gather_tokens(quant.indexable(blocks), 0, layer_idx, lookup_table, max_len, kv_len, "mla_rows")
     tokens = tokens[:, :max_len, 0]  # [batch, max_len, row]
     out = _scratch("mla_fp32", (tokens.shape[0], tokens.shape[1], rank + rope_dim), torch.float32, blocks.device)
     if scales is None:
-        return out.copy_(tokens)
+        return zero_past(out.copy_(tokens), kv_len)
     _fp8_to_fp32(tokens[..., :rank], blocks.dtype, out[..., :rank])
     out[..., rank:].copy_(tokens[..., rank:].view(ROPE_DTYPE))
     latent = out[..., :rank]
     if scales.dim() == 1:
         latent.mul_(scales[0])
     else:
-        token_scales = gather_tokens(scales, 0, layer_idx, lookup_table, max_len)[:, :max_len, 0]
+        token_scales = gather_tokens(scales, 0, layer_idx, lookup_table, max_len, kv_len)[:, :max_len, 0]
         groups = token_scales.shape[-1]
         latent.view(*latent.shape[:-1], groups, rank // groups).mul_(token_scales[..., None])
-    return out
+    return zero_past(out, kv_len)
 
 
 def mla_attention(
@@ -115,10 +118,10 @@ def mla_attention(
     batch = cache_lengths.shape[0]
     if total == 0:
         return q_nope.new_empty(q_nope.shape)
-    new = input_row_offsets.diff()
-    kv_len = cache_lengths + new
-    min_kv, max_kv, max_new = torch.stack((*torch.aminmax(kv_len), new.max())).tolist()  # one host sync
-    rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, rank, rope_dim, scales)[:, None]
+    kv_len, min_kv, max_kv, max_new = step_lengths(
+        cache_lengths, lookup_table, input_row_offsets, blocks, "q_nope", total
+    )
+    rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, kv_len, rank, rope_dim, scales)[:, None]
     key_pos = torch.arange(max_kv, device=q_nope.device)
     q = torch.cat((q_nope.float(), q_rope.float()), dim=2)  # [total, heads, rank + rope]
     if total == batch and max_new == 1:  # decode: each sequence's one query (at its last position) sees all its keys

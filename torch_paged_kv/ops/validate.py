@@ -187,6 +187,23 @@ def check_store_kv_rows(key, value, blocks) -> None:
     )
 
 
+def check_step_rows(name: str, t: Tensor, step_rows: int | torch.SymInt, layer_idx: int, first_layer: int) -> None:
+    """A later layer's new rows (`t.shape[0]`) against the `step_rows` its step's first layer passed
+    (which its checked call matched to `input_row_offsets`): a shape check, no value read."""
+    rows = t.shape[0]
+    if not torch.compiler.is_compiling():
+        if rows != step_rows:
+            _fail(
+                name,
+                f"layer {layer_idx} got {rows} rows, but this step has {step_rows} new rows (as layer "
+                f"{first_layer} got): every layer of a step takes the same new tokens",
+            )
+        return
+    # traced sizes: a message of constants only (what torch.compile accepts in a check)
+    message = f"{name}: layer {layer_idx} got other new rows than layer {first_layer}; every layer takes the same"
+    torch._check_with(ValueError, rows == step_rows, lambda: message)
+
+
 def check_flash_attention_meta(
     q: Tensor,
     blocks: Tensor,
@@ -342,6 +359,7 @@ def check_gather_kv_meta(
 def check_copy_pages_meta(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
     if not isinstance(blocks, Tensor) or blocks.dim() != 6 or not blocks.is_contiguous():
         _fail("blocks", "expected a contiguous 6-D tensor")
+    _check_inference("blocks", blocks)
     _check_scales(blocks, scales)
     _check_index("src_pages", src_pages, (1,), blocks.device)
     _check_index("dst_pages", dst_pages, (1,), blocks.device)

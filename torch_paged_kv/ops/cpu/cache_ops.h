@@ -218,6 +218,22 @@ void run_copy_pages(void* blocks, int64_t page_bytes, int64_t num_pages, const i
   });
 }
 
+// Why a step's offsets and lengths would take a kernel outside its tensors, or 0 where they do not:
+// 1 when `offsets` do not start at 0, go down or do not end at `rows` (the rows of the new K/V or of
+// q and its output), 2 when a length is negative or a sequence would pass the `capacity` tokens its
+// table row addresses. The entries run it on every call, checked or `.unchecked` (it reads batch + 1
+// ints): with it, no value an unchecked call passes makes a kernel read or write outside its
+// tensors (page ids are clamped or skipped where they are read).
+int step_bounds(const int32_t* cache_lengths, const int32_t* offsets, int64_t batch, int64_t rows, int64_t capacity) {
+  if (offsets[0] != 0 || offsets[batch] != rows) return 1;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (offsets[b + 1] < offsets[b]) return 1;
+    const int64_t cached = cache_lengths[b];
+    if (cached < 0 || cached + (offsets[b + 1] - offsets[b]) > capacity) return 2;
+  }
+  return 0;
+}
+
 // Whether a step's index tensors pass every value check of validate.py (`check_store_kv_data` with
 // `reads_all` = 0, `check_read_data` with 1): offsets start at 0 and never decrease, lengths are
 // >= 0, every sequence fits its table row, the offsets end at `total_rows` (if >= 0), no sequence

@@ -96,28 +96,45 @@ int pkv_openmp() {
 #endif
 }
 
+// The op entries return 0, or step_bounds' code (1: offsets, 2: lengths) for a step whose values
+// would take the kernel outside its tensors (nothing is then read or written); flash_attention
+// also 3 where it declines the queries (see run_flash_attention).
 int pkv_flash_attention(const unsigned char* packed) {
   const Packed a{packed};
+  const int64_t capacity = a.i(7) * a.i(13);  // page_size x table width
+  if (const int bad = step_bounds(a.ptr<const int32_t>(10), a.ptr<const int32_t>(14), a.i(15), a.i(32), capacity)) {
+    return bad;
+  }
   return run_flash_attention(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
                       a.i(6), a.i(7), a.i(8), a.i(9), a.ptr<const int32_t>(10), a.ptr<const int32_t>(11), a.i(12),
                       a.i(13), a.ptr<const int32_t>(14), a.i(15), a.i(16), a.i(17), a.d(27), static_cast<int>(a.i(18)),
                       a.i(19), a.d(28), a.ptr<void>(20), a.i(21), a.i(22), a.i(23), a.i(24), a.i(25),
-                      static_cast<int>(a.i(26)), static_cast<int>(a.i(29)), a.ptr<const float>(30), a.i(31));
+                      static_cast<int>(a.i(26)), static_cast<int>(a.i(29)), a.ptr<const float>(30), a.i(31))
+             ? 3
+             : 0;
 }
 
-void pkv_store_kv(const unsigned char* packed) {
+int pkv_store_kv(const unsigned char* packed) {
   const Packed a{packed};
+  if (const int bad = step_bounds(a.ptr<const int32_t>(13), a.ptr<const int32_t>(17), a.i(18), a.i(21), a.i(10) * a.i(16))) {
+    return bad;
+  }
   run_store_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5), a.i(6), a.ptr<void>(7),
                a.i(8), a.i(9), a.i(10), a.i(11), a.i(12), a.ptr<const int32_t>(13), a.ptr<const int32_t>(14), a.i(15),
                a.i(16), a.ptr<const int32_t>(17), a.i(18), a.i(19), static_cast<int>(a.i(20)));
+  return 0;
 }
 
-void pkv_store_kv_fp8(const unsigned char* packed) {
+int pkv_store_kv_fp8(const unsigned char* packed) {
   const Packed a{packed};
+  if (const int bad = step_bounds(a.ptr<const int32_t>(16), a.ptr<const int32_t>(20), a.i(21), a.i(24), a.i(13) * a.i(19))) {
+    return bad;
+  }
   run_store_kv_fp8(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
                    a.i(6), a.ptr<void>(7), static_cast<int>(a.i(8)), a.ptr<float>(9), a.i(10), a.i(11), a.i(12),
                    a.i(13), a.i(14), a.i(15), a.ptr<const int32_t>(16), a.ptr<const int32_t>(17), a.i(18), a.i(19),
                    a.ptr<const int32_t>(20), a.i(21), a.i(22), static_cast<int>(a.i(23)));
+  return 0;
 }
 
 void pkv_gather_kv(const unsigned char* packed) {

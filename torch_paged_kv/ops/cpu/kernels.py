@@ -108,11 +108,15 @@ def store_kv(
     rows = (key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], blocks.data_ptr())
     step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     lib, threads = _lib or load(), torch.get_num_threads()
+    total = key.shape[0]
     if scales is None:
-        lib.pkv_store_kv(_STORE_KV.pack(blocks.element_size(), *rows, *step, layer_idx, threads))
+        bad = lib.pkv_store_kv(_STORE_KV.pack(blocks.element_size(), *rows, *step, layer_idx, threads, total))
     else:
         fp8 = _fp8_arguments(blocks, scales)
-        lib.pkv_store_kv_fp8(_STORE_KV_FP8.pack(DTYPE_CODES[key.dtype], *rows, *fp8, *step, layer_idx, threads))
+        bad = lib.pkv_store_kv_fp8(
+            _STORE_KV_FP8.pack(DTYPE_CODES[key.dtype], *rows, *fp8, *step, layer_idx, threads, total)
+        )
+    _raise_out_of_bounds(bad, "key", total)
 
 
 def flash_attention(
@@ -137,17 +141,18 @@ def flash_attention(
         q = q.float()
     args = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
             softcap, scales)  # fmt: skip
-    declined, out = _flash_attention_call(lib, q, args)
-    if declined and q.dtype != torch.float32:
-        declined, out = _flash_attention_call(lib, q.float(), args)
-    if declined:
+    status, out = _flash_attention_call(lib, q, args)
+    if status == _DECLINED and q.dtype != torch.float32:
+        status, out = _flash_attention_call(lib, q.float(), args)
+    if status == _DECLINED:
         raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
+    _raise_out_of_bounds(status, "q", q.shape[0])
     return out if out.dtype == result_dtype else out.to(result_dtype)
 
 
 def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tuple[int, torch.Tensor]:
     """One `pkv_flash_attention` call on `q` and the rest of `flash_attention`'s arguments, all of
-    them, in order: (1 if the kernels declined these queries, else 0; the output)."""
+    them, in order: (the entry's status: 0, `_DECLINED`, or an out-of-bounds code; the output)."""
     blocks, cache_lengths, lookup_table, offsets, layer_idx, scale, causal, window, softcap, scales = args
     qs = q.stride()
     if qs[2] != 1:
@@ -158,17 +163,37 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tup
     os_ = out.stride()
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     table_shape = lookup_table.shape
-    declined = lib.pkv_flash_attention(
+    status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], blocks.data_ptr(), pages, layers, page_size, heads,
             head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
             table_shape[1] if len(table_shape) == 2 else 1, offsets.data_ptr(), cache_lengths.shape[0],
             layer_idx, q.shape[1], causal, window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
             WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), scale, softcap,
-            *_fp8_arguments(blocks, scales),
+            *_fp8_arguments(blocks, scales), q.shape[0],
         )
     )  # fmt: skip
-    return declined, out
+    return status, out
+
+
+_DECLINED = 3
+"""`pkv_flash_attention`'s status where the kernels do not take these queries (kernels.cpp)."""
+
+
+def _raise_out_of_bounds(status: int, rows_name: str, rows: int) -> None:
+    """The `ValueError` for an entry's out-of-bounds status (kernels.cpp's `step_bounds`: nothing was
+    read or written). Checked calls never get here (their value checks say more); `.unchecked` ones
+    whose step does not match their tensors do."""
+    if status == 1:
+        raise ValueError(
+            f"input_row_offsets: must start at 0, never decrease and end at the {rows} rows of {rows_name} "
+            "(an unchecked call whose step tensors do not match its rows; nothing was written)"
+        )
+    if status == 2:
+        raise ValueError(
+            "cache_lengths: a length is negative or passes what its lookup_table row addresses "
+            "(an unchecked call; nothing was written)"
+        )
 
 
 def _fp8_arguments(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int, int]:
@@ -221,9 +246,9 @@ def copy_pages(
 
 
 # The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d3q")
-_STORE_KV = struct.Struct("@21q")
-_STORE_KV_FP8 = struct.Struct("@24q")
+_FLASH_ATTENTION = struct.Struct("@27q2d4q")
+_STORE_KV = struct.Struct("@22q")
+_STORE_KV_FP8 = struct.Struct("@25q")
 _GATHER_KV = struct.Struct("@18q")
 _GATHER_KV_FP8 = struct.Struct("@20q")
 _COPY_PAGES = struct.Struct("@7q")

@@ -176,6 +176,7 @@ class PagedDecodeSm90:
         hi = kv_len
         if causal != 0:
             hi = q_pos + 1
+        hi = cutlass.min(hi, mTable.shape[1] * self.page_size)  # only keys the table addresses (unchecked calls)
         lo = Int32(0)
         if window > 0:
             lo = cutlass.max(q_pos - window + 1, 0)

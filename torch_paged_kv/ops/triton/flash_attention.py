@@ -99,10 +99,11 @@ def _attention_kernel(
     m = tl.arange(0, BLOCK_M)
     tok = q_start + m // GROUP_P
     head = kv_head * GROUP + m % GROUP_P
-    row_ok = (tok < new) & (m % GROUP_P < GROUP)
+    q_rows = (row0 + tok).to(tl.int64)
+    # rows inside q and out whatever the offsets say (an unchecked call's need not match q)
+    row_ok = (tok < new) & (m % GROUP_P < GROUP) & (q_rows >= 0) & (q_rows < total)
     pos = cache_len + tok
     dim = tl.arange(0, HEAD_DIM)
-    q_rows = (row0 + tok).to(tl.int64)
     qt = tl.load(
         q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :], mask=row_ok[:, None], other=0.0
     )
@@ -120,7 +121,7 @@ def _attention_kernel(
         k_lo = 0
     # Split s takes key tiles s, s + num_splits, ...: balanced whatever the actual length.
     start = (k_lo // BLOCK_N) * BLOCK_N + split * BLOCK_N
-    stop = k_hi
+    stop = tl.minimum(k_hi, table_width * page_size)  # keys the table addresses (bounds an unchecked call's loop)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
