@@ -84,3 +84,36 @@ def test_compiled_attention_matches_fp64():
     out = step(b.q, b.new_keys, b.new_values, b.blocks, *b.step)
     ref = attention_fp64(b.q, b.keys, b.values, [6, 1, 0], 0.3)
     assert (out.double() - ref).abs().max() < 2e-5
+
+
+def plan_step(q, k, v, sinks, blocks, cache_lengths, lookup_table, input_row_offsets):
+    """Two layers as Llama 4 and GPT-OSS mix them: a chunked layer, then one with attention sinks."""
+    plan = pk.StepPlan(blocks, pk.StepTensors(cache_lengths, lookup_table, input_row_offsets))
+    out = q
+    for layer, options in enumerate(({"attention_chunk_size": 8}, {"sinks": sinks})):
+        plan.store_kv(k, v, layer)
+        out = plan.flash_attention(out, layer, HEAD_DIM**-0.5, **options)
+    return out * 2
+
+
+def test_sinks_and_chunks_compile_fullgraph_without_recompiling():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    params = pk.KVCacheParams(torch.float32, NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE)
+    collection = pk.PagedKVCacheCollection(params, num_pages=64, max_batch_size=8, max_seq_len=24)
+    collection.blocks.copy_(torch.randn(collection.blocks.shape, generator=gen))
+    collection.lookup_table[:, :6] = (torch.randperm(64, generator=gen)[:48] + 1).view(8, 6).int()
+    sinks = torch.randn(Q_HEADS, generator=gen)
+    compiled = torch.compile(plan_step, fullgraph=True, dynamic=True)
+    for i, batch in enumerate([1, 3, 5, 2]):
+        q, k, v, step = _step_inputs(collection, batch, gen)
+        eager_blocks = collection.blocks.clone()
+        expected = plan_step(q, k, v, sinks, eager_blocks, *step)
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+        try:
+            out = compiled(q, k, v, sinks, collection.blocks, *step)
+        finally:
+            torch.compiler.set_stance("default")
+        assert torch.equal(out, expected)
+        assert torch.equal(collection.blocks, eager_blocks)

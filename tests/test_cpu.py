@@ -436,7 +436,7 @@ def test_the_kernels_alone_decide_which_queries_over_fp8_stay_narrow(granularity
     if declined is None:
         declined = not (lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables())
     q = b.q.to(q_dtype)
-    args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1, 0.0, b.scales)
+    args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1, 0.0, b.scales, None, -1)
     said, out = kernels._flash_attention_call(lib, q, args)
     assert said == (kernels._DECLINED if declined else 0)
     fp32 = kernels._flash_attention_call(lib, q.float(), args)[1]

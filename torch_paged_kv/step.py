@@ -54,8 +54,8 @@ class StepPlan:
     step: StepTensors
     scales: Tensor | None = None
     first_layer: int = 0
-    # op name -> the kernel the first layer's (eager, checked) call ran: later eager layers call it
-    kernels: dict[str, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # (op name, options deciding its kernel) -> the kernel an eager call of it ran: later layers call it
+    kernels: dict[tuple, Callable[..., Any]] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     # "rows": the new rows the first layer's checked call took (= input_row_offsets[-1]); every later
     # layer must take as many (a shape check: its kernel trusts the step tensors' values)
     step_rows: dict[str, int | torch.SymInt] = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -77,36 +77,40 @@ class StepPlan:
         elif "rows" in self.step_rows:
             validate.check_step_rows(name, t, self.step_rows["rows"], layer_idx, self.first_layer)
 
-    def _direct(self, op: str, layer_idx: int, *tensors: Tensor) -> Callable[..., Any] | None:
-        """The kernel to call directly at this later layer, or None (call the op)."""
-        kernel = self.kernels.get(op)
+    def _direct(self, variant: tuple, layer_idx: int, *tensors: Tensor) -> Callable[..., Any] | None:
+        """The kernel to call directly at this later layer, or None (call the op). `variant` is the op's
+        name and what else decides its kernel choice per layer (`flash_attention`'s options)."""
+        kernel = self.kernels.get(variant)
         if kernel is None or layer_idx == self.first_layer or not _eager_plain(*tensors):
             return None
         if not 0 <= layer_idx < self.blocks.shape[2]:
             return None  # the op raises the error
         return kernel
 
-    def _call(self, op: str, layer_idx: int, args: tuple, *tensors: Tensor) -> Any:
-        """A call with no kept kernel to run directly. At the first layer, eager and plain: the op's
-        own full checks and kernel choice without the dispatcher's round trip (which costs more than
-        the checks), keeping the kernel for the later layers. Otherwise the op: checked at the first
-        layer, `.unchecked` after (a compiled graph, a mode watching the ops)."""
-        if layer_idx == self.first_layer and _eager_plain(*tensors):
-            kernel, args = library.checked_kernel(op, args)
-            self.kernels[op] = kernel
+    def _call(self, variant: tuple, layer_idx: int, args: tuple, *tensors: Tensor) -> Any:
+        """A call with no kept kernel to run directly. Eager and plain: the op's own checks and kernel
+        choice without the dispatcher's round trip (which costs more than the checks), keeping the
+        kernel for the later layers of this variant: at the first layer the full checks, at a later
+        one (a variant the first layer did not run, such as a sliding-window layer after a full one)
+        the shape checks. Otherwise the op: checked at the first layer, `.unchecked` after (a compiled
+        graph, a mode watching the ops)."""
+        op = variant[0]
+        if _eager_plain(*tensors):
+            kernel, args = library.checked_kernel(op, args, value_checks=layer_idx == self.first_layer)
+            self.kernels[variant] = kernel
             return kernel(*args)
         return getattr(getattr(_OPS, op), self._checked(layer_idx))(*args)
 
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
         self._rows("key", key, layer_idx)
-        kernel = self._direct("store_kv", layer_idx, key, value)
+        kernel = self._direct(("store_kv",), layer_idx, key, value)
         args = (key, value, self.blocks, *self.step, layer_idx, self.scales)
         if kernel is not None:
             validate.check_store_kv_rows(key, value, self.blocks)
             kernel(*args)
             return
-        self._call("store_kv", layer_idx, args, key, value)
+        self._call(("store_kv",), layer_idx, args, key, value)
 
     def flash_attention(
         self,
@@ -116,15 +120,20 @@ class StepPlan:
         causal: bool = True,
         sliding_window: int = -1,
         softcap: float = 0.0,
+        sinks: Tensor | None = None,
+        attention_chunk_size: int = -1,
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
         self._rows("q", q, layer_idx)
-        kernel = self._direct("flash_attention", layer_idx, q)
+        variant = ("flash_attention", causal, sliding_window > 0, softcap > 0, sinks is None, attention_chunk_size > 0)
+        tensors = (q,) if sinks is None else (q, sinks)
+        kernel = self._direct(variant, layer_idx, *tensors)
         args = (q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales)
+        args += (sinks, attention_chunk_size)
         if kernel is not None:
-            validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap)
+            validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap, sinks, attention_chunk_size)
             return kernel(*args)
-        return self._call("flash_attention", layer_idx, args, q)
+        return self._call(variant, layer_idx, args, *tensors)
 
     def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
         """`api.store_latent` of this step's latents `[total_new, kv_lora_rank]` and rotated rope keys
@@ -144,10 +153,10 @@ class StepPlan:
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
-        kernel = self._direct("gather_kv", layer_idx) if out_dtype is None else None
+        kernel = self._direct(("gather_kv",), layer_idx) if out_dtype is None else None
         args = (self.blocks, *self.step, layer_idx, max_kv_len, self.scales, out_dtype)
         if kernel is not None and max_kv_len >= 0:
             return kernel(*args)
         if out_dtype is not None:  # kernels are kept for the plan's own dtype only
             return getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
-        return self._call("gather_kv", layer_idx, args)
+        return self._call(("gather_kv",), layer_idx, args)

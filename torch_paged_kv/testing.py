@@ -204,6 +204,8 @@ def attention_fp64(
     causal: bool = True,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> torch.Tensor:
     """Attention in float64 on contiguous per-sequence K/V, written from the op contract alone."""
     outputs, row = [], 0
@@ -225,8 +227,18 @@ def attention_fp64(
             allowed &= j <= p
         if sliding_window > 0:
             allowed &= p - j < sliding_window
+        if attention_chunk_size > 0:
+            allowed &= p // attention_chunk_size == j // attention_chunk_size
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv))
+        top = scores.amax(-1, keepdim=True)
+        sink = None if sinks is None else sinks.double().to(scores.device)[:, None, None]
+        if sink is not None:  # a sink joins the softmax's denominator as one more logit
+            top = torch.maximum(top, sink)
+        weights = (scores - top).exp()
+        denominator = weights.sum(-1, keepdim=True)
+        if sink is not None:
+            denominator = denominator + (sink - top).exp()
+        outputs.append(torch.einsum("hqk,khd->qhd", weights / denominator, vv))
         row += new
     return torch.cat(outputs) if outputs else q.new_zeros(q.shape, dtype=torch.float64)
 

@@ -64,15 +64,20 @@ def flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: Tensor | None = None,
+    sinks: Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> Tensor:
     """Attention of the new queries over each sequence's `cache_lengths[b] + new_b` keys -> `[total_new,
     num_q_heads, head_dim]`.
 
     `q`: `[total_new, num_q_heads, head_dim]`, `num_q_heads` a multiple of `num_kv_heads` (GQA/MQA).
     Call after `store_kv` of the same step. The query at position p sees key j iff (`not causal` or
-    `j <= p`) and (`sliding_window <= 0` or `p - j < sliding_window`); `softcap > 0` applies
-    `softcap * tanh(score / softcap)` after scaling. Accumulates in fp32 (an FP8 cache is
-    dequantized on read; `q` is then fp32, fp16 or bf16).
+    `j <= p`) and (`sliding_window <= 0` or `p - j < sliding_window`) and (`attention_chunk_size <= 0`
+    or `p // attention_chunk_size == j // attention_chunk_size`: chunked local attention, Llama 4's).
+    `softcap > 0` applies `softcap * tanh(score / softcap)` after scaling. `sinks` (fp32
+    `[num_q_heads]`, GPT-OSS's attention sinks) adds one logit per query head to each row's softmax
+    denominator and nothing to its output: `out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))`.
+    Accumulates in fp32 (an FP8 cache is dequantized on read; `q` is then fp32, fp16 or bf16).
     """
     return torch.ops.paged_kv.flash_attention.default(
         q,
@@ -86,6 +91,8 @@ def flash_attention(
         sliding_window,
         softcap,
         scales,
+        sinks,
+        attention_chunk_size,
     )
 
 

@@ -78,10 +78,12 @@ def _flash_attention_fake(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: Tensor | None = None,
+    sinks: Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> Tensor:
     validate.check_flash_attention_meta(
         q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
-        softcap, scales,
+        softcap, scales, sinks, attention_chunk_size,
     )  # fmt: skip
     return q.new_empty(q.shape)  # contiguous, as every backend returns it (empty_like would keep q's strides)
 

@@ -225,6 +225,8 @@ def flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> torch.Tensor:
     total, num_q_heads, head_dim = q.shape
     batch = cache_lengths.shape[0]
@@ -236,26 +238,32 @@ def flash_attention(
         _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv, kv_len, scales).transpose(1, 2) for plane in (0, 1)
     )
     key_pos = torch.arange(max_kv, device=q.device)
-    window_covers_all = sliding_window <= 0 or sliding_window >= max_kv
+    chunk = attention_chunk_size
+    # no mask where every query sees every key below its sequence's length
+    unbounded = (sliding_window <= 0 or sliding_window >= max_kv) and (chunk <= 0 or chunk >= max_kv)
     if total == batch and max_new == 1:  # decode: one new token per sequence, no query padding
         # its one query sits at the last position, so causality hides nothing
-        allowed = None if min_kv == max_kv and window_covers_all else _decode_allowed(kv_len, key_pos, sliding_window)
+        allowed = None if min_kv == max_kv and unbounded else _decode_allowed(kv_len, key_pos, sliding_window, chunk)
         q_rows = q.float().reshape(batch, num_q_heads, 1, head_dim)
-        return _attend(q_rows, key, value, allowed, softmax_scale, softcap).reshape(q.shape).to(q.dtype)
+        out = _attend(q_rows, key, value, allowed, softmax_scale, softcap, sinks)
+        return out.reshape(q.shape).to(q.dtype)
 
     seq, tok = _row_coordinates(input_row_offsets, total)
     q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
     q_padded[seq, tok] = q.float()
     out = torch.empty_like(q_padded)
     # No mask when it would allow every key: equal lengths, each query seeing its whole sequence.
-    sees_all = min_kv == max_kv and not causal and window_covers_all
-    per_query = batch * max_kv * (4 * num_q_heads if softcap > 0 else 1)  # mask bytes, or fp32 scores
-    chunk = max(1, CHUNK_BUDGET_BYTES // per_query)
-    for start in range(0, max_new, chunk):
-        stop = min(start + chunk, max_new)
-        allowed = None if sees_all else _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window)
+    sees_all = min_kv == max_kv and not causal and unbounded
+    explicit = softcap > 0 or sinks is not None  # (fp32 scores in memory, not SDPA's)
+    per_query = batch * max_kv * (4 * num_q_heads if explicit else 1)  # mask bytes, or fp32 scores
+    rows = max(1, CHUNK_BUDGET_BYTES // per_query)
+    for start in range(0, max_new, rows):
+        stop = min(start + rows, max_new)
+        allowed = (
+            None if sees_all else _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window, chunk)
+        )
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
-        out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap).transpose(1, 2)
+        out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap, sinks).transpose(1, 2)
     return out[seq, tok].to(q.dtype)
 
 
@@ -288,12 +296,14 @@ def step_lengths(
     return kv_len, min_kv, max_kv, max_new
 
 
-def _decode_allowed(kv_len: torch.Tensor, key_pos: torch.Tensor, sliding_window: int) -> torch.Tensor:
+def _decode_allowed(kv_len: torch.Tensor, key_pos: torch.Tensor, sliding_window: int, chunk: int = -1) -> torch.Tensor:
     """`[batch, 1, 1, max_kv]`: the keys each sequence's one new query (the last token) may see."""
     last = kv_len[:, None]
     allowed = key_pos < last
     if sliding_window > 0:
         allowed &= key_pos >= last - sliding_window
+    if chunk > 0:
+        allowed &= key_pos // chunk == (last - 1) // chunk
     return allowed[:, None, None]
 
 
@@ -305,6 +315,7 @@ def _allowed(
     stop: int,
     causal: bool,
     sliding_window: int,
+    chunk: int = -1,
 ) -> torch.Tensor:
     """`[batch, 1, n, max_kv]`: which keys the queries at new-token indices start..stop-1 may see."""
     q_pos = lengths[:, None, None] + torch.arange(start, stop, device=key_pos.device)[None, :, None]
@@ -313,23 +324,39 @@ def _allowed(
         allowed = allowed & (key_pos <= q_pos)
     if sliding_window > 0:
         allowed = allowed & (q_pos - key_pos < sliding_window)
+    if chunk > 0:
+        allowed = allowed & (key_pos // chunk == q_pos // chunk)
     return allowed.expand(lengths.shape[0], stop - start, key_pos.shape[0])[:, None]
 
 
 def _attend(
-    q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, allowed: torch.Tensor | None, scale: float, softcap: float
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 attention of `q` `[batch, q_heads, n, d]` over `key`/`value` `[batch, kv_heads, s, d]`
-    where `allowed` `[batch, 1, n, s]` (None: everywhere); rows that may see no key (padding) are garbage."""
+    where `allowed` `[batch, 1, n, s]` (None: everywhere), each query head's sink logit (`sinks`
+    `[q_heads]`) in its softmax denominator; rows that may see no key (padding) are garbage."""
     group = q.shape[1] // key.shape[1]
-    if softcap <= 0:
+    if softcap <= 0 and sinks is None:
         return F.scaled_dot_product_attention(q, key, value, attn_mask=allowed, scale=scale, enable_gqa=group > 1)
     batch, kv_heads, n = key.shape[0], key.shape[1], q.shape[2]
     scores = torch.matmul(q.reshape(batch, kv_heads, group * n, -1), key.transpose(-1, -2)).mul_(scale)
-    scores = torch.tanh(scores.div_(softcap)).mul_(softcap).view(batch, kv_heads, group, n, -1)
+    if softcap > 0:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+    scores = scores.view(batch, kv_heads, group, n, -1)
     if allowed is not None:
         scores.masked_fill_(~allowed[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, group * n, -1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink as one more logit per row, dropped after the softmax
+        sink = sinks.float().view(1, kv_heads, group, 1, 1).expand(batch, kv_heads, group, n, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    probs = probs.reshape(batch, kv_heads, group * n, -1)
     return torch.matmul(probs, value).view(q.shape)
 
 

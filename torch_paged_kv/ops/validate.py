@@ -216,15 +216,24 @@ def check_flash_attention_meta(
     sliding_window: int,
     softcap: float,
     scales: Tensor | None = None,
+    sinks: Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> None:
     _check_blocks(blocks, layer_idx)
     _check_scales(blocks, scales)
     _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    check_flash_attention_rows(q, blocks, softmax_scale, softcap)
+    check_flash_attention_rows(q, blocks, softmax_scale, softcap, sinks, attention_chunk_size)
 
 
-def check_flash_attention_rows(q, blocks, softmax_scale, softcap) -> None:
-    """The shape checks of `flash_attention` that concern the queries and the scalars (see
+def check_flash_attention_rows(
+    q: Tensor,
+    blocks: Tensor,
+    softmax_scale: float,
+    softcap: float,
+    sinks: Tensor | None = None,
+    attention_chunk_size: int = -1,
+) -> None:
+    """The shape checks of `flash_attention` that concern the queries, the sinks and the scalars (see
     `check_store_kv_rows`)."""
     _check_rows("q", q, blocks)
     if q.shape[1] % blocks.shape[4] != 0:
@@ -233,6 +242,25 @@ def check_flash_attention_rows(q, blocks, softmax_scale, softcap) -> None:
         _fail("softmax_scale", f"expected a finite positive float, got {softmax_scale!r}")
     if not softcap >= 0 or softcap == float("inf"):
         _fail("softcap", f"expected a finite float >= 0 (0 disables it), got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.dtype != torch.float32:
+            _fail(
+                "sinks",
+                f"expected a 1-D float32 tensor [num_q_heads] (one logit per query head), got {_describe(sinks)}",
+            )
+        if sinks.shape[0] != q.shape[1]:
+            _fail("sinks", f"expected {q.shape[1]} entries (one per query head of q), got {sinks.shape[0]}")
+        if sinks.device != blocks.device:
+            _fail("sinks", f"expected device {blocks.device} (that of blocks), got {sinks.device}")
+        if sinks.stride(0) != 1 and sinks.shape[0] > 1:
+            _fail("sinks", f"expected unit stride (kernels index it densely), got stride {sinks.stride(0)}")
+        _check_inference("sinks", sinks)
+    if not isinstance(attention_chunk_size, int) or isinstance(attention_chunk_size, bool):
+        _fail("attention_chunk_size", f"expected an int (<= 0 disables it), got {attention_chunk_size!r}")
+
+
+def _describe(t: object) -> str:
+    return f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
 
 
 def _check_mla_rows(name: str, t: Tensor, blocks: Tensor, dims: int) -> None:

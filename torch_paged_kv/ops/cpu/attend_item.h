@@ -47,6 +47,15 @@ struct AttnArgs {
   int fp8;               // an FP8 pool (Fp8): read as FP8_* codes, or as F32 on dequantized blocks
   const float* scales;   // its scales: [pages, 2, layers, page_size, kv_heads, groups], or a static K/V pair
   int64_t scale_groups;  // scales per token and kv head (0: the static pair)
+  const float* sinks;    // one logit per query head joining each row's softmax denominator, or null
+  int64_t chunk;         // chunked local attention: keys in the query's chunk of this many positions (0: off)
+
+  // 1 / the softmax denominator of a row of query head `q_head` whose scores have max m and sum of
+  // exp(score - m) l: the head's sink logit joins the sum (0 where the row saw nothing).
+  float inverse_denominator(int64_t q_head, float m, float l) const {
+    if (sinks != nullptr) l += std::exp(sinks[q_head] - m);  // m = -inf (no key): l = inf, the row is 0
+    return l > 0.0f ? 1.0f / l : 0.0f;
+  }
 };
 
 struct Item {
@@ -109,6 +118,11 @@ inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int6
   int64_t pos = cached + i;
   *hi = a.causal ? pos + 1 : kv_len;
   *lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  if (a.chunk > 0) {  // the query's chunk only
+    const int64_t start = pos / a.chunk * a.chunk;
+    *lo = std::max(*lo, start);
+    *hi = std::min(*hi, start + a.chunk);
+  }
 }
 
 constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for
@@ -474,7 +488,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   QT* obase = static_cast<QT*>(a.out);
   for (int64_t r = 0; r < rows; ++r) {
     QT* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
-    store_out<scalar_dtype<DT>()>(dst, O + r * Dp, static_cast<int>(D), L[r] > 0.0f ? 1.0f / L[r] : 0.0f);
+    store_out<scalar_dtype<DT>()>(dst, O + r * Dp, static_cast<int>(D), a.inverse_denominator(map.q_head(it, r), M[r], L[r]));
   }
 }
 

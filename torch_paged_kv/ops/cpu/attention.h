@@ -50,7 +50,7 @@ void merge_task(const AttnArgs& a, const Task& task, const float* partials, int6
       for (int64_t d = 0; d < D; ++d) acc[d] += src[r * D + d] * w;
     }
     T* dst = obase + (row0 + map.token(r)) * a.out_stride_row + map.q_head(it, r) * a.out_stride_head;
-    store_out<scalar_dtype<DT>()>(dst, acc.data(), static_cast<int>(D), l > 0.0f ? 1.0f / l : 0.0f);
+    store_out<scalar_dtype<DT>()>(dst, acc.data(), static_cast<int>(D), a.inverse_denominator(map.q_head(it, r), m, l));
   }
 }
 
@@ -167,7 +167,8 @@ int run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t 
                          int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
                          double scale, int causal, int64_t window, double softcap, void* out, int64_t out_stride_row,
                          int64_t out_stride_head, int64_t min_split, int64_t want_items, int64_t min_work,
-                         int nthreads, int fp8, const float* scales, int64_t scale_groups) {
+                         int nthreads, int fp8, const float* scales, int64_t scale_groups, const float* sinks,
+                         int64_t chunk) {
   AttnArgs a;
   a.dtype = dtype;
   a.q = q;
@@ -189,6 +190,8 @@ int run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t 
   a.fp8 = fp8;
   a.scales = scales;
   a.scale_groups = scale_groups;
+  a.sinks = sinks;
+  a.chunk = chunk;
   const Tuning tune{min_split, want_items, min_work};
   const int64_t granule = scale_groups ? head_dim / scale_groups : head_dim;  // (static: one scale per row)
   const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && granule % (2 * W) == 0;

@@ -131,6 +131,8 @@ def flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> torch.Tensor:
     """Over an FP8 pool the fp32 output comes back in q's dtype; bf16 queries stay bf16 where the
     kernels' FP8_*_DOT kinds take them (attention.h's dispatch decides: a call it declines is made
@@ -140,7 +142,7 @@ def flash_attention(
     if scales is not None and q.dtype != torch.bfloat16:
         q = q.float()
     args = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
-            softcap, scales)  # fmt: skip
+            softcap, scales, sinks, attention_chunk_size)  # fmt: skip
     status, out = _flash_attention_call(lib, q, args)
     if status == _DECLINED and q.dtype != torch.float32:
         status, out = _flash_attention_call(lib, q.float(), args)
@@ -153,7 +155,7 @@ def flash_attention(
 def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tuple[int, torch.Tensor]:
     """One `pkv_flash_attention` call on `q` and the rest of `flash_attention`'s arguments, all of
     them, in order: (the entry's status: 0, `_DECLINED`, or an out-of-bounds code; the output)."""
-    blocks, cache_lengths, lookup_table, offsets, layer_idx, scale, causal, window, softcap, scales = args
+    blocks, cache_lengths, lookup_table, offsets, layer_idx, scale, causal, window, softcap, scales, sinks, chunk = args
     qs = q.stride()
     if qs[2] != 1:
         q = q.contiguous()
@@ -170,7 +172,7 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tup
             table_shape[1] if len(table_shape) == 2 else 1, offsets.data_ptr(), cache_lengths.shape[0],
             layer_idx, q.shape[1], causal, window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
             WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), scale, softcap,
-            *_fp8_arguments(blocks, scales), q.shape[0],
+            *_fp8_arguments(blocks, scales), q.shape[0], 0 if sinks is None else sinks.data_ptr(), max(chunk, 0),
         )
     )  # fmt: skip
     return status, out
@@ -246,7 +248,7 @@ def copy_pages(
 
 
 # The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d4q")
+_FLASH_ATTENTION = struct.Struct("@27q2d6q")
 _STORE_KV = struct.Struct("@22q")
 _STORE_KV_FP8 = struct.Struct("@25q")
 _GATHER_KV = struct.Struct("@18q")

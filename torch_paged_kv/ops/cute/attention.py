@@ -33,9 +33,13 @@ def supports(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> bool:
-    """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
-    if q.device.type != "cuda" or softcap > 0 or scales is not None:  # FP8 caches: see cute._flash_attention_declines
+    """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only.
+    Not covered (Triton runs them): softcap, attention sinks, chunked attention, FP8 caches (see
+    cute._flash_attention_declines)."""
+    if q.device.type != "cuda" or softcap > 0 or scales is not None or sinks is not None or attention_chunk_size > 0:
         return False
     return covers(device_arch(device_index(q.device)), q, blocks, cache_lengths.shape[0])
 
@@ -75,6 +79,8 @@ def flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> torch.Tensor:
     """`paged_kv::flash_attention` for calls `supports` accepts."""
     operand = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, lookup_table, layer_idx)

@@ -42,7 +42,7 @@ HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8, 16)
 MODES = ("decode-split", "decode", "prefill")
 WIDE_SLOT = 2**23  # "decode-slot": continuous-batching slots whose in-page offsets pass int32 (WIDE_PAGE)
-OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap")
+OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap", "sinks", "chunk", "sinks+chunk")
 KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
 
@@ -129,6 +129,8 @@ def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) ->
         causal=option != "non-causal",
         sliding_window=512 if "window" in option else -1,
         softcap=30.0 if "softcap" in option else 0.0,
+        sinks=torch.empty(q.shape[1], device="meta") if "sinks" in option else None,
+        attention_chunk_size=8192 if "chunk" in option else -1,
     )
     return launches
 
@@ -144,6 +146,8 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
             ("fp32", 256, 16, "prefill", "window"),
             ("fp32", 128, 4, "decode-split", "causal"),
             ("bf16", 64, 4, "decode-slot", "causal"),
+            ("bf16", 128, 8, "decode-split", "sinks"),
+            ("bf16", 128, 4, "prefill", "sinks+chunk"),
         ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):

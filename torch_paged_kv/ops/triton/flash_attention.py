@@ -64,6 +64,8 @@ def _attention_kernel(
     softmax_scale,
     softcap,
     sliding_window,
+    sinks,
+    chunk,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -72,6 +74,8 @@ def _attention_kernel(
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    SINK: tl.constexpr,
+    CHUNK: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -119,6 +123,10 @@ def _attention_kernel(
         k_lo = tl.maximum(cache_len + q_start - sliding_window + 1, 0)
     else:
         k_lo = 0
+    if CHUNK:  # keys in the chunks of the tile's queries only
+        k_lo = tl.maximum(k_lo, (cache_len + q_start) // chunk * chunk)
+        if not CAUSAL:
+            k_hi = tl.minimum(k_hi, ((cache_len + tl.minimum(q_start + BLOCK_Q, new) - 1) // chunk + 1) * chunk)
     # Split s takes key tiles s, s + num_splits, ...: balanced whatever the actual length.
     start = (k_lo // BLOCK_N) * BLOCK_N + split * BLOCK_N
     stop = tl.minimum(k_hi, table_width * page_size)  # keys the table addresses (bounds an unchecked call's loop)
@@ -178,6 +186,8 @@ def _attention_kernel(
             allowed = allowed & (j[None, :] <= pos[:, None])
         if WINDOW:
             allowed = allowed & (pos[:, None] - j[None, :] < sliding_window)
+        if CHUNK:
+            allowed = allowed & (j[None, :] // chunk == pos[:, None] // chunk)
         s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # base-2 softmax: times log2(e)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -191,7 +201,11 @@ def _attention_kernel(
         m_i = m_new
 
     seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SINK and not SPLIT:  # the head's sink logit joins the denominator (the merge adds it to splits)
+        sink = tl.load(sinks + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        o = acc / (l_i + tl.exp2(sink - m_i))[:, None]  # a row that saw no key: m_i = -inf, o = 0
+    else:
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
     if QUANT == 2:
         o = o * out_scale
     if SPLIT:
@@ -244,6 +258,8 @@ def supports(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> bool:
     """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it), FP8 granules the kernel
     tiles, and grids CUDA can launch: the largest any tile choice plans (BLOCK_Q >= 1, MAX_SPLITS
@@ -271,6 +287,8 @@ def plan_flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> tuple[torch.Tensor, list[Launch]]:
     """The output, allocated, and the launches that fill it (attention, then the split merge)."""
     total, num_q_heads, head_dim = q.shape
@@ -284,8 +302,12 @@ def plan_flash_attention(
     block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret, q.dtype == torch.float32)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     max_context = width * page_size  # upper bound of every kv_len: no lengths are read on the host
-    window = sliding_window > 0
-    key_bound = min(max_context, sliding_window + block_q + block_n) if causal and window else max_context
+    window, chunk = sliding_window > 0, attention_chunk_size > 0
+    key_bound = max_context  # keys one query tile may see, at most
+    if causal and window:
+        key_bound = min(key_bound, sliding_window + block_q + block_n)
+    if chunk:
+        key_bound = min(key_bound, attention_chunk_size + block_q + block_n)
 
     splits = num_splits(batch * num_kv_heads, key_bound, block_n, q.device) if total <= batch else 1
     if splits == 1:
@@ -328,6 +350,8 @@ def plan_flash_attention(
                 float(softmax_scale),
                 float(softcap),
                 int(sliding_window),
+                q if sinks is None else sinks,  # (not read without sinks)
+                max(int(attention_chunk_size), 1),
             ),
             dict(
                 GROUP=group,
@@ -338,6 +362,8 @@ def plan_flash_attention(
                 CAUSAL=bool(causal),
                 WINDOW=window,
                 SOFTCAP=softcap > 0,
+                SINK=sinks is not None,
+                CHUNK=chunk,
                 SPLIT=splits > 1,
                 UPCAST=interpret,
                 PRECISION="ieee" if interpret or q.dtype == torch.float32 else "tf32",
@@ -349,7 +375,7 @@ def plan_flash_attention(
         )
     ]
     if splits > 1:
-        launches.append(plan_merge(part_out, part_lse, out))
+        launches.append(plan_merge(part_out, part_lse, out, sinks))
     return out, launches
 
 
@@ -365,6 +391,8 @@ def flash_attention(
     sliding_window: int = -1,
     softcap: float = 0.0,
     scales: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    attention_chunk_size: int = -1,
 ) -> torch.Tensor:
     out, launches = plan_flash_attention(
         q,
@@ -378,6 +406,8 @@ def flash_attention(
         sliding_window,
         softcap,
         scales,
+        sinks,
+        attention_chunk_size,
     )
     for launch in launches:
         launch()
