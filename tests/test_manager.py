@@ -546,6 +546,21 @@ def test_save_load_into_a_live_manager(tmp_path):
     assert dst.load(tmp_path / "kv.safetensors")[0] == ("loaded", 3)
 
 
+def test_save_cache_refuses_the_rows_of_a_collection_a_manager_drives(tmp_path):
+    """The collection's rows are the last prepared step (lengths before it): right after a prefill a
+    file of them would hold nothing. save_cache refuses and points to manager.save."""
+    m = make()
+    m.claim("a")
+    run_step(m, ["a"], [[1] * 6], {"a": []})
+    assert m.collection.cache_lengths[0] == 0  # lags: commit_step advanced the manager only
+    for batch_indices in (None, [0]):
+        with pytest.raises(tpk.CheckpointError, match=r"save with KVCacheManager.save\(path, seq_ids\)"):
+            tpk.save_cache(m.collection, tmp_path / "kv.safetensors", batch_indices=batch_indices)
+    assert not (tmp_path / "kv.safetensors").exists()
+    m.save(tmp_path / "kv.safetensors", ["a"])
+    assert tpk.checkpoint.read_info(tmp_path / "kv.safetensors").cache_lengths == [6]
+
+
 def test_failed_load_leaves_the_live_cache_untouched(tmp_path):
     src = make()
     src.claim("a")
