@@ -498,6 +498,22 @@ def test_errors_name_the_argument_and_change_nothing():
             call()
 
 
+def test_counts_equal_to_the_last_steps_must_still_be_ints():
+    """The fast path for counts the last step had (compared with ==) takes no floats or bools."""
+    m = make()
+    m.claim("a")
+    m.claim("b")
+    m.prepare_step(["a", "b"], [1, 1])
+    m.commit_step()
+    before = snapshot(m)
+    for counts in ([1.0, 1.0], [True, True], [np.float64(1), np.float64(1)], [1, True], (True, 1)):
+        with pytest.raises(ValueError, match="^num_new_tokens:"):
+            m.prepare_step(["a", "b"], counts)
+        assert_same(before, snapshot(m))
+    m.prepare_step(["a", "b"], [np.int64(1), 1])  # ints of any width are counts
+    m.prepare_step(["a", "b"], [1, 1])
+
+
 def test_abandoned_and_released_steps():
     m = make()
     model = {"a": [], "b": []}

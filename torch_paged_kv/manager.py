@@ -338,7 +338,12 @@ class KVCacheManager:
         seqs, slots = (last.seqs, last.slots) if same_rows else self._resolve(ids)
         batch = len(ids)
         num_new_list = num_new_tokens if type(num_new_tokens) is list else None
-        if num_new_list is not None and len(num_new_list) == batch and num_new_list == last.num_new_list:
+        if (
+            num_new_list is not None
+            and len(num_new_list) == batch
+            and num_new_list == last.num_new_list
+            and set(map(type, num_new_list)) == {int}  # == holds for 1.0 and True too
+        ):
             num_new = last.num_new  # same counts as the last step: already validated
         else:
             num_new = self._check_num_new(num_new_tokens, batch)
@@ -553,7 +558,10 @@ class KVCacheManager:
     @staticmethod
     def _check_num_new(num_new_tokens: Sequence[int], batch: int) -> np.ndarray:
         num_new = np.asarray(num_new_tokens)
-        if num_new.shape != (batch,) or num_new.dtype.kind not in "iu":
+        bools = isinstance(num_new_tokens, (list, tuple)) and any(
+            isinstance(n, (bool, np.bool_)) for n in num_new_tokens
+        )
+        if num_new.shape != (batch,) or num_new.dtype.kind not in "iu" or bools:
             raise ValueError(f"num_new_tokens: expected {batch} ints (one per sequence), got {num_new_tokens!r}")
         if num_new.min() < 1:
             raise ValueError(f"num_new_tokens: every sequence needs >= 1 new token, got {num_new.min()}")
