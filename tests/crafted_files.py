@@ -20,10 +20,10 @@ def split(raw: bytes) -> tuple[dict[str, Any], bytes]:
     return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
-def join(header: dict[str, Any], data: bytes, rechecksum: bool = True) -> bytes:
-    """A safetensors file of `header` and `data`; with `rechecksum` the header checksum is made right
-    again (if the header has one: an old version's file has none)."""
-    meta = header.get("__metadata__")
+def join(header: Any, data: bytes, rechecksum: bool = True) -> bytes:
+    """A safetensors file of `header` (any JSON) and `data`; with `rechecksum` the header checksum is
+    made right again (if the header has one: an old version's file has none)."""
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
     if rechecksum and isinstance(meta, dict) and HEADER_CHECKSUM_KEY in meta:
         meta[HEADER_CHECKSUM_KEY] = header_checksum(header)
     raw = json.dumps(header, separators=(",", ":")).encode()
