@@ -390,8 +390,8 @@ _CRC = re.compile(r"crc32:[0-9a-f]{8}")
 
 
 def _count(text: str) -> int:
-    if not re.fullmatch(r"[0-9]{1,19}", text):
-        raise ValueError(f"expected a non-negative integer, got {text[:40]!r}")
+    if not re.fullmatch(r"[0-9]{1,18}", text):  # below 2**63: compared with int64 tensors
+        raise ValueError(f"expected a non-negative integer below 10**18, got {text[:40]!r}")
     return int(text)
 
 
