@@ -7,6 +7,7 @@ behind it are what is tested; damaged files do not.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from test_manager import assert_same, make, run_step, snapshot
 
 import torch_paged_kv as tpk
 from torch_paged_kv import __main__ as cli
+from torch_paged_kv import checkpoint
 from torch_paged_kv.checkpoint import CheckpointError, load_cache, read_info, save_cache, verify
 from torch_paged_kv.manager import METADATA_KEY
 
@@ -260,3 +262,18 @@ def test_an_mla_file_into_a_kv_manager_says_so(tmp_path: Path) -> None:
     m = make()
     with pytest.raises(CheckpointError, match="an MLA .*latent.* cache does not fit this K/V cache"):
         m.load(tmp_path / "mla.safetensors")
+
+
+def test_a_file_cut_short_after_its_header_was_read_is_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:
+    """Between reading the headers and the pages, another process truncates the file."""
+    save_cache(make_paged(seed=6), tmp_path / "kv.safetensors")
+    real = checkpoint.read_info
+
+    def then_truncated(path):
+        info = real(path)
+        os.truncate(path, os.path.getsize(path) - 100)
+        return info
+
+    monkeypatch.setattr(checkpoint, "read_info", then_truncated)
+    with pytest.raises(CheckpointError, match="truncated: end of file"):
+        verify(tmp_path / "kv.safetensors")

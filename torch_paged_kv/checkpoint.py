@@ -606,7 +606,10 @@ def _check_shapes(
 def _read_small(f: Any, name: str, tensors: dict[str, dict], checksums: dict[str, str], path: Path) -> torch.Tensor:
     """An int32 tensor of the main file (its size checked by `read_header`), its checksum verified."""
     tensor = torch.empty(tensors[name]["shape"], dtype=torch.int32)
-    read_into(f, tensors[name]["data_offsets"][0], tensor)
+    try:
+        read_into(f, tensors[name]["data_offsets"][0], tensor)
+    except SafetensorsFormatError as exc:  # cut short since its header was read
+        raise CheckpointError(f"{path}: {exc}") from None
     _verify(name, zlib.crc32(memoryview(tensor.view(torch.uint8).numpy().reshape(-1))), checksums, path)
     return tensor
 
@@ -643,7 +646,10 @@ def _stream_pages(
                 count = (end - start) // io.page_bytes if io.page_bytes else 0
                 ids = None if pages is None else pages[first : first + count]
                 with open(path, "rb") as f:
-                    crc = io.read(f, start, ids, count, bar)
+                    try:
+                        crc = io.read(f, start, ids, count, bar)
+                    except SafetensorsFormatError as exc:  # cut short since its header was read
+                        raise CheckpointError(f"{path}: {exc}") from None
                 _verify(name, crc, info.checksums, path)
                 first += count
     finally:

@@ -27,7 +27,7 @@ from ..manager import KVCacheManager, saved_token_ids
 from ..ops.quant import indexable
 from ..page_stream import CHUNK_BYTES
 from ..params import KVCacheParams
-from ..safetensors_stream import format_crc, read_into
+from ..safetensors_stream import SafetensorsFormatError, format_crc, read_into
 
 PathLike = str | os.PathLike[str]
 
@@ -147,7 +147,10 @@ def _stream_heads(source: _Source, pools: list[torch.Tensor], pages: torch.Tenso
                 for a in range(0, count, per_chunk):
                     n = min(per_chunk, count - a)
                     chunk = host[: n * math.prod(unit)].view(n, *unit)
-                    read_into(f, start + a * page_bytes, chunk)
+                    try:
+                        read_into(f, start + a * page_bytes, chunk)
+                    except SafetensorsFormatError as exc:  # cut short since its header was read
+                        raise CheckpointError(f"{info.tensor_files[piece]}: {exc}") from None
                     crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy()).cast("B"), crc)
                     index = pages[first + a : first + a + n].to(pool.device)
                     columns = indexable(chunk)[:, :, :, :, source.file_heads].to(pool.device)
