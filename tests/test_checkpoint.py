@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import crafted_files
 import pytest
 import torch
 from safetensors import safe_open
@@ -171,7 +172,7 @@ def test_readable_by_safetensors(tmp_path: Path) -> None:
     with safe_open(tmp_path / "kv.safetensors", framework="pt") as f:
         assert set(f.keys()) == {"cache_lengths", "lookup_table", "blocks.00000"}
         meta = f.metadata()
-        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "2"
+        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "3"
         assert KVCacheParams.from_dict(json.loads(meta["params"])) == src.params
         assert torch.equal(bits(f.get_tensor("blocks.00000")), bits(loaded.blocks[1:]))
         assert torch.equal(f.get_tensor("lookup_table"), loaded.lookup_table)
@@ -233,12 +234,17 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
         "padded": (raw + b"\0" * 16, "16 unexpected bytes after the last tensor"),
         "garbage": (b"definitely not a checkpoint" * 3, "not a safetensors file"),
         "tiny": (b"abc", "not a safetensors file"),
-        "version": (raw.replace(b'"format_version":"2"', b'"format_version":"7"'), "unknown format version '7'"),
-        "foreign": (
-            raw.replace(b'"format":"torch_paged_kv.kv_cache"', b'"format":"torch_paged_kv.other___"'),
-            "not a torch_paged_kv checkpoint",
-        ),
+        "header": (raw.replace(b'"format_version":"3"', b'"format_version":"7"'), "header checksum mismatch"),
     }
+    crafted = {  # consistent files (the header checksum made right again)
+        "version": ({"format_version": "7"}, "unknown format version '7'"),
+        "foreign": ({"format": "torch_paged_kv.other"}, "not a torch_paged_kv checkpoint"),
+    }
+    for name, (values, message) in crafted.items():
+        cases[name] = (
+            crafted_files.edit_metadata(good, tmp_path / f"{name}.safetensors", **values).read_bytes(),
+            message,
+        )
     for name, (content, message) in cases.items():
         bad = tmp_path / f"{name}.safetensors"
         bad.write_bytes(content)
@@ -413,16 +419,17 @@ def test_fp8_scales_are_checksummed_and_must_fit(tmp_path: Path) -> None:
     assert not torch.equal(before, target.scales) and torch.equal(target.scales[2], load_cache(path).scales[1])
 
 
-def test_version_1_files_still_load(tmp_path: Path) -> None:
-    """A version-1 file is what version 2 writes for an unquantized cache, but for the version string."""
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_versions_still_load_with_a_warning(tmp_path: Path, version: int) -> None:
+    """A version-1 or -2 file is what version 3 writes for an unquantized cache, without the header
+    checksum: it loads, and says its metadata is unverified."""
     src = make_paged(torch.bfloat16, seed=9)
-    save_cache(src, tmp_path / "v2.safetensors")
-    raw = (tmp_path / "v2.safetensors").read_bytes()
-    old = raw.replace(b'"format_version":"2"', b'"format_version":"1"')
-    assert old != raw
-    (tmp_path / "v1.safetensors").write_bytes(old)
-    assert read_info(tmp_path / "v1.safetensors").metadata["format_version"] == "1"
-    assert_rows_equal(src, load_cache(tmp_path / "v1.safetensors"), [0, 1, 2, 3])
+    save_cache(src, tmp_path / "v3.safetensors")
+    old = crafted_files.as_old_version(tmp_path / "v3.safetensors", version, tmp_path / "old.safetensors")
+    with pytest.warns(checkpoint.UnverifiedMetadataWarning, match="unverified metadata"):
+        assert read_info(old).metadata["format_version"] == str(version)
+    with pytest.warns(checkpoint.UnverifiedMetadataWarning):
+        assert_rows_equal(src, load_cache(old), [0, 1, 2, 3])
 
 
 def test_cli_inspect_shows_the_quantization(tmp_path: Path) -> None:

@@ -498,6 +498,22 @@ def test_errors_name_the_argument_and_change_nothing():
             call()
 
 
+def test_counts_equal_to_the_last_steps_must_still_be_ints():
+    """The fast path for counts the last step had (compared with ==) takes no floats or bools."""
+    m = make()
+    m.claim("a")
+    m.claim("b")
+    m.prepare_step(["a", "b"], [1, 1])
+    m.commit_step()
+    before = snapshot(m)
+    for counts in ([1.0, 1.0], [True, True], [np.float64(1), np.float64(1)], [1, True], (True, 1)):
+        with pytest.raises(ValueError, match="^num_new_tokens:"):
+            m.prepare_step(["a", "b"], counts)
+        assert_same(before, snapshot(m))
+    m.prepare_step(["a", "b"], [np.int64(1), 1])  # ints of any width are counts
+    m.prepare_step(["a", "b"], [1, 1])
+
+
 def test_abandoned_and_released_steps():
     m = make()
     model = {"a": [], "b": []}
@@ -544,6 +560,21 @@ def test_save_load_into_a_live_manager(tmp_path):
     assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
     assert dst.load(tmp_path / "kv.safetensors", ["p", "q", "r"]) == ["p", "q", "r"]
     assert dst.load(tmp_path / "kv.safetensors")[0] == ("loaded", 3)
+
+
+def test_save_cache_refuses_the_rows_of_a_collection_a_manager_drives(tmp_path):
+    """The collection's rows are the last prepared step (lengths before it): right after a prefill a
+    file of them would hold nothing. save_cache refuses and points to manager.save."""
+    m = make()
+    m.claim("a")
+    run_step(m, ["a"], [[1] * 6], {"a": []})
+    assert m.collection.cache_lengths[0] == 0  # lags: commit_step advanced the manager only
+    for batch_indices in (None, [0]):
+        with pytest.raises(tpk.CheckpointError, match=r"save with KVCacheManager.save\(path, seq_ids\)"):
+            tpk.save_cache(m.collection, tmp_path / "kv.safetensors", batch_indices=batch_indices)
+    assert not (tmp_path / "kv.safetensors").exists()
+    m.save(tmp_path / "kv.safetensors", ["a"])
+    assert tpk.checkpoint.read_info(tmp_path / "kv.safetensors").cache_lengths == [6]
 
 
 def test_failed_load_leaves_the_live_cache_untouched(tmp_path):

@@ -23,6 +23,20 @@ def test_preamble_round_trips_and_refuses_what_it_does_not_understand():
             wire.Preamble.unpack(bad)
 
 
+def test_a_preamble_arrives_in_a_larger_zeroed_buffer_on_the_cpu():
+    pre = wire.Preamble(meta_bytes=100, num_pages=7, page_bytes=512, scale_bytes=16, chunk_pages=3, checksum=wire.SUM64)
+    buffer = wire.empty_preamble("cpu")
+    assert buffer.numel() == wire.FIRST_MESSAGE_BYTES and buffer.dtype == torch.uint8
+    buffer[: wire.PREAMBLE_BYTES] = pre.pack().view(torch.uint8)
+    assert wire.Preamble.unpack(buffer) == pre
+    buffer[wire.PREAMBLE_BYTES + 5] = 1  # a longer first message: not ours
+    with pytest.raises(ValueError, match="other than 64 bytes"):
+        wire.Preamble.unpack(buffer)
+    huge = wire.Preamble(wire.MAX_META_BYTES + 1, 7, 512, 16, 3, wire.SUM64)
+    with pytest.raises(ValueError, match="bytes of metadata"):
+        wire.Preamble.unpack(huge.pack())
+
+
 def test_meta_round_trips_ids_keys_and_tokens():
     keys = [[bytes(range(32))], []]
     data = wire.encode_meta(
@@ -49,9 +63,25 @@ def test_meta_round_trips_ids_keys_and_tokens():
         b'{"params": {}, "sequences": [{"id": 1}], "scales": null, "root": "", "source_pages": null, "metadata": {}}',
         b'{"params": {}, "sequences": [], "scales": null, "root": "", "metadata": {}}',
         b'{"params": {}, "sequences": [], "scales": null, "root": "", "source_pages": [1, -2], "metadata": {}}',
+        b'{"params": {}, "sequences": [], "scales": null, "root": "", "source_pages": null, "metadata": {}}',
+        b"[" * 100_000 + b"]" * 100_000,
+        data.replace(b'"length":5', b'"length":true'),
+        data.replace(b'"pages":[0,1]', b'"pages":[0,[1]]'),
+        data.replace(b'"token_ids":[1,2,3,4,5]', b'"token_ids":[1,2,3,4,1e3]'),
+        data.replace(b'"params":{', b'"params":[{').replace(b'},"scales"', b'}],"scales"'),
     ):
         with pytest.raises(ValueError, match="malformed transfer metadata"):
             wire.decode_meta(bad)
+
+
+def test_check_pages_wants_the_rows_to_use_exactly_the_incoming_pages():
+    meta = {"sequences": [{"pages": [0, 1]}, {"pages": [1, 2]}], "source_pages": None}
+    wire.check_pages(meta, 3)
+    for num_pages in (2, 4, 2**31):
+        with pytest.raises(ValueError, match=f"preamble says {num_pages}"):
+            wire.check_pages(meta, num_pages)
+    with pytest.raises(ValueError, match="source_pages"):
+        wire.check_pages({**meta, "source_pages": [4, 5]}, 3)
 
 
 def test_replies_carry_a_status_a_reason_and_the_wanted_pages():

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
-from .checkpoint import CheckpointError, CheckpointInfo, read_info, verify
+from .checkpoint import (
+    VERIFIED_METADATA_VERSION,
+    CheckpointError,
+    CheckpointInfo,
+    UnverifiedMetadataWarning,
+    read_info,
+    verify,
+)
 from .params import KVCacheParams
 
 
@@ -64,8 +72,19 @@ def _heads(params: KVCacheParams) -> str:
     )
 
 
+def _printable(text: str) -> str:
+    """`text` without control characters (a crafted file's strings reach the terminal)."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _header(version: int) -> str:
+    if version >= VERIFIED_METADATA_VERSION:
+        return "header checksums: OK (crc32, every file)"
+    return f"header:     not verified (format version {version} has no header checksum; save it again to verify)"
+
+
 def _describe(info: CheckpointInfo) -> str:
-    meta = info.metadata
+    meta = {k: _printable(v) for k, v in info.metadata.items()}
     sizes = sum(f.stat().st_size for f in info.files)
     p = info.params
     page_bytes = info.page_tokens * (p.bytes_per_token + p.scale_bytes_per_token)
@@ -105,12 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("--no-verify", action="store_true", help="read headers only, skip the checksums")
     args = parser.parse_args(argv)
     try:
-        info = read_info(args.file)
+        with warnings.catch_warnings():  # an old file's unverified metadata gets a line of its own
+            warnings.simplefilter("ignore", UnverifiedMetadataWarning)
+            info = read_info(args.file)
         print(_describe(info))
+        print(_header(int(info.metadata["format_version"])))
         if args.no_verify:
             print("checksums:  not verified (--no-verify)")
         else:
-            verify(args.file)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnverifiedMetadataWarning)
+                verify(args.file)
             print(f"checksums:  OK ({len(info.checksums)} tensors, crc32)")
     except (CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)

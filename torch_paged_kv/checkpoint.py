@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import uuid
+import warnings
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from . import layout
@@ -30,18 +32,23 @@ from .params import KVCacheParams
 from .safetensors_stream import (
     CHECKSUM_KEY,
     DTYPE_NAMES,
+    HEADER_CHECKSUM_KEY,
     SafetensorsFormatError,
     SafetensorsWriter,
     TensorSpec,
     format_crc,
     read_header,
+    read_into,
 )
 
 FORMAT = "torch_paged_kv.kv_cache"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Version 2 added FP8 caches (quantization fields in `params`, `scales.*` page tensors); a version-1
-file reads as it always did."""
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""Version 2 added FP8 caches (quantization fields in `params`, `scales.*` page tensors); version 3 a
+checksum of every file's header (`header_checksum`). Files of versions 1 and 2 read as they always
+did, with an `UnverifiedMetadataWarning`."""
+VERIFIED_METADATA_VERSION = 3
+"""The first format version whose headers are checksummed."""
 DEFAULT_SHARD_BYTES = 4 << 30
 PROGRESS_MIN_BYTES = 512 << 20
 PAGED, CONTINUOUS = "paged", "continuous_batching"
@@ -49,8 +56,23 @@ PAGED, CONTINUOUS = "paged", "continuous_batching"
 Collection = PagedKVCacheCollection | ContinuousBatchingKVCacheCollection
 
 
+_DRIVERS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def mark_driven(collection: Collection, how_to_save: str) -> None:
+    """Record that something else (a `KVCacheManager`) owns `collection`'s state: its step tensors
+    then hold the rows of the last prepared step, not sequences, and `save_cache` refuses to save
+    them (explicit `rows=` still save); `how_to_save` is what its error message points to."""
+    _DRIVERS[collection] = how_to_save
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written or read; the message says what is wrong."""
+
+
+class UnverifiedMetadataWarning(UserWarning):
+    """A checkpoint of a format version before 3: nothing checksums its metadata (params, token ids,
+    shard list), so damage there goes unnoticed. Saving it again writes a verified file."""
 
 
 @dataclass
@@ -80,6 +102,11 @@ def _selected_rows(
     collection: Collection, batch_indices: list[int] | None, rows: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """(source row numbers, cache_lengths, lookup_table) of what a save stores, on the CPU."""
+    if rows is None and collection in _DRIVERS:
+        raise CheckpointError(
+            f"collection: its rows are the step tensors of the manager that drives it (the last prepared "
+            f"step, lengths from before that step), not the sequences' state: save with {_DRIVERS[collection]}"
+        )
     if rows is not None:
         if batch_indices is not None:
             raise CheckpointError("rows: pass either batch_indices or rows, not both")
@@ -168,13 +195,38 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _shard_name(path: Path, save_id: str, k: int, n: int) -> str:
+    return f"{path.stem}-{save_id}-{k:05d}-of-{n:05d}{path.suffix or '.safetensors'}"
+
+
 def _old_shards(path: Path) -> list[Path]:
-    """Shard files of the checkpoint currently at `path` (none if absent or unreadable)."""
+    """Shard files of the checkpoint now at `path` that a save over it deletes once committed: those
+    its header lists that are named exactly as a save to `path` names its shards (same directory,
+    same save id), are plain files (not links), and whose own header names that save id. Anything
+    else a (damaged or crafted) header lists is left alone."""
     try:
         metadata, _ = read_header(path)
-        return [path.parent / s["file"] for s in json.loads(metadata.get("shards", "[]"))]
-    except (OSError, ValueError, KeyError, TypeError):
+        save_id = metadata.get("save_id", "")
+        entries = json.loads(metadata.get("shards", "[]")) if metadata.get("format") == FORMAT else []
+    except (OSError, ValueError, RecursionError):
         return []
+    if not re.fullmatch(r"[0-9a-f]{8}", save_id) or not isinstance(entries, list):
+        return []
+    n = len(entries)
+    names = {_shard_name(path, save_id, k, n) for k in range(1, n + 1)}
+    old = []
+    for entry in entries:
+        name = entry.get("file") if isinstance(entry, dict) else None
+        shard = path.parent / name if name in names else None
+        if shard is None or shard.is_symlink() or not shard.is_file():
+            continue
+        try:
+            shard_metadata, _ = read_header(shard)
+        except (OSError, ValueError):
+            continue
+        if shard_metadata.get("format") == FORMAT and shard_metadata.get("save_id") == save_id:
+            old.append(shard)
+    return old
 
 
 def save_cache(
@@ -214,8 +266,7 @@ def save_cache(
 
     path = Path(path)
     save_id = uuid.uuid4().hex[:8]
-    stem, suffix = path.stem, path.suffix or ".safetensors"
-    names = [path.name] + [f"{stem}-{save_id}-{k:05d}-of-{len(ranges) - 1:05d}{suffix}" for k in range(1, len(ranges))]
+    names = [path.name] + [_shard_name(path, save_id, k, len(ranges) - 1) for k in range(1, len(ranges))]
     common = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "save_id": save_id}
     bar = tqdm(
         total=n * page_bytes,
@@ -320,54 +371,133 @@ def _header(path: Path, what: str) -> tuple[dict[str, str], dict[str, dict]]:
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def _check_format(path: Path, metadata: dict[str, str]) -> None:
+def _check_format(path: Path, metadata: dict[str, str]) -> int:
+    """The file's format version, after checking it is ours, readable, and (version 3 on) checksummed."""
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a torch_paged_kv checkpoint (format {metadata.get('format')!r})")
-    if metadata.get("format_version") not in [str(v) for v in READABLE_VERSIONS]:
+    version = metadata.get("format_version")
+    if version not in [str(v) for v in READABLE_VERSIONS]:
         raise CheckpointError(
-            f"{path}: unknown format version {metadata.get('format_version')!r} "
+            f"{path}: unknown format version {version!r} "
             f"(this library reads versions {', '.join(map(str, READABLE_VERSIONS))})"
         )
+    if int(version) >= VERIFIED_METADATA_VERSION and HEADER_CHECKSUM_KEY not in metadata:
+        raise CheckpointError(f"{path}: metadata field {HEADER_CHECKSUM_KEY!r} is missing (format version {version})")
+    return int(version)
+
+
+_CRC = re.compile(r"crc32:[0-9a-f]{8}")
+
+
+def _count(text: str) -> int:
+    if not re.fullmatch(r"[0-9]{1,18}", text):  # below 2**63: compared with int64 tensors
+        raise ValueError(f"expected a non-negative integer below 10**18, got {text[:40]!r}")
+    return int(text)
+
+
+def _json(text: str, kind: type) -> Any:
+    value = json.loads(text)
+    if not isinstance(value, kind):
+        raise ValueError(f"expected a JSON {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _params(text: str) -> KVCacheParams:
+    return KVCacheParams.from_dict(_json(text, dict))
+
+
+def _checksums(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(isinstance(v, str) and _CRC.fullmatch(v) for v in value.values()):
+        raise ValueError('expected an object of "crc32:xxxxxxxx" strings')
+    return value
+
+
+def _strings(text: str) -> dict[str, str]:
+    value = _json(text, dict)
+    if not all(isinstance(v, str) for v in value.values()):
+        raise ValueError("expected an object of strings")
+    return value
+
+
+def _row_numbers(text: str) -> list[int]:
+    value = _json(text, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError("expected a list of row numbers")
+    return value
+
+
+def _shard_list(text: str) -> list[tuple[str, dict[str, str]]]:
+    """(file name, checksums) of each listed shard: plain names of files beside the main file."""
+    shards = []
+    for entry in _json(text, list):
+        name = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise ValueError(
+                f"expected entries {{'file': a file name beside the main file, 'checksums': ...}}, got {entry!r:.80}"
+            )
+        shards.append((name, _checksums(entry.get("checksums"))))
+    return shards
+
+
+def _field(path: Path, metadata: dict[str, str], key: str, parse: Any) -> Any:
+    """`parse(metadata[key])`, any failure a CheckpointError naming the file and the field."""
+    if key not in metadata:
+        raise CheckpointError(f"{path}: metadata field {key!r} is missing")
+    try:
+        return parse(metadata[key])
+    except (ValueError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: metadata field {key!r}: {exc}") from None
 
 
 def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
-    """Read and cross-check every header of the checkpoint at `path` (not the tensor data)."""
+    """Read and cross-check every header of the checkpoint at `path` (not the tensor data).
+
+    A file of format version 1 or 2 (no header checksum) also gives an `UnverifiedMetadataWarning`."""
     path = Path(path)
     metadata, tensors = _header(path, "checkpoint file")
-    _check_format(path, metadata)
-    try:
-        params = KVCacheParams.from_dict(json.loads(metadata["params"]))
-        kind, max_seq_len = metadata["collection"], int(metadata["max_seq_len"])
-        num_pages, page_tokens = int(metadata["num_pages"]), int(metadata["page_tokens"])
-        shards = json.loads(metadata["shards"])
-        checksums: dict[str, str] = json.loads(metadata[CHECKSUM_KEY])
-    except (KeyError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"{path}: bad checkpoint metadata ({type(exc).__name__}: {exc})") from None
+    version = _check_format(path, metadata)
+    params = _field(path, metadata, "params", _params)
+    kind = _field(path, metadata, "collection", lambda text: text)
     if kind not in (PAGED, CONTINUOUS):
-        raise CheckpointError(f"{path}: unknown collection kind {kind!r}")
+        raise CheckpointError(f"{path}: metadata field 'collection': unknown collection kind {kind!r:.80}")
+    max_seq_len = _field(path, metadata, "max_seq_len", _count)
+    num_pages = _field(path, metadata, "num_pages", _count)
+    page_tokens = _field(path, metadata, "page_tokens", _count)
+    shards = _field(path, metadata, "shards", _shard_list)
+    checksums: dict[str, str] = dict(_field(path, metadata, CHECKSUM_KEY, lambda text: _checksums(json.loads(text))))
+    _field(path, metadata, "user_metadata", _strings)
+    if "source_batch_indices" in metadata:
+        _field(path, metadata, "source_batch_indices", _row_numbers)
+    _check_sizes(path, params, kind, max_seq_len, page_tokens)
     files = [path]
     tensor_files = {name: path for name in tensors}
     all_tensors = dict(tensors)
-    for entry in shards:
-        shard = path.parent / entry["file"]
-        shard_metadata, shard_tensors = _header(shard, f"shard {entry['file']} listed in {path.name}")
+    for name, shard_sums in shards:
+        shard = path.parent / name
+        shard_metadata, shard_tensors = _header(shard, f"shard {name} listed in {path.name}")
         _check_format(shard, shard_metadata)
-        if (
-            shard_metadata.get("save_id") != metadata.get("save_id")
-            or json.loads(shard_metadata.get(CHECKSUM_KEY, "{}")) != entry["checksums"]
-        ):
+        try:
+            same = json.loads(shard_metadata.get(CHECKSUM_KEY, "{}")) == shard_sums
+        except (ValueError, RecursionError):
+            same = False
+        if shard_metadata.get("save_id") != metadata.get("save_id") or not same:
             raise CheckpointError(f"{shard}: shard does not belong to {path.name} (save id or checksums differ)")
+        twice = sorted(set(shard_tensors) & set(all_tensors))
+        if twice:
+            raise CheckpointError(f"{shard}: tensors {twice} are in another file of {path.name} too")
         files.append(shard)
-        checksums.update(entry["checksums"])
+        checksums.update(shard_sums)
         tensor_files.update({name: shard for name in shard_tensors})
         all_tensors.update(shard_tensors)
     if set(checksums) != set(all_tensors):
         raise CheckpointError(f"{path}: checksums do not cover the tensors {sorted(all_tensors)}")
     _check_shapes(path, params, kind, max_seq_len, num_pages, page_tokens, all_tensors)
-    with safe_open(path, framework="pt") as f:
-        lengths = _read_small(f, "cache_lengths", checksums, path)
-        table = _read_small(f, "lookup_table", checksums, path)
-    offsets = {name: tuple(t["data_offsets"]) for name, t in all_tensors.items()}
+    if not {"cache_lengths", "lookup_table"} <= set(tensors):
+        raise CheckpointError(f"{path}: the main file must hold 'cache_lengths' and 'lookup_table'")
+    offsets = {name: (t["data_offsets"][0], t["data_offsets"][1]) for name, t in all_tensors.items()}
+    with open(path, "rb") as f:
+        lengths = _read_small(f, "cache_lengths", tensors, checksums, path)
+        table = _read_small(f, "lookup_table", tensors, checksums, path)
     info = CheckpointInfo(
         path,
         params,
@@ -384,14 +514,37 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         metadata,
     )
     _check_tables(info)
+    if version < VERIFIED_METADATA_VERSION:
+        warnings.warn(
+            f"{path}: a format version {version} file has unverified metadata (no header checksum: damage to "
+            "its params, lengths' meaning, token ids or shard list goes unnoticed); save it again to verify it",
+            UnverifiedMetadataWarning,
+            stacklevel=2,
+        )
     return info
+
+
+def _check_sizes(path: Path, params: KVCacheParams, kind: str, max_seq_len: int, page_tokens: int) -> None:
+    """The sizes the metadata declares agree with each other (what the tensors hold is checked next)."""
+    if max_seq_len < 1:
+        raise CheckpointError(f"{path}: metadata field 'max_seq_len': expected a positive int, got {max_seq_len}")
+    if kind == PAGED and page_tokens != params.page_size:
+        raise CheckpointError(
+            f"{path}: metadata field 'page_tokens': a paged file stores whole pages of "
+            f"page_size={params.page_size} tokens, got {page_tokens}"
+        )
+    if kind == CONTINUOUS and (params.page_size != max_seq_len or page_tokens > max_seq_len):
+        raise CheckpointError(
+            f"{path}: metadata fields 'max_seq_len' / 'page_tokens': a continuous-batching slot holds "
+            f"page_size={params.page_size} tokens, max_seq_len is {max_seq_len}, page_tokens {page_tokens}"
+        )
 
 
 def _check_tables(info: CheckpointInfo) -> None:
     """Lengths fit `max_seq_len`; table entries fit the collection `load_cache` builds (pages
-    0..num_pages; continuous-batching slots 0..batch), and every page holding a row's tokens is a
-    stored one (1..num_pages)."""
-    lengths = torch.tensor(info.cache_lengths)
+    0..num_pages; continuous-batching slots 1..batch, one per row), and every page holding a row's
+    tokens is a stored one (1..num_pages); a continuous-batching file stores every row's tokens."""
+    lengths = torch.tensor(info.cache_lengths, dtype=torch.int64)
     if bool(((lengths < 0) | (lengths > info.max_seq_len)).any()):
         raise CheckpointError(f"{info.path}: cache_lengths {info.cache_lengths} outside 0..{info.max_seq_len}")
     table = info.lookup_table.reshape(len(info.cache_lengths), -1)
@@ -404,6 +557,13 @@ def _check_tables(info: CheckpointInfo) -> None:
             f"{info.path}: lookup_table puts a row's tokens in a page it does not store "
             f"(the null page {layout.NULL_PAGE}, or past {info.num_pages})"
         )
+    if info.kind == CONTINUOUS:
+        if bool((table == layout.NULL_PAGE).any()) or table.unique().numel() != table.numel():
+            raise CheckpointError(f"{info.path}: lookup_table must give each row a slot of its own (1..{bound})")
+        if max(info.cache_lengths) > info.page_tokens:
+            raise CheckpointError(
+                f"{info.path}: cache_lengths up to {max(info.cache_lengths)} but page_tokens is {info.page_tokens}"
+            )
 
 
 def _check_shapes(
@@ -443,8 +603,13 @@ def _check_shapes(
             raise fail(f"page tensors {pieces} hold {total} pages, the header says {num_pages}")
 
 
-def _read_small(f: Any, name: str, checksums: dict[str, str], path: Path) -> torch.Tensor:
-    tensor = f.get_tensor(name)
+def _read_small(f: Any, name: str, tensors: dict[str, dict], checksums: dict[str, str], path: Path) -> torch.Tensor:
+    """An int32 tensor of the main file (its size checked by `read_header`), its checksum verified."""
+    tensor = torch.empty(tensors[name]["shape"], dtype=torch.int32)
+    try:
+        read_into(f, tensors[name]["data_offsets"][0], tensor)
+    except SafetensorsFormatError as exc:  # cut short since its header was read
+        raise CheckpointError(f"{path}: {exc}") from None
     _verify(name, zlib.crc32(memoryview(tensor.view(torch.uint8).numpy().reshape(-1))), checksums, path)
     return tensor
 
@@ -481,7 +646,10 @@ def _stream_pages(
                 count = (end - start) // io.page_bytes if io.page_bytes else 0
                 ids = None if pages is None else pages[first : first + count]
                 with open(path, "rb") as f:
-                    crc = io.read(f, start, ids, count, bar)
+                    try:
+                        crc = io.read(f, start, ids, count, bar)
+                    except SafetensorsFormatError as exc:  # cut short since its header was read
+                        raise CheckpointError(f"{path}: {exc}") from None
                 _verify(name, crc, info.checksums, path)
                 first += count
     finally:
@@ -539,6 +707,35 @@ def load_pages(
     return info
 
 
+def _device_memory(device: torch.device) -> int | None:
+    """Total memory of `device` (the host's RAM for the CPU), or None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+def check_allocation(info: CheckpointInfo, params: KVCacheParams, device: torch.device | str | None) -> None:
+    """Refuse, before allocating, a collection of `params` for `info`'s rows (what `load_cache` builds)
+    larger than the memory of `device`: a small file may declare any params and `max_seq_len`."""
+    if info.kind == PAGED:
+        pages, field = max(1, info.num_pages) + 1, "params"
+    else:
+        pages, field = len(info.cache_lengths) + 1, "max_seq_len"
+    nbytes = pages * params.page_size * (params.bytes_per_token + params.scale_bytes_per_token)
+    device = torch.device(device if device is not None else "cpu")
+    memory = _device_memory(device)
+    if memory is not None and nbytes > memory:
+        raise CheckpointError(
+            f"{info.path}: metadata field {field!r}: the {info.kind} collection it describes needs {nbytes} "
+            f"bytes, more than the {memory} bytes of memory of {device}"
+        )
+
+
 def load_cache(
     path: str | os.PathLike[str],
     *,
@@ -549,11 +746,14 @@ def load_cache(
     """Load a checkpoint into a new collection of the saved kind on `device` (default CPU).
 
     Row i is the i-th saved row; pages are `1..num_pages` (at least one page is allocated);
-    `input_row_offsets` are zeros. `expected_params` makes a mismatch a `CheckpointError`.
+    `input_row_offsets` are zeros. `expected_params` makes a mismatch a `CheckpointError`, before
+    anything is allocated: without it the file's params (and, for continuous batching, its
+    `max_seq_len`) size the collection, refused only when it exceeds the device's memory.
     """
     info = read_info(path)
     if expected_params is not None and info.params != expected_params:
         raise CheckpointError(f"{path}: params {info.params} do not fit the target {expected_params}")
+    check_allocation(info, info.params, device)
     batch = len(info.cache_lengths)
     if info.kind == CONTINUOUS:
         collection: Collection = ContinuousBatchingKVCacheCollection(info.params, batch, info.max_seq_len, device)

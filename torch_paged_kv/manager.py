@@ -22,12 +22,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import checkpoint, layout
+from . import checkpoint
 from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
 from .ops.quant import indexable
 from .page_pool import PagePool, root_key
 from .page_table import PageTable
+from .params import KVCacheParams
 
 METADATA_KEY = "torch_paged_kv.manager"
 """Checkpoint user-metadata key holding the saved sequences' token ids (JSON)."""
@@ -76,6 +77,52 @@ def _int64s(name: str, tokens: Iterable[int]) -> np.ndarray:
         raise ValueError(f"{name}: expected a sequence of int token ids ({exc})") from None
 
 
+def _misfit(kind: str, theirs: KVCacheParams, ours: KVCacheParams) -> str:
+    """Why a checkpoint of `kind` and params `theirs` does not load into this paged cache of `ours`."""
+    if theirs.is_mla != ours.is_mla:
+        kinds = {True: "an MLA (latent)", False: "a K/V"}
+        return f"{kinds[theirs.is_mla]} cache does not fit this {kinds[ours.is_mla].split(' ', 1)[1]} cache ({theirs})"
+    heads = ("num_kv_heads", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+    try:
+        other_heads = dataclasses.replace(theirs, **{f: getattr(ours, f) for f in heads}) == ours
+    except ValueError:
+        other_heads = False
+    hint = " (a shard of other KV heads: see torch_paged_kv.distributed.reshard.load_sharded)" * other_heads
+    return f"a {kind} cache of {theirs} does not fit this paged cache of {ours}{hint}"
+
+
+def saved_token_ids(path: str | os.PathLike[str], info: checkpoint.CheckpointInfo, max_len: int) -> list:
+    """The token ids `save` stored with each sequence of `info` (None where it had none), checked."""
+    text = info.user_metadata.get(METADATA_KEY)
+    batch = len(info.cache_lengths)
+    if text is None:
+        return [None] * batch
+
+    def bad(what: str) -> checkpoint.CheckpointError:
+        return checkpoint.CheckpointError(f"{path}: user metadata {METADATA_KEY!r}: {what}")
+
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise bad(f"not JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise bad(f"expected a JSON object, got {type(payload).__name__}")
+    rows = payload.get("token_ids", [None] * batch)
+    if not isinstance(rows, list) or len(rows) != batch:
+        got = f"{len(rows)} rows of token ids" if isinstance(rows, list) else type(rows).__name__
+        raise bad(f"'token_ids': the file holds {batch} sequences, {got}")
+    tokens = []
+    for b, row in enumerate(rows):
+        ok = row is None or (isinstance(row, list) and len(row) <= max_len and all(type(t) is int for t in row))
+        try:
+            tokens.append(None if row is None or not ok else _int64s("token_ids", row))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise bad(f"'token_ids' row {b}: expected null or at most {max_len} int64 ids")
+    return tokens
+
+
 class KVCacheManager:
     """Pages of one `PagedKVCacheCollection` for sequences named by any hashable id.
 
@@ -94,6 +141,7 @@ class KVCacheManager:
         if hash_salt is not None and not isinstance(hash_salt, bytes):
             raise ValueError(f"hash_salt: expected bytes or None, got {type(hash_salt).__name__}")
         self.collection = collection
+        checkpoint.mark_driven(collection, "KVCacheManager.save(path, seq_ids)")
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.page_size = collection.params.page_size
         self.prefix_cache_hits = 0
@@ -290,7 +338,12 @@ class KVCacheManager:
         seqs, slots = (last.seqs, last.slots) if same_rows else self._resolve(ids)
         batch = len(ids)
         num_new_list = num_new_tokens if type(num_new_tokens) is list else None
-        if num_new_list is not None and len(num_new_list) == batch and num_new_list == last.num_new_list:
+        if (
+            num_new_list is not None
+            and len(num_new_list) == batch
+            and num_new_list == last.num_new_list
+            and set(map(type, num_new_list)) == {int}  # == holds for 1.0 and True too
+        ):
             num_new = last.num_new  # same counts as the last step: already validated
         else:
             num_new = self._check_num_new(num_new_tokens, batch)
@@ -401,21 +454,17 @@ class KVCacheManager:
     def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
         """Add the sequences of a checkpoint to this live cache, in free pages; returns their ids.
 
-        Ids are `seq_ids` if given, else fresh `("loaded", n)` tuples. All or nothing: a checkpoint
-        whose params or kind do not match raises `checkpoint.CheckpointError`, too few pages
-        `OutOfPagesError`, and the manager is unchanged. Pages stream straight into the pool
-        (`checkpoint.load_pages`); a checksum error found on the way also raises `CheckpointError`
-        and frees them again, but prefix-cache entries evicted to make room stay evicted.
+        Ids are `seq_ids` if given, else fresh `("loaded", n)` tuples. All or nothing, through
+        `adopt`: a checkpoint whose params, kind, tables or token ids do not fit raises
+        `checkpoint.CheckpointError`, too few pages `OutOfPagesError`, before any page is taken.
+        Pages stream straight into the pool (`checkpoint.load_pages`); a checksum error found on the
+        way also raises `CheckpointError` with the manager as before, except that prefix-cache
+        entries of the pages it was going to evict are dropped.
         """
         info = checkpoint.read_info(path)
         params, c = self.collection.params, self.collection
         if info.kind != checkpoint.PAGED or info.params != params:
-            heads = ("num_kv_heads", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
-            other_heads = dataclasses.replace(info.params, **{f: getattr(params, f) for f in heads}) == params
-            hint = " (a shard of other KV heads: see torch_paged_kv.distributed.reshard.load_sharded)" * other_heads
-            raise checkpoint.CheckpointError(
-                f"{path}: a {info.kind} cache of {info.params} does not fit this paged cache of {params}{hint}"
-            )
+            raise checkpoint.CheckpointError(f"{path}: {_misfit(info.kind, info.params, params)}")
         if max(info.cache_lengths) > c.max_seq_len:
             raise checkpoint.CheckpointError(
                 f"{path}: a sequence of {max(info.cache_lengths)} tokens exceeds max_seq_len={c.max_seq_len}"
@@ -427,32 +476,21 @@ class KVCacheManager:
         self._check_unique(ids, "seq_ids")
         for i in ids:
             self._check_new_id(i, "seq_ids")
-        self._require_pages(info.num_pages)
-        tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
-        tokens = [
-            None if t is None or not self.enable_prefix_caching else _int64s(f"{path}: token_ids", t) for t in tokens
-        ]
-        new_pages = self.page_pool.allocate(info.num_pages)
-        try:  # streamed straight into the pool, through bounded host buffers
-            checkpoint.load_pages(path, c.blocks, new_pages, scales=c.scales)
-        except BaseException:
-            self.page_pool.unref(
-                new_pages[::-1]
-            )  # back to free, in their old order; evicted cache entries stay evicted
+        tokens = saved_token_ids(path, info, c.max_seq_len)
+        rows = [[j - 1 for j in info.lookup_table[b, :n].tolist()] for b, n in enumerate(info.pages_per_row())]
+
+        def fill(incoming: list[int], pages: list[int]) -> None:  # stored page j + 1 -> pages[j]
+            order = [0] * info.num_pages
+            for i, page in zip(incoming, pages, strict=True):
+                order[i] = page
+            checkpoint.load_pages(path, c.blocks, order, scales=c.scales)
+
+        try:
+            self.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
+        except checkpoint.CheckpointError:
             raise
-        pages = [layout.NULL_PAGE, *new_pages]  # checkpoint page j -> pages[j]
-        seen: set[int] = set()
-        for b, (seq_id, per_row) in enumerate(zip(ids, info.pages_per_row(), strict=True)):
-            length = info.cache_lengths[b]
-            row = [pages[j] for j in info.lookup_table[b, :per_row].tolist()]
-            for page in row:
-                if page in seen:  # shared in the checkpoint: one more owner
-                    self.page_pool.ref(page)
-                seen.add(page)
-            self._add(seq_id, row, length, tokens[b], [])
-        seqs = [self._seqs[i] for i in ids]
-        known = [min(n, int(self.page_table.known[s.slot])) for s, n in zip(seqs, info.cache_lengths, strict=True)]
-        self._cache_full_pages(seqs, [n // self.page_size for n in known])
+        except ValueError as exc:  # the ids were checked above: what adopt refuses is the file's
+            raise checkpoint.CheckpointError(f"{path}: {exc}") from None
         if seq_ids is None:
             self._next_loaded_id = ids[-1][1] + 1
         return ids
@@ -520,7 +558,10 @@ class KVCacheManager:
     @staticmethod
     def _check_num_new(num_new_tokens: Sequence[int], batch: int) -> np.ndarray:
         num_new = np.asarray(num_new_tokens)
-        if num_new.shape != (batch,) or num_new.dtype.kind not in "iu":
+        bools = isinstance(num_new_tokens, (list, tuple)) and any(
+            isinstance(n, (bool, np.bool_)) for n in num_new_tokens
+        )
+        if num_new.shape != (batch,) or num_new.dtype.kind not in "iu" or bools:
             raise ValueError(f"num_new_tokens: expected {batch} ints (one per sequence), got {num_new_tokens!r}")
         if num_new.min() < 1:
             raise ValueError(f"num_new_tokens: every sequence needs >= 1 new token, got {num_new.min()}")

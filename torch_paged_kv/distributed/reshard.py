@@ -13,7 +13,6 @@ refused with a `CheckpointError` saying why, before any page is allocated.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import zlib
@@ -22,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import CONTINUOUS, PAGED, CheckpointError, CheckpointInfo, read_info
+from ..checkpoint import CONTINUOUS, PAGED, CheckpointError, CheckpointInfo, check_allocation, read_info
 from ..collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
-from ..manager import METADATA_KEY, KVCacheManager
+from ..manager import KVCacheManager, saved_token_ids
 from ..ops.quant import indexable
 from ..page_stream import CHUNK_BYTES
 from ..params import KVCacheParams
-from ..safetensors_stream import format_crc, read_into
+from ..safetensors_stream import SafetensorsFormatError, format_crc, read_into
 
 PathLike = str | os.PathLike[str]
 
@@ -148,7 +147,10 @@ def _stream_heads(source: _Source, pools: list[torch.Tensor], pages: torch.Tenso
                 for a in range(0, count, per_chunk):
                     n = min(per_chunk, count - a)
                     chunk = host[: n * math.prod(unit)].view(n, *unit)
-                    read_into(f, start + a * page_bytes, chunk)
+                    try:
+                        read_into(f, start + a * page_bytes, chunk)
+                    except SafetensorsFormatError as exc:  # cut short since its header was read
+                        raise CheckpointError(f"{info.tensor_files[piece]}: {exc}") from None
                     crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy()).cast("B"), crc)
                     index = pages[first + a : first + a + n].to(pool.device)
                     columns = indexable(chunk)[:, :, :, :, source.file_heads].to(pool.device)
@@ -188,7 +190,7 @@ def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Se
             n += 1
     else:
         ids = list(seq_ids)
-    tokens = json.loads(info.user_metadata.get(METADATA_KEY, "{}")).get("token_ids", [None] * batch)
+    tokens = saved_token_ids(info.path, info, c.max_seq_len)
     rows = [[j - 1 for j in info.lookup_table[b, :per_row].tolist()] for b, per_row in enumerate(info.pages_per_row())]
 
     def fill(incoming: list[int], pages: list[int]) -> None:
@@ -196,7 +198,14 @@ def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Se
         order[torch.tensor(incoming, dtype=torch.long)] = torch.tensor(pages, dtype=torch.long)
         _fill(sources, c.page_tensors(), order)
 
-    manager.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
+    try:
+        manager.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
+    except CheckpointError:
+        raise
+    except ValueError as exc:
+        if str(exc).startswith("seq_ids:"):  # the caller's ids
+            raise
+        raise CheckpointError(f"{info.path}: {exc}") from None  # the rest adopt refuses is the files'
     return ids
 
 
@@ -214,6 +223,7 @@ def load_cache_sharded(
     params = read_info(Path(paths[0]) if not isinstance(paths, (str, os.PathLike)) else Path(paths)).params
     target = shard_params(unshard_params(params), tp_size, tp_rank)
     info, sources = plan_shards(paths, target)
+    check_allocation(info, target, device)
     batch = len(info.cache_lengths)
     if info.kind == CONTINUOUS:
         collection = ContinuousBatchingKVCacheCollection(target, batch, info.max_seq_len, device)

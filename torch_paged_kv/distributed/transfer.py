@@ -180,15 +180,19 @@ def send_sequences(
         source_pages if blocks.device == dev else None,
         metadata,
     )
+    if len(meta) > wire.MAX_META_BYTES:
+        raise ValueError(f"seq_ids: their token ids and keys take {len(meta)} bytes, more than a transfer carries")
     preamble = wire.Preamble(len(meta), len(source_pages), blocks_bytes, scale_bytes, chunk_pages, kind)
     _exchange(dist.isend, preamble.pack(dev), dst, group, timeout, "sending the preamble")
     meta_tensor = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(dev)
     _exchange(dist.isend, meta_tensor, dst, group, timeout, "sending the metadata")
-    reply = torch.empty(wire.REPLY_BYTES + len(source_pages), dtype=torch.uint8, device=dev)
+    reply = torch.zeros(wire.REPLY_BYTES + len(source_pages), dtype=torch.uint8, device=dev)  # a refusal: shorter
     _exchange(dist.irecv, reply, dst, group, timeout, "waiting for the receiver's answer")
     status, reason, flags = wire.unpack_reply(reply)
     if status != wire.ACCEPTED:
         raise TransferRejected(f"rank {dst} refused the transfer: {reason}")
+    if not set(flags) <= {0, wire.SEND, wire.STARTS}:
+        raise TransferError(f"rank {dst} answered with page flags {sorted(set(flags))[:8]} (0, 1 or 2 expected)")
     send = [page for page, f in zip(source_pages, flags, strict=True) if f]
     wanted_flags = [f for f in flags if f]
     if wire.STARTS in wanted_flags:
@@ -271,8 +275,8 @@ def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: w
     params = manager.collection.params
     try:
         theirs = KVCacheParams.from_dict(meta["params"])
-    except (ValueError, TypeError) as exc:
-        return f"unreadable sender params ({exc})"
+    except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+        return f"unreadable sender params ({type(exc).__name__}: {exc})"
     if theirs != params:
         return f"the sender's cache is {theirs}, this one is {params}"
     scales = _scales(manager)
@@ -328,19 +332,23 @@ def receive_sequences(
             preamble = wire.Preamble.unpack(preamble_tensor)
         except ValueError as exc:
             raise TransferError(f"rank {src} sent {exc}") from None
-        meta_tensor = torch.empty(preamble.meta_bytes, dtype=torch.uint8, device=dev)
+        meta_tensor = torch.empty(preamble.meta_bytes, dtype=torch.uint8, device=dev)  # at most MAX_META_BYTES
         _exchange(dist.irecv, meta_tensor, src, group, timeout, "receiving the transfer metadata")
 
         def reject(reason: str) -> None:
             state["replied"] = True
-            reply = wire.pack_reply(wire.REJECTED, reason, [False] * preamble.num_pages, dev)
+            # gloo takes a shorter reply than the sender posted; NCCL needs the exact size, which a
+            # consistent sender's num_pages bounds (each incoming page is listed in the meta)
+            exact = dev.type != "cpu" and preamble.num_pages <= preamble.meta_bytes
+            reply = wire.pack_reply(wire.REJECTED, reason, [0] * preamble.num_pages if exact else None, dev)
             _exchange(dist.isend, reply, src, group, timeout, "refusing the transfer")
 
         try:
             meta = wire.decode_meta(bytes(meta_tensor.cpu().numpy()))
+            wire.check_pages(meta, preamble.num_pages)
         except ValueError as exc:
             reject(str(exc))
-            raise TransferRejected(str(exc)) from None
+            raise TransferRejected(f"refused the transfer from rank {src}: {exc}") from None
         why = _check_compatible(manager, meta, preamble)
         seqs = meta["sequences"]
         ids = list(seq_ids) if seq_ids is not None else [s["id"] for s in seqs]
@@ -394,7 +402,7 @@ def receive_sequences(
                 token_ids=[s["token_ids"] for s in seqs],
                 prefix_keys=[s["keys"] for s in seqs] if same_root else None,
             )
-        except (ValueError, RuntimeError) as exc:
+        except Exception as exc:
             if state["replied"]:
                 raise
             reject(f"{type(exc).__name__}: {exc}")  # before any page moved: out of pages, bad ids

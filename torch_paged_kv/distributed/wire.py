@@ -5,17 +5,22 @@ over a process group (gloo: CPU tensors; NCCL: tensors on the current CUDA devic
 order (S: sender, R: receiver); every message is one tensor, sizes known to both sides beforehand:
 
 1. S->R preamble, int64 `[8]`: `MAGIC, VERSION, meta_bytes, num_pages, page_bytes, scale_bytes,
-   chunk_pages, checksum` (`Preamble`).
-2. S->R meta, uint8 `[meta_bytes]`: UTF-8 JSON (`encode_meta`): the sender's params, the scales'
-   dtype and per-page shape (or null), the sequences (`id`, `length`, `pages`: indices into the
-   `num_pages` incoming pages, `token_ids` or null, `keys`: hex prefix keys of the leading full
-   pages), `root`: a fingerprint of the sender's prefix-cache root (keys only mean something to a
-   receiver with the same root), `source_pages`: the sender's page ids of the incoming pages, or
-   null where it cannot send from its pool (its pool is not where the group's messages live),
-   `metadata`: the caller's JSON.
+   chunk_pages, checksum` (`Preamble`). A gloo receiver takes it into a zeroed buffer of
+   `FIRST_MESSAGE_BYTES` (`empty_preamble`): a stray or foreign first message up to that size is
+   refused, not fatal (gloo aborts the process on a message longer than the posted receive).
+2. S->R meta, uint8 `[meta_bytes]` (at most `MAX_META_BYTES`): UTF-8 JSON (`encode_meta`): the
+   sender's params, the scales' dtype and per-page shape (or null), the sequences (`id`, `length`,
+   `pages`: indices into the `num_pages` incoming pages, `token_ids` or null, `keys`: hex prefix
+   keys of the leading full pages), `root`: a fingerprint of the sender's prefix-cache root (keys
+   only mean something to a receiver with the same root), `source_pages`: the sender's page ids of
+   the incoming pages, or null where it cannot send from its pool (its pool is not where the
+   group's messages live), `metadata`: the caller's JSON. `decode_meta` checks every field's type,
+   `check_pages` that the rows use exactly the incoming pages `0..num_pages-1`.
 3. R->S reply, uint8 `[REPLY_BYTES + num_pages]` (`pack_reply`): status (0: accepted), a reason
    (UTF-8, NUL-padded), then one byte per incoming page: 0 = the receiver has it cached, 1 = send it,
    `STARTS` (2) = send it, and it starts a direct message. Any `STARTS` makes the transfer direct.
+   A refusal over gloo is the first `REPLY_BYTES` only (a shorter message is fine there; the flags
+   of a hostile `num_pages` are never built).
 4. S->R pages (accepted only), the wanted pages in index order, one of two ways:
    - packed (no `STARTS`): `chunk_pages` pages per message, each uint8
      `[n * page_bytes + n * scale_bytes + 8]`: the pages' `blocks` bytes, their `scales` bytes
@@ -40,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import zlib
 from typing import Any
 
@@ -51,6 +57,11 @@ from ..ops.cpu import build
 MAGIC = 0x4B5650_41474553  # "KVPAGES"
 VERSION = 2
 PREAMBLE_WORDS = 8
+PREAMBLE_BYTES = 8 * PREAMBLE_WORDS
+FIRST_MESSAGE_BYTES = 64 << 10
+"""Room a gloo receiver gives the first message of a transfer: a longer one aborts it (in gloo)."""
+MAX_META_BYTES = 256 << 20
+"""Largest metadata message (a receiver allocates it before reading it): about 30M token ids."""
 REPLY_BYTES = 256
 """Status byte plus a 255-byte reason."""
 TRAILER_BYTES = 8
@@ -89,15 +100,24 @@ class Preamble:
 
     @classmethod
     def unpack(cls, tensor: torch.Tensor) -> Preamble:
-        """Raises ValueError for anything that is not a preamble this version understands."""
-        words = tensor.cpu().tolist()
-        if len(words) != PREAMBLE_WORDS or words[0] != MAGIC:
+        """The preamble in `tensor` (an `empty_preamble` buffer it was received into: bytes past the
+        preamble must still be zero). Raises ValueError for anything that is not a preamble this
+        version understands, or that declares more metadata than `MAX_META_BYTES`."""
+        data = tensor.cpu().contiguous().view(torch.uint8)
+        if data.numel() < PREAMBLE_BYTES or bool(data[PREAMBLE_BYTES:].any()):
+            raise ValueError(
+                f"not a torch_paged_kv page transfer (a first message of other than {PREAMBLE_BYTES} bytes)"
+            )
+        words = data[:PREAMBLE_BYTES].view(torch.int64).tolist()
+        if words[0] != MAGIC:
             raise ValueError("not a torch_paged_kv page transfer (bad magic number)")
         if words[1] != VERSION:
             raise ValueError(f"wire format version {words[1]}, this library speaks version {VERSION}")
         out = cls(*words[2:])
         if min(words[2:]) < 0 or out.chunk_pages < 1 or out.checksum not in CHECKSUM_NAMES:
             raise ValueError(f"malformed preamble {words}")
+        if out.meta_bytes > MAX_META_BYTES:
+            raise ValueError(f"a preamble declaring {out.meta_bytes} bytes of metadata (at most {MAX_META_BYTES})")
         return out
 
     @property
@@ -110,6 +130,11 @@ class Preamble:
 
 
 def empty_preamble(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The buffer a receiver takes a preamble into: on the CPU (gloo) `FIRST_MESSAGE_BYTES` zeroed bytes,
+    so that a longer first message is refused instead of aborting the process; elsewhere (NCCL,
+    whose sizes must match) exactly the preamble."""
+    if torch.device(device).type == "cpu":
+        return torch.zeros(FIRST_MESSAGE_BYTES, dtype=torch.uint8)
     return torch.zeros(PREAMBLE_WORDS, dtype=torch.int64, device=device)
 
 
@@ -163,20 +188,80 @@ def encode_meta(
 
 
 def decode_meta(data: bytes) -> dict[str, Any]:
+    """Message 2, every field's type checked (ids come back as tuples, keys as bytes); raises ValueError
+    naming what is malformed."""
     try:
         meta = json.loads(data.decode())
-        for seq in meta["sequences"]:
-            seq["id"] = id_from_json(seq["id"])
-            seq["keys"] = [bytes.fromhex(k) for k in seq["keys"]]
-        missing = {"params", "scales", "root", "source_pages", "metadata"} - set(meta)
-        if missing:
-            raise KeyError(sorted(missing))
-        source = meta["source_pages"]
-        if source is not None and not all(type(p) is int and p >= 0 for p in source):
-            raise ValueError("source_pages: expected null or page ids")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"malformed transfer metadata ({type(exc).__name__}: {exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"malformed transfer metadata (not JSON: {exc})") from None
+    try:
+        _check_meta(meta)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"malformed transfer metadata ({exc})") from None
+    for seq in meta["sequences"]:
+        seq["id"] = id_from_json(seq["id"])
+        seq["keys"] = [bytes.fromhex(k) for k in seq["keys"]]
     return meta
+
+
+_SEQUENCE_FIELDS = {"id", "length", "pages", "token_ids", "keys"}
+_KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return type(value) is int and low <= value < 1 << 63
+
+
+def _is_json_id(value: Any) -> bool:
+    return value is None or (type(value) is int) or isinstance(value, str) or (
+        isinstance(value, list) and all(x is not None and _is_json_id(x) for x in value)
+    )  # fmt: skip
+
+
+def _check_meta(meta: Any) -> None:
+    if not isinstance(meta, dict):
+        raise ValueError("not a JSON object")
+    missing = {"params", "scales", "sequences", "root", "source_pages", "metadata"} - set(meta)
+    if missing:
+        raise ValueError(f"missing {sorted(missing)}")
+    if not isinstance(meta["params"], dict) or not (meta["scales"] is None or isinstance(meta["scales"], dict)):
+        raise ValueError("params / scales: expected objects")
+    if not isinstance(meta["root"], str):
+        raise ValueError("root: expected a string")
+    source = meta["source_pages"]
+    if source is not None and not (isinstance(source, list) and all(_is_int(p) for p in source)):
+        raise ValueError("source_pages: expected null or page ids")
+    seqs = meta["sequences"]
+    if not isinstance(seqs, list) or not seqs:
+        raise ValueError("sequences: expected a non-empty list")
+    for k, seq in enumerate(seqs):
+        if not isinstance(seq, dict) or set(seq) != _SEQUENCE_FIELDS:
+            raise ValueError(f"sequence {k}: expected an object of {sorted(_SEQUENCE_FIELDS)}")
+        tokens, keys = seq["token_ids"], seq["keys"]
+        checks = {
+            "id": _is_json_id(seq["id"]),
+            "length": _is_int(seq["length"]),
+            "pages": isinstance(seq["pages"], list) and all(_is_int(p) for p in seq["pages"]),
+            "token_ids": tokens is None or (isinstance(tokens, list) and all(_is_int(t, -(1 << 63)) for t in tokens)),
+            "keys": isinstance(keys, list) and all(isinstance(x, str) and _KEY.fullmatch(x) for x in keys),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"sequence {k}: bad {', '.join(bad)}")
+
+
+def check_pages(meta: dict[str, Any], num_pages: int) -> None:
+    """ValueError unless the sequences of a decoded meta use exactly the incoming pages
+    `0..num_pages-1` and `source_pages` (if any) names one page for each."""
+    used = {p for seq in meta["sequences"] for p in seq["pages"]}  # ints >= 0 (decode_meta)
+    top = max(used, default=-1)
+    if len(used) != num_pages or top != num_pages - 1:
+        raise ValueError(
+            f"the sequences use {len(used)} incoming pages (up to index {top}), the preamble says {num_pages}"
+        )
+    source = meta["source_pages"]
+    if source is not None and len(source) != num_pages:
+        raise ValueError(f"source_pages: {len(source)} pages for {num_pages} incoming pages")
 
 
 def pack_reply(status: int, reason: str = "", flags: list[int] | None = None, device="cpu") -> torch.Tensor:
