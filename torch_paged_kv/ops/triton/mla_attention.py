@@ -139,7 +139,7 @@ def _mla_attention_kernel(
         rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
         rope = tl.load(rope_cache + rope_slot[:, None] + rd[None, :], mask=key_ok[:, None] & (rd[None, :] < ROPE))
         if FP8:
-            latent = fp8_bits_to_float(latent, MANT, BIAS)  # exact
+            latent = fp8_bits_to_float(latent, MANT, BIAS, SCALES == 2)  # exact (NaN codes: only static scales)
             if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
                 scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
                 granule = tl.load(
