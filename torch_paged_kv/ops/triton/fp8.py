@@ -34,15 +34,16 @@ def fp8_bits_to_float(byte, MANT: tl.constexpr, BIAS: tl.constexpr, NAN_CODES: t
     b = byte.to(tl.int32) & 0xFF
     exponent = (b >> MANT) & ((1 << (7 - MANT)) - 1)
     mantissa = b & ((1 << MANT) - 1)
-    normal = ((exponent - BIAS + 127) << 23) | (mantissa << (23 - MANT))
+    sign = (b >> 7) << 31
+    normal = sign | ((exponent - BIAS + 127) << 23) | (mantissa << (23 - MANT))
     if NAN_CODES:
         if MANT == 3:
             special = (b & 0x7F) == 0x7F
         else:
             special = exponent == (1 << (7 - MANT)) - 1
-        normal = tl.where(special, (255 << 23) | (mantissa << (23 - MANT)), normal)
-    subnormal = (mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))).to(tl.int32, bitcast=True)
-    return (tl.where(exponent == 0, subnormal, normal) | ((b >> 7) << 31)).to(tl.float32, bitcast=True)
+        normal = tl.where(special, normal | (255 << 23), normal)
+    subnormal = (mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))).to(tl.int32, bitcast=True) | sign
+    return tl.where(exponent == 0, subnormal, normal).to(tl.float32, bitcast=True)
 
 
 @triton.jit
