@@ -84,3 +84,23 @@ def test_negative_zero_decodes_under_triton_3_6s_unary_minus(dtype, monkeypatch)
 
     monkeypatch.setattr(TritonSemantic, "minus", _minus_before_triton_3_7)
     test_every_fp8_byte_decodes_like_torch(dtype)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fp32_queries_over_fp8_pages_at_head_dim_256_are_left_to_the_reference(head_dim, force_backend):
+    """Their smallest tile spills ~300 bytes a thread on sm_80 and sm_90 (`aot`): Triton declines
+    them by shape and the next backend in the default order runs them (the reference on a GPU);
+    head_dim 128 takes 16 x 16 tiles."""
+    import torch_paged_kv as pk
+    from torch_paged_kv.ops import reference
+    from torch_paged_kv.testing import make_fp8_batch
+
+    b, _, _ = make_fp8_batch([5], [1], head_dim=head_dim, num_kv_heads=1)
+    args = (b.q.float(), b.blocks, *b.step, b.layer_idx, head_dim**-0.5)
+    force_backend("triton")
+    if head_dim == 256:
+        with pytest.raises(pk.BackendUnavailableError, match="does not cover"):
+            pk.flash_attention(*args, scales=b.scales)
+        force_backend(None)
+    got = pk.flash_attention(*args, scales=b.scales)
+    torch.testing.assert_close(got, reference.flash_attention(*args, scales=b.scales))

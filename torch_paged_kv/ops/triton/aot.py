@@ -268,7 +268,7 @@ def _fp8_paged(cache: str, batch: int, new: int, context: int) -> tuple[torch.Te
 
 
 def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
-    """The K/V ops over FP8 caches: 16-bit rows and queries (fp16 too unless `quick`), head_dim 128, GQA 4."""
+    """The K/V ops over FP8 caches: 16-bit rows, bf16, fp16 and fp32 queries, head_dim 128, GQA 4."""
     found = []
     caches = ("e4m3-token", "e5m2-static") if quick else tuple(FP8_CACHES)
     for cache in caches:
@@ -283,8 +283,10 @@ def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
         for i, launch in enumerate(plan_copy_pages(blocks, pages, pages, scales)):
             found.append((f"copy_pages {cache} pass{i + 1}", launch))
     modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
-    for cache, q_dtype, mode in itertools.product(caches, ("bf16",) if quick else ("bf16", "fp16"), modes):
-        if quick and (cache, mode) not in (("e4m3-token", "decode-split"), ("e5m2-static", "prefill")):
+    quick_cases = (("e4m3-token", "bf16", "decode-split"), ("e5m2-static", "bf16", "prefill"))
+    quick_cases += (("e4m3-token", "fp32", "decode-split"), ("e4m3-g32", "fp32", "prefill"))
+    for cache, q_dtype, mode in itertools.product(tuple(FP8_CACHES), ("bf16", "fp16", "fp32"), modes):
+        if quick and (cache, q_dtype, mode) not in quick_cases:
             continue
         batch, new, context = modes[mode]
         blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, batch, new, context)
