@@ -120,7 +120,13 @@ CALLS = {
             Step("generation", "pytest", ("tests/gpu/test_generation_gpu.py",), cap_s=60, deadline_s=50),
             Step("triton-tests", "pytest", (TRITON, "tests/gpu/test_decode_gpu.py"), cap_s=120, deadline_s=60),
             Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
-            Step("cuda-paths-tests", "pytest", ("tests/gpu/test_cuda_paths.py",), cap_s=40, deadline_s=30),
+            Step(
+                "cuda-paths-tests",
+                "pytest",
+                ("tests/gpu/test_cuda_paths.py", "tests/gpu/test_distributed_gpu.py"),  # (NCCL needs two GPUs)
+                cap_s=40,
+                deadline_s=30,
+            ),
         ),
     ),
     "call2": Call(
