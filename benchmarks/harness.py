@@ -1,7 +1,7 @@
 """Shared benchmark plumbing: timing, copy bandwidth, paged decode inputs checked against SDPA, reports.
 
 Every benchmark prints a markdown table last and writes the same rows, with the environment, to
-`benchmarks/results/<name>.json` and `.md` (git-ignored).
+`benchmarks/results/<name>.json` and `.md` (git-ignored; `BENCH_RESULTS_DIR` names another folder).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import torch_paged_kv as pk
 from torch_paged_kv.testing import ATTENTION_TOLERANCE
 
-RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS_DIR = pathlib.Path(os.environ.get("BENCH_RESULTS_DIR") or pathlib.Path(__file__).resolve().parent / "results")
 
 
 def time_ms(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 20) -> float:
@@ -85,22 +85,22 @@ def round_robin_ms(
     return samples
 
 
-def median_us(fn: Callable[[], Any], device: torch.device | str) -> float:
-    """Median microseconds of `fn()`: `triton.testing.do_bench` on CUDA, `time_ms` elsewhere."""
+def median_us(fn: Callable[[], Any], device: torch.device | str, repeats: int = 20) -> float:
+    """Median microseconds of `fn()`: `triton.testing.do_bench` on CUDA, `time_ms` (`repeats` runs) elsewhere."""
     if torch.device(device).type == "cuda":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3
-    return time_ms(fn) * 1e3
+    return time_ms(fn, warmup=min(3, repeats), repeats=repeats) * 1e3
 
 
-def copy_bandwidth_gbps(device: torch.device | str, nbytes: int | None = None) -> float:
+def copy_bandwidth_gbps(device: torch.device | str, nbytes: int | None = None, repeats: int = 20) -> float:
     """GB/s of a device-to-device copy of `nbytes` (default 1 GiB on CUDA, 64 MiB elsewhere), read + write."""
     if nbytes is None:
         nbytes = 2**30 if torch.device(device).type == "cuda" else 2**26
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / median_us(lambda: dst.copy_(src), device) / 1e3
+    return 2 * nbytes / median_us(lambda: dst.copy_(src), device, repeats) / 1e3
 
 
 def decode_bytes(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -226,9 +226,17 @@ def forced_backend(name: str) -> Iterator[None]:
             os.environ["TORCH_PAGED_KV_BACKEND"] = previous
 
 
+def stream(line: str, payload: Any) -> None:
+    """Print one measurement as soon as it is taken (`COPY <GB/s>`, `ROW <json>`): a run killed
+    before its table still leaves its figures (benchmarks/gpu/session.py reads them)."""
+    print(line, json.dumps(payload) if not isinstance(payload, (int, float)) else payload, flush=True)
+
+
 class DecodeBench:
     """Rows of one decode shape: each kernel is checked before it is timed; GB/s counts `decode_bytes`,
-    `of_copy` divides that by the measured `copy_bandwidth_gbps`."""
+    `of_copy` divides that by the measured `copy_bandwidth_gbps`. With `streaming`, the copy
+    bandwidth and every row are printed as they are measured (`stream`). `repeats`: timed runs
+    off CUDA (a dry run on CPU takes 2)."""
 
     def __init__(
         self,
@@ -239,13 +247,18 @@ class DecodeBench:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        streaming: bool = False,
+        repeats: int = 20,
     ) -> None:
         self.shape = dict(
             batch=batch, context=context, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype
         )
         self.device = torch.device(device)
         self.moved = decode_bytes(batch, context, q_heads, kv_heads, head_dim, dtype)
-        self.copy_gbps = copy_bandwidth_gbps(self.device)
+        self.streaming, self.repeats = streaming, repeats
+        self.copy_gbps = copy_bandwidth_gbps(self.device, repeats=repeats)
+        if streaming:
+            stream("COPY", self.copy_gbps)
 
     def inputs(self, page_size: int, seed: int = 0) -> DecodeInputs:
         """`paged_decode_inputs` of this shape."""
@@ -275,10 +288,11 @@ class DecodeBench:
         make: Callable[[], Callable[[], Any]],
         check: Callable[[Any], None],
         bandwidth: bool = True,
+        target: tuple[str, Callable[[dict[str, Any]], bool]] | None = None,
     ) -> dict[str, Any]:
         """Build the call with `make()`, time its first call (compilation included), `check` that
         call's output, then time it. A call that cannot be built or run is reported in `us`; a
-        wrong one too ("WRONG: ..."), never timed."""
+        wrong one too ("WRONG: ..."), never timed. `target`: (what it is, whether a timed row meets it)."""
 
         def run() -> tuple[float, float]:
             fn = make()
@@ -288,12 +302,12 @@ class DecodeBench:
                 torch.cuda.synchronize()
             first_s = time.perf_counter() - start
             check(out)
-            return median_us(fn, self.device), first_s
+            return median_us(fn, self.device, self.repeats), first_s
 
         result = _attempt(run)
         us, first_s = result if isinstance(result, tuple) else (result, None)
         gbps = self.moved / us / 1e3 if bandwidth and isinstance(us, float) else None
-        return {
+        row = {
             "kernel": kernel,
             "page_size": page_size,
             "us": us,
@@ -301,6 +315,12 @@ class DecodeBench:
             "of_copy": gbps / self.copy_gbps if gbps is not None else None,
             "first_call_s": first_s,
         }
+        if target is not None:
+            row["target"] = target[0]
+            row["meets"] = isinstance(us, float) and target[1](row)
+        if self.streaming:
+            stream("ROW", row)
+        return row
 
 
 def _attempt(fn: Callable[[], Any]) -> Any:
@@ -314,13 +334,16 @@ def _attempt(fn: Callable[[], Any]) -> Any:
         return f"unavailable: {type(exc).__name__}: {first_line}"
 
 
-def gpu_main(name: str, measure: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]]) -> int:
-    """Entry point of a GPU benchmark: without CUDA say so and return 0; else `report(name, *measure())`.
+def gpu_main(
+    name: str, measure: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]], device: torch.device | str = "cuda"
+) -> int:
+    """Entry point of a GPU benchmark: on CUDA without a GPU say so and return 0; else
+    `report(name, *measure())` (a dry run measures tiny shapes on CPU, Triton in its interpreter).
 
     The ops' host-side index checks (a sync per call) are off unless TORCH_PAGED_KV_VALIDATE is set:
     every timed output is checked against a reference instead.
     """
-    if not torch.cuda.is_available():
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         print(f"{name}: no CUDA GPU visible; nothing to measure.")
         return 0
     os.environ.setdefault("TORCH_PAGED_KV_VALIDATE", "shapes")

@@ -5,7 +5,6 @@ table; the GPU-only ones must say that no GPU is visible and exit 0. They run fr
 benchmarks/, so that the results/ of real runs are left alone.
 """
 
-import os
 import pathlib
 import shutil
 import subprocess
@@ -106,24 +105,3 @@ def test_cpu_benchmark_prints_its_table(benchmarks, script):
 @pytest.mark.parametrize("script", GPU_ONLY)
 def test_gpu_benchmark_says_it_needs_a_gpu(benchmarks, script):
     assert "no CUDA GPU visible" in _run(benchmarks, script)
-
-
-def test_gpu_session_script_runs_stages_and_summarises(tmp_path):
-    script = BENCHMARKS / "gpu_session.sh"
-    done = subprocess.run(
-        ["bash", str(script), "paths"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OUT": str(tmp_path)},
-    )
-    assert done.returncode == 0, done.stderr
-    assert "| paths | 0 |" in done.stdout and (tmp_path / "paths.log").is_file()
-    unknown = subprocess.run(
-        ["bash", str(script), "nonsense"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "OUT": str(tmp_path)},
-    )
-    assert unknown.returncode == 2 and "unknown stage nonsense" in unknown.stdout

@@ -91,8 +91,9 @@ def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
         for path in keep.glob(f"sm*/{stem}.ttir"):  # the distinct variants were kept
             args = aot.offset_args(launch)
             assert aot.narrow_offset_products(path.read_text(), args) == [], path
-            checked.add((name.split()[0], "stride_token" in args))
+            checked.add((name.split()[0], any(arg.endswith("stride_token") for arg in args)))
     assert checked >= {("attention_kernel", True), ("attention_kernel", False), ("store_kv", True)}
+    assert checked >= {("mla_attention_kernel", True), ("mla_attention_kernel", False), ("store_latent", True)}
     kernels = {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}
     kernels |= {"mla_attention_kernel", "mla_merge_kernel", "store_latent"}
     assert {kernel for kernel, _ in checked} == kernels
@@ -104,6 +105,25 @@ def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
         "    %ok = arith.muli %wide, %wide : i64 loc(#loc4)\n"
     )
     assert aot.narrow_offset_products(old) == ["%slot_182 = arith.muli %layer_idx, %stride_layer : i32 loc(#loc111)"]
+    old_mla = (  # store_latent before its in-page offset was widened: the MLA views' names count too
+        "tt.func public @k(%page_size: i32 loc(#loc1), %cache_stride_token: i32 loc(#loc2)) {\n"
+        "    %offset = arith.remsi %pos, %page_size : i32 loc(#loc3)\n"
+        "    %slot_172 = arith.muli %offset, %cache_stride_token : i32 loc(#loc114)\n"
+    )
+    assert aot.narrow_offset_products(old_mla) == [
+        "%slot_172 = arith.muli %offset, %cache_stride_token : i32 loc(#loc114)"
+    ]
+
+
+def test_every_pool_stride_argument_is_checked_for_int32_products():
+    """An argument named like a pool stride (page, plane, layer or token) is one `aot.OFFSET_ARG`
+    names, in every kernel: a new kernel's naming cannot slip past the check above."""
+    from torch_paged_kv.ops.triton import aot
+
+    for name, launch in aot.variants(quick=True):
+        for arg in launch.kernel.arg_names:
+            if "stride" in arg and any(word in arg for word in ("page", "plane", "layer", "token")):
+                assert aot.OFFSET_ARG.search(arg), (name, arg)
 
 
 GROWING_STEPS = """

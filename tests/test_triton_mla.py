@@ -153,3 +153,154 @@ def test_triton_leaves_fp32_queries_over_fp8_rows_to_the_reference(force_backend
         pk.mla_attention(*args)
     force_backend(None)
     torch.testing.assert_close(pk.mla_attention(*args), reference_mla.mla_attention(*args))
+
+
+# -- `.unchecked` calls with values the data checks would reject: never outside a tensor -------------
+
+SENTINEL = 7.0
+
+
+def _guarded(t: torch.Tensor, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a view equal to `t` inside a buffer one dim-0 slice larger on each side, the buffer); the
+    guard slices hold `fill`: a kernel that reads them reads `fill`, one that writes them changes it."""
+    buffer = torch.full((t.shape[0] + 2, *t.shape[1:]), fill, dtype=t.dtype)
+    buffer[1:-1] = t
+    return buffer[1:-1], buffer
+
+
+def _guards_hold(buffer: torch.Tensor, fill: float) -> bool:
+    return bool((buffer[0].float() == fill).all() and (buffer[-1].float() == fill).all())
+
+
+def _store_unchecked(b, latent, rope, blocks, cache_lengths, lookup_table, offsets, scales) -> None:
+    torch.ops.paged_kv.store_latent.unchecked(latent, rope, blocks, cache_lengths, lookup_table, offsets,
+                                              b.layer_idx, scales)  # fmt: skip
+
+
+STORE_CASES = {  # name: (cache_lengths, input_row_offsets, new rows given) for cached [3, 0, 9]
+    "more-rows-than-offsets": ([3, 0, 9], [0, 2, 3, 4], 9),
+    "fewer-rows-than-offsets": ([3, 0, 9], [0, 4, 9, 12], 5),
+    "offsets-starting-past-0": ([0, 0, 9], [2, 4, 6, 7], 7),  # rows 0-1 sit before sequence 0, in page 1
+    "lengths-past-the-table": ([40, 1000, 3], [0, 2, 4, 5], 5),
+    "lengths-near-int32-max": ([2**31 - 2, 2**31 - 1, 3], [0, 2, 4, 5], 5),
+    "negative-lengths": ([-1, -7, -(2**31)], [0, 2, 4, 5], 5),
+}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8-granule8", "e5m2-static"])
+@pytest.mark.parametrize("case", STORE_CASES)
+def test_unchecked_store_latent_stays_inside_blocks_and_off_the_null_page(case, kind):
+    """Whatever rows, offsets and lengths say, the kernel writes only non-null pages of `blocks`
+    (and their scales): the guard pages around them and page 0 keep their bytes."""
+    lengths, offsets, rows = STORE_CASES[case]
+    dtype, quantization = QUANT[kind]
+    b = make_mla_batch([3, 0, 9], [2, 2, 1], page_size=4, layer_idx=0, dtype=dtype, seed=5, **quantization)
+    b.lookup_table[0, 0] = 1  # sequence 0 starts at page 1, right after the null page
+    blocks, block_buffer = _guarded(b.blocks.view(torch.uint8) if b.scales is not None else b.blocks, SENTINEL)
+    blocks = blocks.view(b.blocks.dtype)
+    scales, scale_buffer = (None, None) if b.scales is None or b.scales.dim() == 1 else _guarded(b.scales, SENTINEL)
+    scales = b.scales if b.scales is not None and b.scales.dim() == 1 else scales
+    null_page = blocks[0].view(torch.uint8).clone()
+    gen = torch.Generator().manual_seed(6)
+    latent = torch.randn(rows, b.new_latent.shape[1], generator=gen).to(b.new_latent.dtype)
+    rope = torch.randn(rows, b.new_rope.shape[1], generator=gen).to(b.new_rope.dtype)
+    step = (torch.tensor(lengths, dtype=torch.int32), b.lookup_table, torch.tensor(offsets, dtype=torch.int32))
+    _store_unchecked(b, latent, rope, blocks, *step, scales)
+    assert _guards_hold(block_buffer, SENTINEL) and torch.equal(blocks[0].view(torch.uint8), null_page)
+    assert scale_buffer is None or _guards_hold(scale_buffer, SENTINEL)
+
+
+def test_unchecked_store_latent_skips_bad_page_ids_inside_guards():
+    b = make_mla_batch([2, 6], [5, 2], page_size=3, layer_idx=0, dtype=torch.bfloat16, seed=2)
+    blocks, buffer = _guarded(b.blocks, SENTINEL)
+    before = blocks.clone()
+    table = b.lookup_table.clone()
+    table[0, :3] = torch.tensor([-1, b.blocks.shape[0], NULL_PAGE])
+    table[1, :3] = torch.tensor([2**31 - 1, -(2**31), b.blocks.shape[0] + 1])
+    _store_unchecked(b, b.new_latent, b.new_rope, blocks, b.cache_lengths, table, b.input_row_offsets, None)
+    assert _guards_hold(buffer, SENTINEL) and torch.equal(blocks, before)
+
+
+def _attention_unchecked(b, q_rows: int, lengths, table, offsets) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`mla_attention` planned on `q_rows` query rows, its output (and split partials) moved into
+    guarded buffers, run; (the output, the buffers, whose guards must hold)."""
+    gen = torch.Generator().manual_seed(9)
+    heads, rank, rope = b.q_nope.shape[1], b.q_nope.shape[2], b.q_rope.shape[2]
+    q_nope, q_rope = (torch.randn(q_rows, heads, n, generator=gen).to(b.q_nope.dtype) for n in (rank, rope))
+    q_nope, _ = _guarded(q_nope, float("nan"))  # read past its rows, a query row would be NaN
+    q_rope, _ = _guarded(q_rope, float("nan"))
+    step = (torch.tensor(lengths, dtype=torch.int32), table, torch.tensor(offsets, dtype=torch.int32))
+    out, launches = triton_mla.plan_mla_attention(q_nope, q_rope, b.blocks, *step, b.layer_idx, 0.1, True, b.scales)
+    moved, buffers = {}, []
+    for t in {id(a): a for launch in launches for a in launch.args[:5] if isinstance(a, torch.Tensor)}.values():
+        if t is not q_nope and t is not q_rope:
+            view, buffer = _guarded(torch.zeros_like(t), SENTINEL)
+            moved[id(t)] = view
+            buffers.append(buffer)
+    for launch in launches:
+        launch._replace(args=tuple(moved.get(id(a), a) for a in launch.args))()
+    return moved[id(out)], buffers
+
+
+ATTENTION_UNCHECKED = {  # name: (query rows given, cache_lengths, input_row_offsets) for cached [12, 0, 30]
+    "offsets-past-the-query-rows": (3, [12, 0, 30], [0, 2, 4, 6]),
+    "offsets-starting-negative": (4, [12, 0, 30], [-5, 1, 3, 4]),
+    "lengths-past-the-table": (3, [70, 500, 30], [0, 1, 2, 3]),
+    "lengths-near-int32-max": (3, [2**31 - 2, 2**31 - 16, 30], [0, 1, 2, 3]),
+    "negative-lengths": (3, [-1, -(2**31), 30], [0, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])
+@pytest.mark.parametrize("case", ATTENTION_UNCHECKED)
+def test_unchecked_mla_attention_reads_and_writes_only_its_tensors(case, kind, monkeypatch):
+    """Rows past the query (or before it), lengths past the table: the output and split partials are
+    written only inside (their guards hold); no key outside the table is read (its spare columns
+    point at a page of NaN), so every row the kernel writes is finite."""
+    monkeypatch.setattr(split_rule, "MIN_SPLIT_KEYS", 16)  # split decode, then the merge
+    q_rows, lengths, offsets = ATTENTION_UNCHECKED[case]
+    dtype, quantization = QUANT[kind]
+    b = make_mla_batch([12, 0, 30], [1, 1, 1], page_size=8, num_heads=4, dtype=dtype, seed=4, **quantization)
+    poisoned = min(set(range(1, b.blocks.shape[0])) - set(b.lookup_table.flatten().tolist()))  # a spare page
+    if dtype.itemsize == 1:
+        b.scales[poisoned] = float("nan")
+    else:
+        b.blocks[poisoned] = float("nan")
+    width = b.lookup_table.shape[1]
+    wide = torch.full((3, width + 8), poisoned, dtype=torch.int32)
+    wide[:, :width] = b.lookup_table
+    out, buffers = _attention_unchecked(b, q_rows, lengths, wide[:, :width], offsets)
+    assert all(_guards_hold(buffer, SENTINEL) for buffer in buffers)
+    written = ~(out == 0).all(-1).all(-1)
+    assert written.any() and torch.isfinite(out[written]).all()
+
+
+def test_unchecked_mla_attention_skips_bad_page_ids(monkeypatch):
+    """Page ids outside `blocks` (the pages around it hold NaN) are never read."""
+    b = make_mla_batch([12, 0, 30], [1, 1, 1], page_size=8, num_heads=4, dtype=torch.bfloat16, seed=3)
+    blocks, _ = _guarded(b.blocks, float("nan"))
+    table = b.lookup_table.clone()
+    table[0, :2] = torch.tensor([-1, b.blocks.shape[0]])
+    table[2, :4] = torch.tensor([2**31 - 1, -(2**31), NULL_PAGE, b.blocks.shape[0] + 5])
+    args = (b.q_nope, b.q_rope, blocks, b.cache_lengths, table, b.input_row_offsets, b.layer_idx, 0.1)
+    out = torch.ops.paged_kv.mla_attention.unchecked(*args, True, None)
+    assert torch.isfinite(out).all()
+
+
+def test_wide_slots_take_int64_in_page_offsets(tmp_path):
+    """A continuous-batching MLA pool whose slot spans more than 2**31 elements (2**26 + 2 tokens of
+    32 elements): `store_latent` writes its last tokens where they belong, not into page 0 (an i32
+    `offset * token stride` wrapped there); attention plans its int64 variant (`wide_page`)."""
+    from torch_paged_kv.ops.triton.mla_store import mla_views, store_latent
+
+    slot = 2**26 + 2
+    shape = (2, 1, 1, slot, 1, 32)  # rank 16 + rope 16, float16
+    storage = torch.from_file(str(tmp_path / "pool.bin"), shared=True, size=2 * slot * 32, dtype=torch.float16)
+    blocks = storage.view(shape)
+    gen = torch.Generator().manual_seed(1)
+    latent, rope = (torch.randn(4, 16, generator=gen).half() for _ in range(2))
+    lengths, table = torch.tensor([slot - 4], dtype=torch.int32), torch.ones(1, 8, dtype=torch.int32)
+    store_latent(latent, rope, blocks, lengths, table, torch.tensor([0, 4], dtype=torch.int32), 0)
+    assert torch.equal(blocks[1, 0, 0, -4:, 0, :16], latent) and torch.equal(blocks[1, 0, 0, -4:, 0, 16:], rope)
+    assert not blocks[0, 0, 0, :8].any()  # where the wrapped offsets pointed
+    assert triton_mla.wide_page(*mla_views(blocks, 16, None)[:2])

@@ -3,7 +3,11 @@
 Per granule (`granularity` consecutive elements of head_dim): `scale = amax / dtype_max` in fp32,
 stored value `q = round(x / scale)` clamped to ±dtype_max (saturating), read back as `q * scale`.
 A granule of zeros (or one whose scale underflows to 0) stores scale 0 and q = 0, so it reads back
-as zeros, never NaN or inf. Per tensor: one fixed scale, `q = round(x / scale)` clamped.
+as zeros, never NaN or inf. A granule holding a NaN or an infinity stores scale NaN and q = 0: it
+reads back as NaN, every element (as a NaN or infinite key poisons its scores unquantized).
+Per tensor: one fixed scale, `q = round(x / scale)` clamped (infinities saturate); a NaN stores
+the positive NaN code 0x7F, its sign dropped (GPUs do not keep a NaN's sign through a division),
+and reads back as NaN. Every backend stores and reads these bit for bit alike.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ def quantize(x: Tensor, dtype: torch.dtype, granularity: int) -> tuple[Tensor, T
     top = fp8_max(dtype)
     groups = x.float().unflatten(-1, (x.shape[-1] // granularity, granularity))
     scales = groups.abs().amax(-1) / top
+    scales = scales.where(scales.isfinite(), torch.nan)  # a NaN or inf in the granule
     safe = torch.where(scales > 0, scales, 1.0)[..., None]
     q = torch.where(scales[..., None] > 0, groups / safe, 0.0).clamp_(-top, top)
     return q.flatten(-2).to(dtype), scales
@@ -38,7 +43,8 @@ def quantize(x: Tensor, dtype: torch.dtype, granularity: int) -> tuple[Tensor, T
 def quantize_static(x: Tensor, dtype: torch.dtype, scale: float | Tensor) -> Tensor:
     """`x` stored with one fixed `scale`: `round(x / scale)` clamped to ±dtype_max."""
     top = fp8_max(dtype)
-    return (x.float() / scale).clamp_(-top, top).to(dtype)
+    q = (x.float() / scale).clamp_(-top, top)
+    return q.masked_fill_(q.isnan(), torch.nan).to(dtype)  # the positive NaN: code 0x7F
 
 
 def dequantize(q: Tensor, scales: Tensor | float) -> Tensor:

@@ -82,9 +82,9 @@ void store_fp8(const void* key, int64_t k_stride_row, int64_t k_stride_head, con
         for (int64_t g0 = 0; g0 < head_dim; g0 += gran) {
           float s;
           if (groups) {
-            bool nan;
-            const float amax = abs_max(x.data() + g0, gran, &nan);
-            s = nan ? std::numeric_limits<float>::quiet_NaN() : amax / top;
+            bool non_finite;
+            const float amax = abs_max(x.data() + g0, gran, &non_finite);
+            s = non_finite ? std::numeric_limits<float>::quiet_NaN() : amax / top;
             scales[at / head_dim * groups + g0 / gran] = s;
           } else {
             s = scales[p];

@@ -7,10 +7,11 @@
 
 namespace {
 
-// fp32 -> the FP8 code of its round-to-nearest-even value, as torch converts (c10's rule): NaN
-// keeps its sign (e4m3fn's NaN code, e5m2's); callers clamp finite values to the format's range
-// first. Normal results: round the mantissa in the fp32 bits, then rebias; subnormal ones: adding
-// 2^(bias + mantissa bits - 1) (a power of two) rounds the value to the subnormal step in the add.
+// fp32 -> the FP8 code of its round-to-nearest-even value, as torch converts (c10's rule), except
+// that a NaN is 0x7f whatever its sign (ops/quant.py: e4m3fn's and e5m2's positive NaN); callers
+// clamp finite values to the format's range first. Normal results: round the mantissa in the fp32
+// bits, then rebias; subnormal ones: adding 2^(bias + mantissa bits - 1) (a power of two) rounds
+// the value to the subnormal step in the add.
 template <int FORMAT>
 inline uint8_t f32_to_fp8(float f) {
   constexpr int MANT = FORMAT == E4M3FN ? 3 : 2, BIAS = FORMAT == E4M3FN ? 7 : 15;
@@ -21,7 +22,7 @@ inline uint8_t f32_to_fp8(float f) {
   bits ^= sign;
   uint32_t code;
   if (bits > 0x7f800000u) {
-    code = 0x7f;  // NaN, in either format
+    return 0x7f;  // NaN, in either format, its sign dropped
   } else if (bits < static_cast<uint32_t>(127 - BIAS + 1) << 23) {  // below the smallest normal
     const uint32_t magic_bits = static_cast<uint32_t>(127 + 24 - BIAS - MANT) << 23;  // its ulp: the step
     float magic, x;
@@ -58,12 +59,12 @@ inline __m256i f32_to_fp8_x8(__m256 f) {
   const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((127 - BIAS + 1) << 23), mag);
   const __m256i is_nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
   __m256i code = _mm256_blendv_epi8(norm, sub, is_sub);
-  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), is_nan);
-  return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+  code = _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+  return _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), is_nan);  // NaN: 0x7f, its sign dropped
 }
 #endif
 
-// dst[0, n) = the FP8 codes of x[0, n) / s clamped to the format's largest value (NaN stays NaN).
+// dst[0, n) = the FP8 codes of x[0, n) / s clamped to the format's largest value (NaN: code 0x7f).
 template <int FORMAT>
 inline void quantize(const float* x, int64_t n, float s, uint8_t* dst) {
   constexpr float top = fp8_largest(FORMAT);
@@ -85,9 +86,9 @@ inline void quantize(const float* x, int64_t n, float s, uint8_t* dst) {
   }
 }
 
-// The largest |x[d]| over d < n, NaNs left out; *nan says whether there was one (the reference's
-// amax: NaN makes the scale NaN, so the amax itself then does not matter).
-inline float abs_max(const float* x, int64_t n, bool* nan) {
+// The largest |x[d]| over d < n, NaNs left out; *non_finite says whether there was a NaN or an
+// infinity (ops/quant.py: the granule's scale is then NaN, so the amax itself does not matter).
+inline float abs_max(const float* x, int64_t n, bool* non_finite) {
   float amax = 0.0f;
   bool any_nan = false;
   int64_t d = 0;
@@ -108,7 +109,7 @@ inline float abs_max(const float* x, int64_t n, bool* nan) {
     any_nan |= std::isnan(x[d]);
     amax = std::max(amax, std::fabs(x[d]));
   }
-  *nan = any_nan;
+  *non_finite = any_nan || std::isinf(amax);
   return amax;
 }
 

@@ -47,27 +47,34 @@ KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
 
 
-OFFSET_ARGS = ("layer_idx", "stride_page", "stride_plane", "stride_layer", "stride_token", "page_numel")
-"""Kernel arguments that scale a layer, page or token-in-page offset into `blocks`: every multiply
-they feed must be int64 (a continuous-batching pool's page spans more than 2**31 elements). The one
-exception: attention launches planned with `WIDE_PAGE=False`, whose plan checked that in-page
-offsets, `(page_size - 1) * stride_token`, fit in int32 (`offset_args`)."""
+OFFSET_ARG = re.compile(r"(^|_)stride_(page|plane|layer|token)$|^layer_idx$|^page_numel$")
+"""Kernel arguments that scale a layer, page or token-in-page offset into a pool (`blocks`, `scales`,
+MLA's latent, rope and scale views: `stride_page`, `cache_stride_token`, `scale_stride_layer`, ...):
+every multiply they feed must be int64 (a continuous-batching pool's page spans more than 2**31
+elements). The one exception: attention launches planned with `WIDE_PAGE=False`, whose plan checked
+that in-page offsets, `(page_size - 1) * stride_token`, fit in int32 (`offset_args`); a scale's
+in-page offset is smaller than its page's."""
 
 
 def offset_args(launch: Launch) -> tuple[str, ...]:
-    """The `OFFSET_ARGS` whose products must be int64 in `launch`'s kernel."""
+    """The arguments of `launch`'s kernel whose products must be int64 (`OFFSET_ARG`)."""
+    names = [name for name in launch.kernel.arg_names if OFFSET_ARG.search(name)]
     if launch.kwargs.get("WIDE_PAGE") is False:
-        return tuple(name for name in OFFSET_ARGS if name != "stride_token")
-    return OFFSET_ARGS
+        names = [name for name in names if not name.endswith("stride_token")]
+    return tuple(names)
 
 
 _SSA = re.compile(r"%([\w.$-]+)")
 
 
-def narrow_offset_products(ttir: str, args: tuple[str, ...] = OFFSET_ARGS) -> list[str]:
-    """The i32 `arith.muli` lines of `ttir` fed, through any chain of ops, by one of `args`.
-    Triton passes an int below 2**31 as i32 and multiplies before any widening, so
-    `layer_idx * stride_layer` wraps; `layer_idx.to(tl.int64) * stride_layer` does not."""
+def narrow_offset_products(ttir: str, args: tuple[str, ...] | None = None) -> list[str]:
+    """The i32 `arith.muli` lines of `ttir` fed, through any chain of ops, by one of `args` (default:
+    every argument of its `tt.func` that `OFFSET_ARG` names). Triton passes an int below 2**31 as
+    i32 and multiplies before any widening, so `layer_idx * stride_layer` wraps;
+    `layer_idx.to(tl.int64) * stride_layer` does not."""
+    if args is None:
+        func = next((line for line in ttir.splitlines() if "tt.func" in line), "")
+        args = tuple(name for name in re.findall(r"%([\w.$-]+):", func) if OFFSET_ARG.search(name))
     tainted = set(args)
     found = []
     for line in ttir.splitlines():
@@ -167,13 +174,15 @@ MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static"
 MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V2/V3
 
 
-def _mla_paged(dtype: torch.dtype, cache: str, batch: int, new: int, context: int) -> tuple[torch.Tensor, ...]:
-    """Meta tensors of an MLA step (page size 64): blocks, scales (or None), the step tensors, new rows."""
+def _mla_paged(
+    dtype: torch.dtype, cache: str, batch: int, new: int, context: int, page_size: int = 64
+) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of an MLA step: blocks, scales (or None), the step tensors, new rows."""
     pool_dtype, granules = MLA_CACHES[cache]
     pool_dtype = pool_dtype or dtype
     row = MLA_RANK + MLA_ROPE * (2 if pool_dtype.itemsize == 1 else 1)
-    width = triton.cdiv(context, 64) + 8
-    blocks = torch.empty(batch * width + 1, 1, 4, 64, 1, row, dtype=pool_dtype, device="meta")
+    width = triton.cdiv(context, page_size) + 8
+    blocks = torch.empty(batch * width + 1, 1, 4, page_size, 1, row, dtype=pool_dtype, device="meta")
     scales = None
     if granules == "static":
         scales = torch.empty(1, device="meta")
@@ -185,7 +194,7 @@ def _mla_paged(dtype: torch.dtype, cache: str, batch: int, new: int, context: in
 
 
 def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
-    """(dtype, cache, heads, mode) of the MLA attention variants."""
+    """(dtype, cache, heads, mode) of the MLA attention variants ("decode-slot": pages of 2**23 tokens)."""
     if quick:
         yield from [  # each dtype, cache kind and mode, 16 and 128 heads, the merge
             ("bf16", "fp8", 16, "decode-split"),
@@ -193,18 +202,24 @@ def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
             ("fp16", "fp8-g128", 16, "prefill"),
             ("bf16", "e5m2-static", 16, "decode"),
             ("fp32", "unquantized", 16, "decode"),
+            ("bf16", "fp8-g128", 16, "decode-slot"),  # (per-token FP8 rows spill 84 B there on sm_90, triton 3.9)
         ]
         return
     for dtype, heads, mode in itertools.product(DTYPES, (16, 128), MODES):
         yield dtype, "unquantized", heads, mode
     for dtype, cache, mode in itertools.product(("bf16", "fp16"), list(MLA_CACHES)[1:], MODES):
         yield dtype, cache, 16, mode  # (fp32 queries over FP8 rows run on the reference backend)
+    for cache in MLA_CACHES:
+        yield "bf16", cache, 16, "decode-slot"
 
 
 def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
+    shapes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
+    shapes["decode-slot"] = (2, 1, WIDE_SLOT)  # slots whose in-page offsets pass int32 (WIDE_PAGE)
     for dtype, cache, heads, mode in _mla_cases(quick):
-        batch, new, context = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}[mode]
-        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context)
+        batch, new, context = shapes[mode]
+        page_size = WIDE_SLOT if mode == "decode-slot" else 64
+        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
         q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
         q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
         launches = plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
@@ -257,7 +272,7 @@ def _fp8_paged(cache: str, batch: int, new: int, context: int) -> tuple[torch.Te
 
 
 def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
-    """The K/V ops over FP8 caches: 16-bit rows and queries (fp16 too unless `quick`), head_dim 128, GQA 4."""
+    """The K/V ops over FP8 caches: 16-bit rows, bf16, fp16 and fp32 queries, head_dim 128, GQA 4."""
     found = []
     caches = ("e4m3-token", "e5m2-static") if quick else tuple(FP8_CACHES)
     for cache in caches:
@@ -272,8 +287,10 @@ def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
         for i, launch in enumerate(plan_copy_pages(blocks, pages, pages, scales)):
             found.append((f"copy_pages {cache} pass{i + 1}", launch))
     modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
-    for cache, q_dtype, mode in itertools.product(caches, ("bf16",) if quick else ("bf16", "fp16"), modes):
-        if quick and (cache, mode) not in (("e4m3-token", "decode-split"), ("e5m2-static", "prefill")):
+    quick_cases = (("e4m3-token", "bf16", "decode-split"), ("e5m2-static", "bf16", "prefill"))
+    quick_cases += (("e4m3-token", "fp32", "decode-split"), ("e4m3-g32", "fp32", "prefill"))
+    for cache, q_dtype, mode in itertools.product(tuple(FP8_CACHES), ("bf16", "fp16", "fp32"), modes):
+        if quick and (cache, q_dtype, mode) not in quick_cases:
             continue
         batch, new, context = modes[mode]
         blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, batch, new, context)

@@ -219,15 +219,21 @@ def _attention_kernel(
         tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _blocks_for(head_dim: int, group: int, decode: bool, interpret: bool, fp32: bool) -> tuple[int, int, int]:
+def _blocks_for(
+    head_dim: int, group: int, decode: bool, interpret: bool, fp32: bool, fp8: bool = False
+) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_N, num_warps): decode packs >= 16 rows; prefill ~64 rows x 64 keys.
     fp32 `tl.dot` runs on FMAs with every operand in registers: 16-32 rows x 16-32 keys over
-    8 warps, the largest tiles that compile without spills on sm_80 and sm_90 (see `aot`)."""
+    8 warps, the largest tiles that compile without spills on sm_80 and sm_90 (see `aot`); over
+    FP8 pages (decoded in registers too) 16 x 16 (32-key tiles spilled 240-420 bytes)."""
     group_p = triton.next_power_of_2(group)
     if interpret:
         return max(1, 16 // group_p), 16, 4
     if fp32:
-        rows, block_n = (16, 32 if head_dim <= 128 else 16) if decode else (32, 16)
+        if fp8:
+            rows, block_n = 16, 16
+        else:
+            rows, block_n = (16, 32 if head_dim <= 128 else 16) if decode else (32, 16)
         return max(1, rows // group_p), block_n, 8
     block_n = 64 if head_dim <= 128 else 32
     rows = 16 if decode else 64
@@ -263,9 +269,13 @@ def supports(
 ) -> bool:
     """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it), FP8 granules the kernel
     tiles, and grids CUDA can launch: the largest any tile choice plans (BLOCK_Q >= 1, MAX_SPLITS
-    splits, then the merge)."""
+    splits, then the merge). Not fp32 queries over FP8 pages at head_dim 256: the smallest tile
+    (16 x 16, on FMAs, the pages decoded in registers) still spills ~300 bytes a thread; the
+    reference backend runs them (FP8 caches serve 16-bit models)."""
     head_dim = blocks.shape[5]
     if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or not covered(blocks, scales):
+        return False
+    if q.dtype == torch.float32 and scales is not None and head_dim > 128:
         return False
     total, batch = q.shape[0], cache_lengths.shape[0]
     return (
@@ -299,7 +309,8 @@ def plan_flash_attention(
     q = q if q.stride(2) == 1 else q.contiguous()
     group = num_q_heads // num_kv_heads
     interpret = is_interpreted(q)
-    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret, q.dtype == torch.float32)
+    fp32 = q.dtype == torch.float32
+    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret, fp32, scales is not None)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     max_context = width * page_size  # upper bound of every kv_len: no lengths are read on the host
     window, chunk = sliding_window > 0, attention_chunk_size > 0

@@ -24,22 +24,34 @@ FORMATS = {torch.float8_e4m3fn: (3, 7, 448.0), torch.float8_e5m2: (2, 15, 57344.
 
 
 @triton.jit
-def fp8_bits_to_float(byte, MANT: tl.constexpr, BIAS: tl.constexpr):
+def fp8_bits_to_float(byte, MANT: tl.constexpr, BIAS: tl.constexpr, NAN_CODES: tl.constexpr = True):
     """fp32 values of raw FP8 bytes (an int tensor of 0..255): subnormals are `mantissa * 2^(1 -
-    BIAS - MANT)`, normals are rebuilt as fp32 bit patterns (exact)."""
+    BIAS - MANT)`, normals are rebuilt as fp32 bit patterns (exact), the sign is the top bit (never
+    a negation: triton < 3.7 builds `-x` as `0 - x`, which turns -0 into +0). With `NAN_CODES`, the
+    non-finite codes read as in torch (e4m3fn: S.1111.111 is NaN; e5m2: an all-ones exponent is
+    inf or NaN); a reader of caches that never hold them (per-granule scales: see `quantize_granules`)
+    may leave them out."""
     b = byte.to(tl.int32) & 0xFF
     exponent = (b >> MANT) & ((1 << (7 - MANT)) - 1)
     mantissa = b & ((1 << MANT) - 1)
     sign = (b >> 7) << 31
     normal = sign | ((exponent - BIAS + 127) << 23) | (mantissa << (23 - MANT))
-    subnormal = mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))
-    subnormal = tl.where(sign != 0, -subnormal, subnormal)
-    return tl.where(exponent == 0, subnormal, normal.to(tl.float32, bitcast=True))
+    if NAN_CODES:
+        if MANT == 3:
+            special = (b & 0x7F) == 0x7F
+        else:
+            special = exponent == (1 << (7 - MANT)) - 1
+        normal = tl.where(special, normal | (255 << 23), normal)
+    subnormal = (mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))).to(tl.int32, bitcast=True) | sign
+    return tl.where(exponent == 0, subnormal, normal).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def float_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constexpr):
-    """Raw FP8 bytes (int32 0..255) of fp32 `x`: clamped to ±MAX, rounded to nearest even."""
+    """Raw FP8 bytes (int32 0..255) of fp32 `x`: clamped to ±MAX, rounded to nearest even; a NaN is
+    0x7F, whatever its sign (`ops/quant.py`). (The clamp alone would make it ±MAX: `tl.minimum` and
+    `tl.maximum` return the operand that is not NaN.)"""
+    nan = x != x
     x = tl.minimum(tl.maximum(x, -MAX), MAX)
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
@@ -56,7 +68,7 @@ def float_to_fp8_bits(x, MANT: tl.constexpr, BIAS: tl.constexpr, MAX: tl.constex
     # a normal's significand keeps its leading 1 (kept in 2^MANT .. 2^(MANT+1), the top one carrying
     # into the exponent); a subnormal's is the mantissa field itself (2^MANT: the smallest normal)
     byte = tl.where(exponent >= lowest, ((exponent + BIAS) << MANT) + kept - (1 << MANT), kept)
-    return tl.where(magnitude == 0, 0, byte) | sign
+    return tl.where(nan, 0x7F, tl.where(magnitude == 0, 0, byte) | sign)
 
 
 @triton.jit
@@ -64,9 +76,12 @@ def quantize_granules(x, N: tl.constexpr, GRAN: tl.constexpr, MANT: tl.constexpr
                       MAX: tl.constexpr):  # fmt: skip
     """(FP8 bytes, scales) of fp32 `x` `[N]` quantized per granule of GRAN elements by the rule of
     `ops/quant.py`: scale = granule amax / MAX in IEEE division (`/` compiles to the approximate
-    `div.full.f32`), values divided by it; an all-zero granule gets scale 0 and zero bytes."""
+    `div.full.f32`), values divided by it; an all-zero granule gets scale 0 and zero bytes, a granule
+    holding a NaN or an infinity scale NaN and zero bytes (`tl.max` alone would skip a NaN)."""
     granules = tl.reshape(x, (N // GRAN, GRAN))
-    scale = tl.math.div_rn(tl.max(tl.abs(granules), 1), MAX)
+    magnitude = tl.abs(granules)
+    non_finite = tl.max(tl.where(magnitude <= 3.4028234663852886e38, 0, 1), 1) > 0  # NaN compares false
+    scale = tl.where(non_finite, float("nan"), tl.math.div_rn(tl.max(magnitude, 1), MAX))
     q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, tl.where(scale > 0, scale, 1.0)[:, None]), 0.0)
     return float_to_fp8_bits(tl.reshape(q, (N,)), MANT, BIAS, MAX), scale
 

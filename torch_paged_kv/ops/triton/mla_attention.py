@@ -79,6 +79,7 @@ def _mla_attention_kernel(
     SCALES: tl.constexpr,
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
+    WIDE_PAGE: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     STEPS: tl.constexpr,
@@ -99,11 +100,12 @@ def _mla_attention_kernel(
     m = tl.arange(0, BLOCK_M)
     tok = q_start + m // BLOCK_H
     head = head_block * BLOCK_H + m % BLOCK_H
-    row_ok = (tok < new) & (head < num_heads)
+    q_rows = (row0 + tok).to(tl.int64)
+    # rows of q (and out) only: offsets that data checks would reject (`.unchecked`) may point past them
+    row_ok = (tok < new) & (head < num_heads) & (q_rows >= 0) & (q_rows < total)
     pos = cache_len + tok
     dim = tl.arange(0, RANK)
     rd = tl.arange(0, ROPE_P)
-    q_rows = (row0 + tok).to(tl.int64)
     qn = tl.load(
         q_nope + (q_rows * q_nope_stride_row + head * q_nope_stride_head)[:, None] + dim[None, :],
         mask=row_ok[:, None],
@@ -119,6 +121,7 @@ def _mla_attention_kernel(
         qr = qr.to(tl.float32)
 
     k_hi = cache_len + tl.minimum(q_start + BLOCK_Q, new) if CAUSAL else kv_len
+    k_hi = tl.minimum(k_hi, table_width * page_size)  # lengths past the table (unchecked): keys it holds
     start = split * BLOCK_N  # split s takes key tiles s, s + num_splits, ...
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -134,11 +137,18 @@ def _mla_attention_kernel(
         page = tl.load(table_row + col, mask=key_ok, other=0)
         key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
         offset = j % page_size
+        if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
+            offset = offset.to(tl.int64)
         slot = page.to(tl.int64) * cache_stride_page + offset * cache_stride_token
         latent = tl.load(latent_cache + slot[:, None] + dim[None, :], mask=key_ok[:, None], other=0)
         rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
         rope = tl.load(rope_cache + rope_slot[:, None] + rd[None, :], mask=key_ok[:, None] & (rd[None, :] < ROPE))
         if FP8:
+            if SCALES == 2:  # one static scale: applied to the scores and the probabilities below
+                token_scale = tl.load(scales + tl.zeros([BLOCK_N], tl.int32))
+            elif GROUPS == 1:  # one scale per token: likewise (loaded here, so page and offset die early)
+                scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
+                token_scale = tl.load(scales + scale_slot, mask=key_ok, other=0.0)
             latent = fp8_bits_to_float(latent, MANT, BIAS)  # exact
             if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
                 scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
@@ -153,12 +163,7 @@ def _mla_attention_kernel(
             latent = latent.to(tl.float32)
             rope = rope.to(tl.float32)
         s = tl.dot(qn, tl.trans(latent), input_precision=PRECISION)
-        if FP8 and (SCALES == 2 or GROUPS == 1):  # one scale per token (or tensor): scale the scores
-            if SCALES == 2:
-                token_scale = tl.load(scales + tl.zeros([BLOCK_N], tl.int32))
-            else:
-                scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
-                token_scale = tl.load(scales + scale_slot, mask=key_ok, other=0.0)
+        if FP8 and (SCALES == 2 or GROUPS == 1):
             s = s * token_scale[None, :]
         if ROPE > 0:
             s += tl.dot(qr, tl.trans(rope), input_precision=PRECISION)
@@ -187,6 +192,14 @@ def _mla_attention_kernel(
     else:
         out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
         tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def wide_page(*views: torch.Tensor | None) -> bool:
+    """Whether an offset inside one page, `(page_size - 1) * token stride`, passes int32 in any of the
+    `mla_views` views. Only then does the kernel widen each key's in-page offset to int64 (an i32
+    product is cheaper in its inner loop, and the wider one moved ptxas's spill choices in the FP8
+    variants, which sit at 255 registers)."""
+    return any(view is not None and (view.shape[2] - 1) * view.stride(2) >= 2**31 for view in views)
 
 
 def _blocks_for(
@@ -291,6 +304,7 @@ def plan_mla_attention(
                 **quant,
                 CAUSAL=bool(causal),
                 SPLIT=splits > 1,
+                WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
                 UPCAST=interpret,
                 PRECISION="ieee" if interpret or q_nope.dtype == torch.float32 else "tf32",
                 STEPS=search_steps(batch),

@@ -89,9 +89,11 @@ def _store_latent_kernel(
     pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
     col = pos // page_size
     page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(tl.maximum(col, 0), table_width - 1))
-    # A page id outside `blocks` or the null page 0 (possible only if data checks were off) writes nothing.
-    in_range = (col >= 0) & (col < table_width) & (page > 0) & (page < num_pages)
-    offset = pos % page_size
+    # What data checks rule out (`.unchecked` calls skip them) writes nothing: a position before the
+    # sequence (bad offsets or lengths: `//` rounds toward 0, so col is 0 for the first page_size - 1
+    # of them) or past its table, a page id outside `blocks`, the null page 0.
+    in_range = (pos >= 0) & (col < table_width) & (page > 0) & (page < num_pages)
+    offset = (pos % page_size).to(tl.int64)  # times the token stride: a slot can span 2**31 elements
     dim = tl.arange(0, RANK)
     latent_ok = dim < tl.where(in_range, RANK, 0)  # (scalar & block masks break the interpreter)
     x = tl.load(latent + row.to(tl.int64) * latent_stride_row + dim)
