@@ -236,9 +236,10 @@ MLA_WRONG = {
 }
 
 
+@pytest.mark.parametrize("mla_backend", ["reference", "triton"])  # (the cpu kernels have no MLA ops)
 @pytest.mark.parametrize("case", MLA_WRONG)
-def test_mla_unchecked_stays_in_bounds(force_backend, case):
-    force_backend("reference")
+def test_mla_unchecked_stays_in_bounds(force_backend, case, mla_backend):
+    force_backend(mla_backend)
     b = make_mla_batch(CACHED, NEW, page_size=4, seed=5)
     pool = Guarded(b.blocks)
     before = pool.view.clone()
