@@ -40,7 +40,7 @@ SINK_MODEL_TYPES = (
     "openai_privacy_filter",
 )
 """Model types whose attention passes sinks (`s_aux`) to the attention function (transformers 5.24)."""
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
 per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
 
