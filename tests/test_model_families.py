@@ -25,16 +25,10 @@ from torch_paged_kv.step import StepPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = os.environ.get("TORCH_PAGED_KV_FULL_MATRIX") == "1"
-ALL_MODES_FAMILIES = ("Llama", "Gemma4 (text, K/V sharing)", "DeepSeek-V3 (MLA)")
 TABLE_START, TABLE_END = "<!-- supported-models: start -->\n", "<!-- supported-models: end -->"
 
 
-def ci_cells() -> list[tuple[matrix.Family, str, str]]:
-    cells = matrix.all_cells(modes=("greedy",))
-    return cells + matrix.all_cells(ALL_MODES_FAMILIES, modes=matrix.MODES[1:])
-
-
-CELLS = matrix.all_cells() if FULL else ci_cells()
+CELLS = matrix.all_cells() if FULL else matrix.ci_cells()
 
 
 @pytest.fixture(autouse=True)
@@ -144,6 +138,27 @@ def test_mla_under_paged_kv_runs_absorbed_attention_over_the_pages(monkeypatch):
     layers, steps = model.config.num_hidden_layers, mode.new_tokens
     assert len(calls) == layers * steps and calls[0] == (sum(mode.lengths), 4, model.config.kv_lora_rank)
     assert cache.collection.cache_lengths.tolist() == [n + steps - 1 for n in mode.lengths]  # no padding stored
+
+
+def test_mla_rows_past_each_length_never_reach_the_model():
+    """Under the default attention the model gets `max_cache_len` rows per sequence; the rows past a
+    sequence's length (stale after `reset` or `crop`, here NaN) are returned as zeros, as `gather_kv`
+    does for K/V: masked, but a NaN value times a zero weight would still be NaN."""
+    model, default_attn = matrix.model_of(family("DeepSeek-V3 (MLA)"))
+    matrix.set_attention(model, default_attn)
+    cache, dynamic = PagedCache(model.config, 2, 16, page_size=4), DynamicCache(config=model.config)
+    ids = torch.randint(3, matrix.VOCAB, (2, 5), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        for c in (cache, dynamic):
+            model(ids, **{cache_kwarg(model): c})
+        table = cache.collection.lookup_table
+        for b in range(2):
+            for position in range(5, 16):  # every slot past the 5 stored tokens, in every layer
+                cache.collection.blocks[table[b, position // 4], :, :, position % 4] = float("nan")
+        got = model(ids[:, :1], **{cache_kwarg(model): cache}).logits
+        expected = model(ids[:, :1], **{cache_kwarg(model): dynamic}).logits
+    assert got.isfinite().all()
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_mla_pool_only_under_paged_kv():
