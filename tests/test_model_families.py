@@ -70,7 +70,7 @@ def family(name: str):
 
 def generate(model, attn: str, cache, mode: str = "batch") -> torch.Tensor:
     matrix.set_attention(model, attn)
-    return matrix.run(model, lambda: cache, matrix.MODE_SPECS[mode])[0]
+    return matrix.run(model, lambda: cache, matrix.MODE_SPECS[mode])[0].tokens
 
 
 def reference(model, default_attn: str, mode: str = "batch") -> torch.Tensor:
@@ -300,10 +300,10 @@ def test_compiled_mla_decode_matches_and_does_not_recompile():
     torch._dynamo.reset()
     counters.clear()
     try:
-        assert torch.equal(matrix.run(model, lambda: cache, mode)[0], expected)
+        assert torch.equal(matrix.run(model, lambda: cache, mode)[0].tokens, expected)
         assert counters["stats"]["unique_graphs"] >= 1
         cache.reset()
         with torch.compiler.set_stance("fail_on_recompile"):
-            assert torch.equal(matrix.run(model, lambda: cache, mode)[0], expected)
+            assert torch.equal(matrix.run(model, lambda: cache, mode)[0].tokens, expected)
     finally:
         matrix.set_attention(model, default_attn)

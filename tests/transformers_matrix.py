@@ -6,7 +6,8 @@ attention ("default" column) and once under `attn_implementation="paged_kv"`, co
 token with the same `generate` over transformers' `DynamicCache` under the default attention. The
 family declares each column's outcome, and a cell passes only when it happens:
 
-- `EXACT`: every generated token equals DynamicCache's;
+- `EXACT`: every generated token equals DynamicCache's, and every logit is within 1e-4 of its
+  (relative to the largest logit; fp32 rounding is ~1e-6);
 - a refusal (`Refused(field)`): a `ValueError` whose message starts with `field:` (a config field,
   e.g. `config.attention_chunk_size`) before the first token: the cache holds nothing.
 
@@ -28,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
@@ -39,6 +40,8 @@ MODES = ("greedy", "batch", "beam", "sample", "long", "continue")
 EXACT = "exact"
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 256
+LOGIT_TOLERANCE = 1e-4
+"""Largest logit difference from DynamicCache's, relative to the largest logit, in an exact cell."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,26 +336,46 @@ def prompts(mode: Mode) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(3, VOCAB, (len(mode.lengths), width), generator=g) * mask, mask
 
 
-def _generate(model, cache, ids, mask, mode: Mode, new_tokens: int) -> torch.Tensor:
+class Generated(NamedTuple):
+    tokens: torch.Tensor  # [rows, prompt + new]
+    logits: torch.Tensor  # [rows (beams included), new, vocab]: the model's raw logits at each step
+
+
+def _generate(model, cache, ids, mask, mode: Mode, new_tokens: int) -> Generated:
     from torch_paged_kv.integrations.transformers import cache_kwarg
 
     if mode.seed is not None:
         torch.manual_seed(mode.seed)
     kwargs = dict(do_sample=False, pad_token_id=PAD, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    kwargs.update(return_dict_in_generate=True, output_logits=True, **mode.args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model.generate(ids, attention_mask=mask, **{cache_kwarg(model): cache}, **{**kwargs, **mode.args})
+        out = model.generate(ids, attention_mask=mask, **{cache_kwarg(model): cache}, **kwargs)
+    return Generated(out.sequences, torch.stack(out.logits, 1))
 
 
-def run(model, cache_factory: Callable[[], Any], mode: Mode) -> list[torch.Tensor]:
-    """The mode's generate call(s) with a fresh cache from `cache_factory`; the token tensors."""
+def run(model, cache_factory: Callable[[], Any], mode: Mode) -> list[Generated]:
+    """The mode's generate call(s) with a fresh cache from `cache_factory`."""
     ids, mask = prompts(mode)
     cache = cache_factory()
     out = [_generate(model, cache, ids, mask, mode, mode.new_tokens)]
     if mode.continue_tokens:
-        longer = torch.cat([mask, torch.ones_like(out[0][:, mask.shape[1] :])], 1)
-        out.append(_generate(model, cache, out[0], longer, mode, mode.continue_tokens))
+        first = out[0].tokens
+        longer = torch.cat([mask, torch.ones_like(first[:, mask.shape[1] :])], 1)
+        out.append(_generate(model, cache, first, longer, mode, mode.continue_tokens))
     return out
+
+
+def compare(got: list[Generated], expected: list[Generated]) -> str:
+    """`EXACT` when every token is DynamicCache's and every logit within `LOGIT_TOLERANCE` of its
+    (fp32 rounding: a different summation order); else what differs."""
+    for g, e in zip(got, expected, strict=True):
+        if not torch.equal(g.tokens, e.tokens):
+            return "wrong tokens"
+        error = (g.logits - e.logits).abs().max().item()
+        if not error <= LOGIT_TOLERANCE * max(1.0, e.logits.abs().max().item()):
+            return f"logits differ by {error:.2e}"
+    return EXACT
 
 
 def max_cache_len(mode: Mode) -> int:
@@ -374,7 +397,7 @@ class CellResult:
 
 
 _models: dict[str, tuple[torch.nn.Module, str]] = {}
-_references: dict[tuple[str, str], list[torch.Tensor]] = {}  # (family, mode) -> DynamicCache's tokens
+_references: dict[tuple[str, str], list[Generated]] = {}  # (family, mode) -> DynamicCache's tokens
 
 
 def model_of(family: Family) -> tuple[torch.nn.Module, str]:
@@ -428,8 +451,7 @@ def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
     except Exception as e:
         got = f"{type(e).__name__}: {e}"[:300]
     else:
-        same = all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
-        got = EXACT if same else "wrong tokens"
+        got = compare(got, reference)
     finally:
         set_attention(model, default_attn)
     return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
