@@ -83,6 +83,7 @@ def paged_kv_attention(
         if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
             k, v = token_rows(pending.key), token_rows(pending.value)
             plan.store_kv(k[real] if ragged else k, v[real] if ragged else v, layer.pool_layer)
+        # sinks (`kwargs["s_aux"]`) and chunks are refused by hf_support until the op takes them
         out = plan.flash_attention(q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0)
     cache.layer_done(layer_idx, batch)
     if ragged:
