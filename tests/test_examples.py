@@ -32,3 +32,10 @@ def test_disaggregated_prefill_and_decode_processes_give_the_single_process_toke
     out = _run("disaggregated.py", "--requests", "4", "--new-tokens", "6", "--device", "cpu", "--eager")
     assert "identical to a single-process run: 4 requests" in out
     assert "received requests [2, 3] (4 of 5 pages sent)" in out  # the shared system prompt's page stayed
+
+
+def test_hf_mla_generate_matches_dynamic_cache_in_both_attention_modes():
+    out = _run("hf_mla_generate.py", "--batch", "2", "--new-tokens", "8")
+    assert "PagedCache + sdpa    : 2 rows x 8 tokens, identical to DynamicCache" in out
+    assert "PagedCache + paged_kv: 2 rows x 8 tokens, identical to DynamicCache" in out
+    assert "PagedCache float32 (latent + rope row)" in out

@@ -296,10 +296,16 @@ def test_shared_kv_layers_match_dynamic_cache(attn):
     assert cache.collection.params.num_layers == 4 and cache.collection.cache_lengths.tolist() == [20, 20]
 
 
-def test_mask_of_new_tokens_is_contiguous():
-    """A compiled decode step guards on the mask's strides: a slice of the growing 2D mask would recompile."""
-    mask = paged_kv_mask(4, 1, 10, attention_mask=torch.ones(4, 10, dtype=torch.bool))
-    assert mask.shape == (4, 1) and mask.is_contiguous()
+def test_mask_of_new_tokens_is_contiguous_and_4d():
+    """A compiled decode step guards on the mask's strides: a slice of the growing 2D mask would recompile.
+    The mask is 4-D over the query rows (`[batch, 1, new, 1]`), so model code slicing a 4-D mask's query
+    dimension (Gemma4's trimmed K/V-sharing layers) keeps the rows it keeps."""
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    mask = paged_kv_mask(2, 3, 5, attention_mask=padding)
+    assert mask.shape == (2, 1, 3, 1) and mask.is_contiguous() and mask.dtype == torch.bool
+    assert mask[:, 0, :, 0].tolist() == [[True, True, True], [True, True, True]]
+    assert paged_kv_mask(2, 4, 5, attention_mask=padding)[:, 0, :, 0].tolist()[0] == [False, True, True, True]
+    assert mask[:, :, -1:, :].shape == (2, 1, 1, 1)
 
 
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])

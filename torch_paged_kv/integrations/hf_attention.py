@@ -1,8 +1,10 @@
 """The `paged_kv` attention and mask functions for transformers' `AttentionInterface`.
 
-The mask function keeps only the padding of this step's new tokens (`[batch, new]` bool), which is
-all the attention needs: with a `PagedCache`, padding is never stored, so the pages hold exactly
-the keys each query may see (up to causality, which `flash_attention` applies).
+The mask function keeps only the padding of this step's new tokens, which is all the attention
+needs: with a `PagedCache`, padding is never stored, so the pages hold exactly the keys each query
+may see (up to causality, which `flash_attention` applies). It is `[batch, 1, new, 1]` bool (a 4-D
+mask over the query rows, broadcast over heads and keys), so model code that slices the query
+dimension of a 4-D mask (Gemma4's K/V-sharing layers trimmed to `logits_to_keep`) slices it too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 import torch
 
+from . import hf_mla
 from .hf_cache import PendingKV, token_rows
+from .hf_support import check_attention_call
 
 
 def paged_kv_mask(
@@ -25,14 +29,14 @@ def paged_kv_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, new]` bool).
+    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, 1, new, 1]` bool).
 
     Contiguous: a compiled decode step guards on the mask's strides, and a slice of the growing 2D mask
     would change them every step (transformers < 5.18 passes the slice on as is).
     """
     if attention_mask is None:
         return None
-    return attention_mask[:, -q_length:].bool().contiguous()
+    return attention_mask[:, -q_length:].bool().contiguous()[:, None, :, None]
 
 
 def paged_kv_attention(
@@ -49,30 +53,42 @@ def paged_kv_attention(
 ) -> tuple[torch.Tensor, None]:
     """`AttentionInterface` entry: store this step's real tokens in the pages, attend from the pages.
 
-    `query` is `[batch, heads, new, head_dim]`; returns `[batch, new, heads, head_dim]`. Padded query
-    positions get zeros. Without a `PagedCache` (no cache at all), plain masked SDPA over the inputs.
+    `query` is `[batch, heads, new, head_dim]`; returns `[batch, new, heads, head_dim]` (MLA:
+    `v_head_dim`). Padded query positions get zeros. Queries may be only the last positions of the
+    step (a K/V-sharing layer fed `logits_to_keep` positions): they attend as those positions. Without
+    a `PagedCache` (no cache at all), plain masked SDPA over the inputs.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if not isinstance(key, PendingKV):
-        return _uncached_attention(query, key, value, attention_mask, scale), None
-    batch, num_heads, new, head_dim = query.shape
-    layer, cache = key.layer, key.layer.cache
+    pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
+    mask = None if attention_mask is None else attention_mask[:, 0, :, 0]  # [batch, new]: real query rows
+    if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
+        return _uncached_attention(query, key, value, mask, scale), None
+    check_attention_call(module, kwargs)
+    batch, num_heads, new, _ = query.shape
+    layer, cache = pending.layer, pending.layer.cache
+    step_columns = (pending.latent if isinstance(pending, hf_mla.PendingLatent) else pending.key).shape[2]
     q = token_rows(query)
-    ragged = attention_mask is not None and new > 1  # prefill with padding: keep the real tokens only
+    ragged = mask is not None and step_columns > 1  # a multi-token step with padding: real tokens only
+    real = mask.reshape(-1).nonzero().squeeze(1) if ragged else None
     if ragged:
-        real = attention_mask.reshape(-1).nonzero().squeeze(1)
         q = q[real]
     layer_idx = getattr(module, "layer_idx", layer.layer_idx)  # a shared-KV layer gets another layer's PendingKV
-    counts = lambda: _new_tokens(attention_mask if ragged else None, batch, new, query.device)
+    counts = lambda: _new_tokens(mask if ragged else None, batch, new, query.device)
     plan = cache.layer_plan(layer_idx, batch, new, counts)
-    if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
-        k, v = token_rows(key.key), token_rows(key.value)
-        plan.store_kv(k[real] if ragged else k, v[real] if ragged else v, layer.pool_layer)
-    out = plan.flash_attention(q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0)
+    if new != step_columns:  # only the step's last `new` positions ask (K/V stored by the layer shared)
+        plan = cache.trailing_plan(batch, counts(), layer.pool_layer)
+    if isinstance(pending, hf_mla.PendingLatent):
+        out = hf_mla.attend(plan, module, q, pending, real, scale)
+    else:
+        if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
+            k, v = token_rows(pending.key), token_rows(pending.value)
+            plan.store_kv(k[real] if ragged else k, v[real] if ragged else v, layer.pool_layer)
+        # sinks (`kwargs["s_aux"]`) and chunks are refused by hf_support until the op takes them
+        out = plan.flash_attention(q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0)
     cache.layer_done(layer_idx, batch)
     if ragged:
-        out = q.new_zeros(batch * new, num_heads, head_dim).index_copy_(0, real, out)
-    return out.view(batch, new, num_heads, head_dim), None
+        out = q.new_zeros(batch * new, num_heads, out.shape[-1]).index_copy_(0, real, out)
+    return out.view(batch, new, num_heads, out.shape[-1]), None
 
 
 def _new_tokens(attention_mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:

@@ -15,6 +15,9 @@ Two ways to attend, picked by `config._attn_implementation`:
   `StaticCache`) and returns K/V gathered to `[batch, heads, max_cache_len, head_dim]`; the model's
   own mask hides padding and the unused tail.
 
+MLA models (DeepSeek-V2/V3) get an MLA pool of latent + rope rows (`hf_mla`). What the cache
+refuses to serve, and why, is decided in `hf_support`.
+
 Both paths go through `layer_plan` / `layer_done`, the one owner of the step protocol: the first
 cached layer begins the step (writes this step's offsets), the returned `StepPlan` checks the step
 tensors at that layer only, and the last layer that reads the pages advances the lengths (under
@@ -32,14 +35,14 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..collection import PagedKVCacheCollection
+from ..collection import PagedKVCacheCollection, StepTensors
 from ..ops import copy_pages
 from ..params import KVCacheParams
 from ..step import StepPlan
+from . import hf_mla
+from .hf_support import NO_CACHE_LAYER_TYPES, cache_shape, check_config
 
 ATTN_IMPLEMENTATION = "paged_kv"
-NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
-"""transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
 
 
 def attention_layers(config: PreTrainedConfig) -> tuple[list[int], list[int]]:
@@ -97,6 +100,8 @@ class PagedLayer(CacheLayerMixin):
         if self.pool_layer == 0:  # the step's first cached layer
             cache.ensure_pool(key_states)
             cache.read_attention_mode()
+        if cache.shape.is_mla:
+            return hf_mla.update(self, key_states, value_states, kwargs)
         if cache.attends_from_pages:
             pending = PendingKV(self, key_states, value_states)
             return pending, pending
@@ -184,10 +189,12 @@ class PagedCache(Cache):
     ) -> None:
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
-        num_heads = cfg.num_attention_heads
         self.cached_layers, self.attention_layers = attention_layers(cfg)
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        self._checked_attention: str | None = None  # the attention implementation check_config passed for
+        self._check_config()
+        self.shape = cache_shape(cfg, self.cached_layers)
+        self.num_kv_heads, self.head_dim = self.shape.num_kv_heads, self.shape.head_dim  # the config's; the
+        # keys' at the first step where the pool is allocated then (a model may differ: Falcon's multi_query)
         self.page_size = page_size
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
@@ -196,13 +203,14 @@ class PagedCache(Cache):
         self.kv_dtype = getattr(torch, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
         self.quantization = dict(quantization_granularity=quantization_granularity, static_scales=static_scales)
         if self.kv_dtype is not None:  # a bad combination fails now, naming the argument, not at the first step
-            KVCacheParams(self.kv_dtype, 1, self.num_kv_heads, self.head_dim, page_size, **self.quantization)
+            self._params(self.kv_dtype, 1)
         self.dtype: torch.dtype | None = None  # the model's (the keys'): known once the pool exists
         self.collection: PagedKVCacheCollection | None = None
         self.columns: torch.Tensor | None = None
         self.device: torch.device | None = None
         self.static_addresses_marked = False
         self._plan: StepPlan | None = None  # this step's, made at its first cached layer
+        self._step_columns = 0  # this step's columns (padding included): the column count adds them at its end
         self._attends_from_pages = False
         self.read_attention_mode()
         self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
@@ -215,17 +223,19 @@ class PagedCache(Cache):
         ]
         super().__init__(layers=layers)
 
+    def _params(self, dtype: torch.dtype, num_layers: int) -> KVCacheParams:
+        """The pool's params: K/V heads, or for an MLA model one latent + rope row per token."""
+        shape = self.shape
+        if shape.is_mla:
+            return KVCacheParams.mla(
+                dtype, num_layers, self.page_size, shape.kv_lora_rank, shape.rope_dim, **self.quantization
+            )
+        return KVCacheParams(dtype, num_layers, self.num_kv_heads, self.head_dim, self.page_size, **self.quantization)
+
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """The pool: row b owns pages `1 + b*P .. (b+1)*P`, written into the lookup table once."""
         self.dtype = dtype
-        params = KVCacheParams(
-            self.kv_dtype or dtype,
-            len(self.cached_layers),
-            self.num_kv_heads,
-            self.head_dim,
-            self.page_size,
-            **self.quantization,
-        )
+        params = self._params(self.kv_dtype or dtype, len(self.cached_layers))
         pages_per_row = -(-self.max_cache_len // self.page_size)
         self.collection = PagedKVCacheCollection(
             params, self.max_batch_size * pages_per_row, self.max_batch_size, self.max_cache_len, device
@@ -266,18 +276,36 @@ class PagedCache(Cache):
                 f"device: the pool is on {device} but the model's keys are on {here}; "
                 f"pass device={str(here)!r} (or leave it None to follow the model)"
             )
+        heads, head_dim = key_states.shape[1], key_states.shape[3]
         if self.collection is None:
+            if not self.shape.is_mla:  # the keys say what the model caches (Falcon: 1 head for 71 queried)
+                self.num_kv_heads, self.head_dim = heads, head_dim
             self._allocate(here, dtype)
             for layer in self.layers:
                 layer.is_initialized = True
         else:
+            if not self.shape.is_mla and (heads, head_dim) != (self.num_kv_heads, self.head_dim):
+                raise ValueError(
+                    f"config: the model's keys have {heads} heads of {head_dim}, but the pool, allocated from the "
+                    f"config, holds {self.num_kv_heads} of {self.head_dim}; leave device or dtype None so that the "
+                    "pool follows the keys at the first step"
+                )
             self._mark_static_addresses()
 
     def read_attention_mode(self) -> None:
         """Read `attends_from_pages` from the config: once per step, at the first cached layer, as a
         transformers config attribute costs microseconds (several `__getattribute__` layers) and every
-        layer asks twice."""
+        layer asks twice. A new attention implementation is checked (`check_config`) before anything
+        of the step is stored."""
+        self._check_config()
         self._attends_from_pages = self.config._attn_implementation == ATTN_IMPLEMENTATION
+
+    def _check_config(self) -> None:
+        """`hf_support.check_config` for the config's attention implementation, once per implementation."""
+        attn = self.config._attn_implementation
+        if attn != self._checked_attention:
+            check_config(self.config, paged=attn == ATTN_IMPLEMENTATION)
+            self._checked_attention = attn
 
     @property
     def attends_from_pages(self) -> bool:
@@ -288,21 +316,37 @@ class PagedCache(Cache):
     def layer_plan(self, layer_idx: int, batch: int, columns: int, new_tokens: Callable[[], torch.Tensor]) -> StepPlan:
         """The step's `StepPlan` at model layer `layer_idx` over the first `batch` rows. The first
         cached layer begins the step: it records each row's new token count (`new_tokens()`, `[batch]`
-        int32) in `input_row_offsets` and adds the step's `columns` (padding included) to the column
-        count. The plan checks the step tensors at that layer only."""
+        int32) in `input_row_offsets` and the step's `columns` (padding included), which `layer_done`
+        adds to the column count. The plan checks the step tensors at that layer only."""
         if layer_idx == self.cached_layers[0]:
             self._begin_step(new_tokens(), columns)
             self._plan = StepPlan.of(self.collection, self.collection.step_tensors(batch))
         return self._plan  # the same for every layer of the step (views of the step's rows)
 
+    def trailing_plan(self, batch: int, query_counts: torch.Tensor, pool_layer: int) -> StepPlan:
+        """A plan for queries that are only the last `query_counts[b]` (`[batch]` int32) of this step's new
+        tokens of each row, whose K/V are stored already: transformers trims the hidden states of K/V-sharing
+        layers to `logits_to_keep` positions during a prefill. Its first call (at `pool_layer`) checks the
+        step it describes in full."""
+        lengths, table, offsets = self.collection.step_tensors(batch)
+        new_tokens = offsets[1:] - offsets[:-1]
+        query_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+        query_offsets[1:] = torch.cumsum(query_counts, 0)
+        step = StepTensors(lengths + new_tokens - query_counts, table, query_offsets)
+        return StepPlan(self.collection.blocks, step, self.collection.scales, first_layer=pool_layer)
+
     def layer_done(self, layer_idx: int, batch: int) -> None:
         """After model layer `layer_idx` is done with the step: the last layer that reads the pages
         (under `paged_kv` the last attention layer, shared-KV readers included; otherwise the last
-        cached layer, as readers use the K/V `update` returned) adds the new tokens to the lengths."""
+        cached layer, as readers use the K/V `update` returned) adds the new tokens to the lengths and
+        the step's columns to the column count. Until then every layer reports the count before the
+        step, as a `DynamicCache` layer does before its update (Llama4's no-rope layers scale their
+        queries by it)."""
         last = self.attention_layers[-1] if self.attends_from_pages else self.cached_layers[-1]
         if layer_idx == last:
             _, _, offsets = self.collection.step_tensors(batch)
             self.collection.cache_lengths[:batch] += offsets[1:] - offsets[:-1]
+            self.columns.add_(self._step_columns)
 
     def _begin_step(self, new_tokens: torch.Tensor, columns: int) -> None:
         batch = new_tokens.shape[0]
@@ -312,7 +356,7 @@ class PagedCache(Cache):
         offsets = self.collection.input_row_offsets
         offsets[0] = 0
         offsets[1 : batch + 1] = torch.cumsum(new_tokens, 0)
-        self.columns.add_(columns)
+        self._step_columns = columns
 
     def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:
         if batch > self.max_batch_size:

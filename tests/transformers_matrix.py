@@ -1,0 +1,537 @@
+"""The transformers model-family matrix: which families `PagedCache` serves, in which attention mode.
+
+Each family is a tiny random model built in code from its config class (no downloads), fp32 on CPU.
+Each cell is (family, column, mode): `generate` with a `PagedCache`, once under the model's default
+attention ("default" column) and once under `attn_implementation="paged_kv"`, compared token for
+token with the same `generate` over transformers' `DynamicCache` under the default attention. The
+family declares each column's outcome, and a cell passes only when it happens:
+
+- `EXACT`: every generated token equals DynamicCache's, and every logit is within 1e-4 of its
+  (relative to the largest logit; fp32 rounding is ~1e-6);
+- a refusal (`Refused(field)`): a `ValueError` whose message starts with `field:` (a config field,
+  e.g. `config.attention_chunk_size`) before the first token: the cache holds nothing.
+
+Nothing else passes: not an exception of another type or from inside transformers, not a token
+that differs. `docs/transformers.md`'s "Supported models" table is `markdown_table()` of these
+declarations (`tests/test_model_families.py` checks that it is up to date and that the cells hold).
+
+    python tests/transformers_matrix.py [--family NAME ...] [--mode MODE ...] [--column COLUMN ...]
+    python tests/transformers_matrix.py --markdown   # the docs table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+COLUMNS = ("default", "paged_kv")
+MODES = ("greedy", "batch", "beam", "sample", "long", "continue")
+EXACT = "exact"
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = 256
+LOGIT_TOLERANCE = 1e-4
+"""Largest logit difference from DynamicCache's, relative to the largest logit, in an exact cell."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """The expected refusal: a `ValueError` starting with `field:`, raised before the first token."""
+
+    field: str
+
+    def __str__(self) -> str:
+        return f"refused ({self.field})"
+
+
+Outcome = str | Refused
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A transformers family as a tiny random model, and what each column of the matrix must give.
+
+    `config` and `model` name classes exported by `transformers`; `overrides` are given to the config
+    on top of `TINY` (None removes a key). `notes`: what the config exercises or why it is refused (docs table).
+    """
+
+    name: str
+    config: str
+    model: str
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    default: Outcome = EXACT
+    paged_kv: Outcome = EXACT
+    notes: str = ""
+
+    def expected(self, column: str) -> Outcome:
+        return self.default if column == "default" else self.paged_kv
+
+    def build(self) -> torch.nn.Module:
+        import transformers
+
+        kwargs = {**TINY, **self.overrides}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        config = getattr(transformers, self.config)(**kwargs)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = getattr(transformers, self.model)(config)
+        return model.float().eval()
+
+
+TINY: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    pad_token_id=PAD,
+    bos_token_id=BOS,
+    eos_token_id=EOS,
+    tie_word_embeddings=False,
+)
+GPT2_NAMES = dict(
+    hidden_size=None,
+    intermediate_size=None,
+    num_hidden_layers=None,
+    num_attention_heads=None,
+    num_key_value_heads=None,
+    head_dim=None,
+    max_position_embeddings=None,
+    n_embd=64,
+    n_layer=3,
+    n_head=4,
+    n_positions=256,
+)
+SLIDING = dict(sliding_window=8)  # crossed by every mode's longer rows
+MLA = dict(
+    kv_lora_rank=32,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    head_dim=None,
+    num_key_value_heads=4,
+)
+WINDOW = "sliding-window layers (window 8, crossed)"
+SHARING = "K/V-sharing layers (under `paged_kv` fed only the last prompt position, as transformers trims them)"
+MLA_NOTE = "MLA: one latent + rope row per token; absorbed MLA over the pages under `paged_kv`"
+SINKS = "GPT-OSS adds learned per-head sink logits to every softmax (`s_aux`); `flash_attention` has no sinks yet"
+CHUNKED = "chunked local attention (`attention_chunk_size`); `flash_attention` has no chunks yet"
+NOT_ON_INTERFACE = (
+    "not on transformers' attention interface: transformers refuses `paged_kv` for it (KeyError at "
+    "`from_pretrained`, ignored by `set_attn_implementation`); `PagedCache` refuses a config that names it"
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Llama", "LlamaConfig", "LlamaForCausalLM"),
+    Family("Mistral", "MistralConfig", "MistralForCausalLM", SLIDING, notes=WINDOW),
+    Family("Mixtral", "MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    Family("Ministral", "MinistralConfig", "MinistralForCausalLM", SLIDING, notes=WINDOW),
+    Family("Qwen2", "Qwen2Config", "Qwen2ForCausalLM"),
+    Family("Qwen3", "Qwen3Config", "Qwen3ForCausalLM"),
+    Family("Qwen3-MoE", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2)),
+    Family("Gemma", "GemmaConfig", "GemmaForCausalLM"),
+    Family(
+        "Gemma2",
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(SLIDING, attn_logit_softcapping=2.0),
+        notes=WINDOW + ", attention logit softcap 2",
+    ),
+    Family("Gemma3 (text)", "Gemma3TextConfig", "Gemma3ForCausalLM", SLIDING, notes=WINDOW),
+    Family(
+        "Gemma3n (text, K/V sharing)",
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        dict(
+            SLIDING,
+            num_hidden_layers=6,
+            num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+            activation_sparsity_pattern=[0.0] * 6,
+        ),
+        notes=SHARING + ", " + WINDOW,
+    ),
+    Family(
+        "Gemma4 (text, K/V sharing)",
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            SLIDING,
+            num_hidden_layers=6,
+            num_kv_shared_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            global_head_dim=16,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+        ),
+        notes=SHARING + ", " + WINDOW,
+    ),
+    Family(
+        "Gemma4 (text, default head dims)",
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            SLIDING,
+            num_hidden_layers=6,
+            global_head_dim=32,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+        ),
+        default=Refused("config.head_dim"),
+        paged_kv=Refused("config.head_dim"),
+        notes="per-layer head dims (Gemma4's `global_head_dim` for full-attention layers): one pool has one head_dim",
+    ),
+    Family(
+        "GPT-OSS",
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(SLIDING, num_local_experts=4, num_experts_per_tok=2),
+        paged_kv=Refused("config.model_type"),
+        notes=SINKS,
+    ),
+    Family(
+        "Llama4 (text)",
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            attention_chunk_size=8,
+            num_local_experts=2,
+            interleave_moe_layer_step=2,
+            intermediate_size_mlp=128,
+            no_rope_layer_interval=2,
+            num_hidden_layers=4,
+            floor_scale=4,
+            attn_scale=0.5,
+        ),
+        paged_kv=Refused("config.attention_chunk_size"),
+        notes=CHUNKED,
+    ),
+    Family("Cohere", "CohereConfig", "CohereForCausalLM"),
+    Family("Cohere2", "Cohere2Config", "Cohere2ForCausalLM", dict(SLIDING, sliding_window_pattern=2), notes=WINDOW),
+    Family("Phi", "PhiConfig", "PhiForCausalLM", dict(head_dim=None)),
+    Family("Phi3", "Phi3Config", "Phi3ForCausalLM", dict(head_dim=None)),
+    Family("Granite", "GraniteConfig", "GraniteForCausalLM"),
+    Family("OLMo2", "Olmo2Config", "Olmo2ForCausalLM"),
+    Family("OLMo3", "Olmo3Config", "Olmo3ForCausalLM", SLIDING, notes=WINDOW),
+    Family("StableLM", "StableLmConfig", "StableLmForCausalLM", dict(head_dim=None)),
+    Family("GPT-NeoX", "GPTNeoXConfig", "GPTNeoXForCausalLM", dict(head_dim=None, num_key_value_heads=None)),
+    Family("GPT-2", "GPT2Config", "GPT2LMHeadModel", GPT2_NAMES, notes="learned absolute positions"),
+    Family("GPT-J", "GPTJConfig", "GPTJForCausalLM", dict(GPT2_NAMES, rotary_dim=8)),
+    Family("Starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", dict(SLIDING, head_dim=None), notes=WINDOW),
+    Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM"),
+    Family("EXAONE4", "Exaone4Config", "Exaone4ForCausalLM", dict(SLIDING, sliding_window_pattern=2), notes=WINDOW),
+    Family("GLM4", "Glm4Config", "Glm4ForCausalLM"),
+    Family(
+        "MiniCPM3 (MLA)",
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        dict(MLA, q_lora_rank=16, scale_emb=1, dim_model_base=64),
+        notes=MLA_NOTE,
+    ),
+    Family(
+        "GLM4-MoE-Lite (MLA)",
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(MLA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        notes=MLA_NOTE + " (interleaved rope)",
+    ),
+    Family(
+        "DeepSeek-V2 (MLA)",
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32),
+        notes=MLA_NOTE,
+    ),
+    Family(
+        "DeepSeek-V3 (MLA)",
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            MLA,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+        ),
+        notes=MLA_NOTE,
+    ),
+    Family(
+        "Falcon",
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(head_dim=None, num_key_value_heads=None),
+        paged_kv=Refused("config.model_type"),
+        notes=NOT_ON_INTERFACE,
+    ),
+    Family(
+        "Qwen3-Next (hybrid)",
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            num_hidden_layers=4,
+        ),
+        default=Refused("config.layer_types"),
+        paged_kv=Refused("config.layer_types"),
+        notes="linear-attention layers keep a recurrent state, not K/V pages",
+    ),
+)
+
+
+# -- the six modes ---------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A `generate` call (or two): prompts (row lengths; shorter rows left-padded), new tokens, extra args."""
+
+    lengths: tuple[int, ...]
+    new_tokens: int
+    page_size: int = 4
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    beams: int = 1
+    seed: int | None = None
+    continue_tokens: int = 0  # a second generate of this many tokens from the first one's output and cache
+
+
+MODE_SPECS: dict[str, Mode] = {
+    "greedy": Mode((7, 7), 10),
+    "batch": Mode((5, 9, 3), 10),
+    "beam": Mode((6, 4), 8, beams=3, args=dict(num_beams=3)),
+    "sample": Mode((7, 5), 10, seed=7, args=dict(do_sample=True)),
+    "long": Mode((6,), 48),
+    "continue": Mode((6, 6), 6, continue_tokens=6),
+}
+
+
+def prompts(mode: Mode) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded random prompts `[rows, width]` (ids >= 3: no special tokens) and their mask."""
+    g = torch.Generator().manual_seed(sum(mode.lengths) * 31 + len(mode.lengths))
+    width = max(mode.lengths)
+    mask = (torch.arange(width)[None] >= width - torch.tensor(mode.lengths)[:, None]).long()
+    return torch.randint(3, VOCAB, (len(mode.lengths), width), generator=g) * mask, mask
+
+
+class Generated(NamedTuple):
+    tokens: torch.Tensor  # [rows, prompt + new]
+    logits: torch.Tensor  # [rows (beams included), new, vocab]: the model's raw logits at each step
+
+
+def _generate(model, cache, ids, mask, mode: Mode, new_tokens: int) -> Generated:
+    from torch_paged_kv.integrations.transformers import cache_kwarg
+
+    if mode.seed is not None:
+        torch.manual_seed(mode.seed)
+    kwargs = dict(do_sample=False, pad_token_id=PAD, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    kwargs.update(return_dict_in_generate=True, output_logits=True, **mode.args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=mask, **{cache_kwarg(model): cache}, **kwargs)
+    return Generated(out.sequences, torch.stack(out.logits, 1))
+
+
+def run(model, cache_factory: Callable[[], Any], mode: Mode) -> list[Generated]:
+    """The mode's generate call(s) with a fresh cache from `cache_factory`."""
+    ids, mask = prompts(mode)
+    cache = cache_factory()
+    out = [_generate(model, cache, ids, mask, mode, mode.new_tokens)]
+    if mode.continue_tokens:
+        first = out[0].tokens
+        longer = torch.cat([mask, torch.ones_like(first[:, mask.shape[1] :])], 1)
+        out.append(_generate(model, cache, first, longer, mode, mode.continue_tokens))
+    return out
+
+
+def compare(got: list[Generated], expected: list[Generated]) -> str:
+    """`EXACT` when every token is DynamicCache's and every logit within `LOGIT_TOLERANCE` of its
+    (fp32 rounding: a different summation order); else what differs."""
+    for g, e in zip(got, expected, strict=True):
+        if not torch.equal(g.tokens, e.tokens):
+            return "wrong tokens"
+        error = (g.logits - e.logits).abs().max().item()
+        if not error <= LOGIT_TOLERANCE * max(1.0, e.logits.abs().max().item()):
+            return f"logits differ by {error:.2e}"
+    return EXACT
+
+
+def max_cache_len(mode: Mode) -> int:
+    return max(mode.lengths) + mode.new_tokens + mode.continue_tokens
+
+
+@dataclasses.dataclass
+class CellResult:
+    family: str
+    column: str
+    mode: str
+    expected: Outcome
+    got: str  # "exact", "refused (field)", or what went wrong
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.got == str(self.expected)
+
+
+_models: dict[str, tuple[torch.nn.Module, str]] = {}
+_references: dict[tuple[str, str], list[Generated]] = {}  # (family, mode) -> DynamicCache's tokens
+
+
+def model_of(family: Family) -> tuple[torch.nn.Module, str]:
+    """The family's tiny model (built once per process) and its default attention implementation."""
+    if family.name not in _models:
+        model = family.build()
+        _models[family.name] = (model, model.config._attn_implementation)
+    return _models[family.name]
+
+
+def set_attention(model: torch.nn.Module, attn: str) -> None:
+    """`model.set_attn_implementation(attn)`, and where transformers ignores the request (a model not
+    on its attention interface), the config set by hand: what a config naming it looks like."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.set_attn_implementation(attn)
+    if model.config._attn_implementation != attn:
+        model.config._attn_implementation_internal = attn
+
+
+def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
+    """Runs one cell and reports what happened, as `str(outcome)` or a description of the failure."""
+    from transformers import DynamicCache
+
+    from torch_paged_kv.integrations.transformers import PagedCache
+
+    mode = MODE_SPECS[mode_name]
+    start = time.perf_counter()
+    model, default_attn = model_of(family)
+    expected = family.expected(column)
+    rows = len(mode.lengths) * mode.beams
+    key = (family.name, mode_name)
+    if key not in _references:
+        try:
+            set_attention(model, default_attn)
+            _references[key] = run(model, lambda: DynamicCache(config=model.config), mode)
+        except Exception as e:  # the reference itself fails: the family's config is wrong here
+            return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
+    reference = _references[key]
+    caches = []
+
+    def paged_cache():
+        caches.append(PagedCache(model.config, rows, max_cache_len(mode), page_size=mode.page_size))
+        return caches[-1]
+
+    try:
+        set_attention(model, default_attn if column == "default" else "paged_kv")
+        got = run(model, paged_cache, mode)
+    except ValueError as e:
+        got = _refusal(e, caches)
+    except Exception as e:
+        got = f"{type(e).__name__}: {e}"[:300]
+    else:
+        got = compare(got, reference)
+    finally:
+        set_attention(model, default_attn)
+    return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
+
+
+def _refusal(error: ValueError, caches: list) -> str:
+    """`str(Refused(field))` for a refusal naming `field:` before the first token (no step of the cache
+    began); else what it was."""
+    message = str(error)
+    stored = [c for c in caches if c.collection is not None and _touched(c)]
+    if stored:
+        return f"ValueError after tokens were stored: {message}"[:300]
+    field = message.split(":", 1)[0]
+    if " " in field or not field.startswith("config"):
+        return f"ValueError naming no config field: {message}"[:300]
+    return str(Refused(field))
+
+
+def _touched(cache) -> bool:
+    """Whether a step of `cache` began (offsets written) or ended (lengths, column count advanced)."""
+    c = cache.collection
+    return bool(c.cache_lengths.any() or c.input_row_offsets.any() or int(cache.get_seq_length()))
+
+
+# -- selections ------------------------------------------------------------------------------------
+ALL_MODES_FAMILIES = ("Llama", "Gemma4 (text, K/V sharing)", "DeepSeek-V3 (MLA)")
+"""Families run in every mode by the default test run: a plain model, K/V sharing, MLA."""
+
+
+def ci_cells() -> list[tuple[Family, str, str]]:
+    """The default test run: every family in greedy in both columns, every mode for `ALL_MODES_FAMILIES`."""
+    return all_cells(modes=("greedy",)) + all_cells(ALL_MODES_FAMILIES, modes=MODES[1:])
+
+
+def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[Family, str, str]]:
+    chosen = [f for f in FAMILIES if families is None or f.name in families]
+    return [(f, c, m) for f in chosen for c in columns for m in modes]
+
+
+# -- the docs table ----------------------------------------------------------------------------------
+def markdown_table() -> str:
+    """The "Supported models" table of docs/transformers.md, from the declarations above."""
+    lines = [
+        "| family | transformers config | default attention + `PagedCache` | `paged_kv` + `PagedCache` | notes |",
+        "|---|---|---|---|---|",
+    ]
+    for f in FAMILIES:
+        cells = [_table_cell(f.default), _table_cell(f.paged_kv)]
+        lines.append(f"| {f.name} | `{f.config}` | {cells[0]} | {cells[1]} | {f.notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def _table_cell(outcome: Outcome) -> str:
+    return "exact" if outcome == EXACT else f"refused: `{outcome.field}`"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", action="append", help="family name (repeatable); default: all")
+    parser.add_argument("--mode", action="append", choices=MODES)
+    parser.add_argument("--column", action="append", choices=COLUMNS)
+    parser.add_argument("--markdown", action="store_true", help="print the docs table and exit")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown_table(), end="")
+        return 0
+    import torch_paged_kv.integrations.transformers  # noqa: F401  (registers paged_kv)
+
+    cells = all_cells(args.family, args.column or COLUMNS, args.mode or MODES)
+    failures = 0
+    torch.set_num_threads(1)  # tiny models: threads only add synchronisation (and spin on a busy machine)
+    for family, column, mode in cells:
+        result = run_cell(family, column, mode)
+        failures += not result.ok
+        flag = "ok  " if result.ok else "FAIL"
+        print(f"{flag} {family.name:34} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s)", flush=True)
+    print(f"{len(cells) - failures} of {len(cells)} cells as declared")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""What the transformers integration serves exactly, decided from a model's config: the one place
+for every refusal.
+
+`check_config(config, paged)` raises `ValueError` naming the config field (`config.<field>: ...`)
+for any attention pattern that `PagedCache` (and, with `paged=True`, the `paged_kv` attention
+function) cannot reproduce token for token. `PagedCache` calls it at construction and again at the
+first step after the attention implementation changes, so a refusal always comes before anything is
+stored. `cache_shape(config)` says what one pool layer holds.
+
+Features `paged_kv` does not reproduce yet are flags below: once the ops take them, set the flag
+and pass the argument in `hf_attention.paged_kv_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+PAGED_KV_SINKS = False
+"""Attention sinks (`s_aux`: one learned logit per query head in every softmax denominator, GPT-OSS).
+False until `flash_attention` takes `sinks`; then `paged_kv_attention` passes `s_aux` as `sinks`."""
+PAGED_KV_CHUNKED = False
+"""Chunked local attention (`layer_types` "chunked_attention", `attention_chunk_size`, Llama4).
+False until `flash_attention` takes `chunk_size`; then `paged_kv_attention` passes
+`config.attention_chunk_size` on the chunked layers."""
+
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+"""transformers' layer types whose cache is plain K/V per token (what a pool layer holds)."""
+NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
+"""transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
+SINK_MODEL_TYPES = (
+    "gpt_oss",
+    "deepseek_v4",
+    "flint",
+    "granite_swa",
+    "granitemoe_swa",
+    "hy_v4",
+    "hy_v4_vl",
+    "mimo_v2_flash",
+    "openai_privacy_filter",
+)
+"""Model types whose attention passes sinks (`s_aux`) to the attention function (transformers 5.24)."""
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
+"""MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
+per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """What one pool layer holds per token: K/V heads of `head_dim`, or (MLA) one latent of
+    `kv_lora_rank` and one rope key of `rope_dim`."""
+
+    num_kv_heads: int
+    head_dim: int
+    kv_lora_rank: int | None = None
+    rope_dim: int | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+
+def is_mla(config: Any) -> bool:
+    """Whether the model caches a compressed latent (MLA: DeepSeek-V2/V3 and their kind)."""
+    return getattr(config, "kv_lora_rank", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None
+
+
+def cache_shape(config: Any, cached_layers: list[int]) -> CacheShape:
+    """The per-token shape of the model layers `cached_layers` (all must agree: one pool has one shape)."""
+    if is_mla(config):
+        return CacheShape(
+            1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank, config.qk_rope_head_dim
+        )
+    num_heads = config.num_attention_heads
+    kv_heads = _per_layer(config, "num_key_value_heads", cached_layers)
+    head_dims = _per_layer(config, "head_dim", cached_layers)
+    for name, values in (("head_dim", head_dims), ("num_key_value_heads", kv_heads)):
+        if len(set(values.values())) > 1:
+            by_value: dict[Any, list[int]] = {}
+            for layer, value in values.items():
+                by_value.setdefault(value, []).append(layer)
+            layers = "; ".join(f"{v} in layers {ls}" for v, ls in by_value.items())
+            raise ValueError(
+                f"config.{name}: differs between layers ({layers}; per_layer_config, e.g. Gemma4's "
+                f"global_{name}); one PagedCache pool holds one shape for every layer, so such models are not "
+                "supported yet"
+            )
+    kv = next(iter(kv_heads.values()), None) if kv_heads else None
+    head_dim = next(iter(head_dims.values()), None) if head_dims else None
+    return CacheShape(kv or num_heads, head_dim or config.hidden_size // num_heads)
+
+
+def _per_layer(config: Any, name: str, layers: list[int]) -> dict[int, Any]:
+    """`name` of each layer in `layers`: from `config.per_layer_config` where the config has one
+    (transformers >= 5.2x: a global read of a per-layer field raises there), else the global value."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is None:
+        return dict.fromkeys(layers, getattr(config, name, None))
+    return {i: getattr(per_layer[i], name, None) for i in layers}
+
+
+def check_config(config: Any, paged: bool) -> None:
+    """Raise `ValueError` naming the config field if the integration cannot serve this model exactly:
+    with `PagedCache` under the model's own attention, or (`paged=True`) under `paged_kv` too."""
+    types = list(getattr(config, "layer_types", None) or [])
+    unknown = sorted({t for t in types if t not in KV_LAYER_TYPES + NO_CACHE_LAYER_TYPES})
+    if unknown:
+        layers = [i for i, t in enumerate(types) if t in unknown]
+        raise ValueError(
+            f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
+            "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
+        )
+    if not paged:
+        return
+    model_type = getattr(config, "model_type", None)
+    if not on_attention_interface(config):
+        raise ValueError(
+            f"config.model_type: {model_type!r} models do not call transformers' attention interface, so "
+            "attn_implementation='paged_kv' cannot reach them; use PagedCache with the model's default attention"
+        )
+    if model_type in SINK_MODEL_TYPES and not PAGED_KV_SINKS:
+        raise ValueError(
+            f"config.model_type: {model_type!r} models add attention sinks (s_aux) to every softmax, which "
+            "paged_kv does not apply yet; use PagedCache with the model's default attention"
+        )
+    chunked = "chunked_attention" in types or (not types and getattr(config, "attention_chunk_size", None))
+    if chunked and not PAGED_KV_CHUNKED:
+        raise ValueError(
+            f"config.attention_chunk_size: layers attend within chunks of {config.attention_chunk_size} tokens, "
+            "which paged_kv does not apply yet; use PagedCache with the model's default attention"
+        )
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if bidirectional and bidirectional != "vision":
+        raise ValueError(
+            f"config.use_bidirectional_attention: {bidirectional!r} makes the attention non-causal; paged_kv "
+            "attends causally only"
+        )
+    if is_mla(config) and model_type not in MLA_MODEL_TYPES:
+        raise ValueError(
+            f"config.model_type: {model_type!r} caches an MLA latent, but paged_kv's absorbed MLA is verified "
+            f"only for {list(MLA_MODEL_TYPES)}; use PagedCache with the model's default attention"
+        )
+
+
+def on_attention_interface(config: Any) -> bool:
+    """Whether the model class of `config.model_type` calls transformers' attention interface (its own
+    test, `_can_set_attn_implementation`); True where the class cannot be found (a custom model)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    model_class = getattr(transformers, name, None) if name else None
+    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    return True if can_set is None else bool(can_set())
+
+
+def check_attention_call(module: Any, kwargs: dict[str, Any]) -> None:
+    """At a `paged_kv` attention call, before anything is stored: refuse what the call itself shows
+    that `paged_kv` would not apply (for models whose config does not say it)."""
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if kwargs.get("s_aux") is not None and not PAGED_KV_SINKS:
+        raise ValueError(
+            f"config.model_type: {model_type!r} passes attention sinks (s_aux) to the attention function, which "
+            "paged_kv does not apply yet; use PagedCache with the model's default attention"
+        )
+    if getattr(module, "is_causal", True) is False:
+        raise ValueError(
+            f"config.model_type: {model_type!r} layer {getattr(module, 'layer_idx', '?')} attends non-causally "
+            "(is_causal=False); paged_kv attends causally only"
+        )
