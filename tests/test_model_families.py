@@ -8,6 +8,7 @@ plain model (Llama), a K/V-sharing one (Gemma4) and an MLA one (DeepSeek-V3). Th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -204,9 +205,9 @@ def test_mla_paged_kv_needs_the_attention_kwargs_in_update():
 
 
 # -- refusals ---------------------------------------------------------------------------------------
-def test_paged_kv_call_refuses_sinks_and_non_causal_layers_before_storing():
-    """What only the attention call shows (sinks passed by a model whose config does not say so, a
-    non-causal layer) is refused at the call, before the step begins."""
+def test_paged_kv_call_refuses_non_causal_layers_before_storing():
+    """What only the attention call shows (a non-causal layer) is refused at the call, before the step
+    begins."""
     model, _ = matrix.model_of(family("Llama"))
     matrix.set_attention(model, "paged_kv")
     try:
@@ -215,13 +216,11 @@ def test_paged_kv_call_refuses_sinks_and_non_causal_layers_before_storing():
         pending, _ = cache.update(key, key, 0)
         attn = model.model.layers[0].self_attn
         query = torch.randn(1, 4, 3, 16)
-        with pytest.raises(ValueError, match="^config.model_type: 'llama' passes attention sinks"):
-            paged_kv_attention(attn, query, pending, pending, None, s_aux=torch.zeros(4))
         non_causal = SimpleNamespace(config=model.config, layer_idx=0, is_causal=False)
         with pytest.raises(ValueError, match="^config.model_type: 'llama' layer 0 attends non-causally"):
             paged_kv_attention(non_causal, query, pending, pending, None)
         assert not cache.collection.cache_lengths.any() and not cache.collection.input_row_offsets.any()
-        out, _ = paged_kv_attention(attn, query, pending, pending, None)  # the same call without them runs
+        out, _ = paged_kv_attention(attn, query, pending, pending, None)  # the same call without it runs
         assert out.shape == (1, 3, 4, 16) and cache.collection.input_row_offsets[:2].tolist() == [0, 3]
     finally:
         matrix.set_attention(model, "sdpa")
@@ -232,9 +231,8 @@ def test_check_config_refusals_name_the_field():
     llama = matrix.model_of(family("Llama"))[0].config
     cases = [
         (dict(layer_types=["full_attention", "linear_attention"]), "config.layer_types", False),
-        (dict(layer_types=["chunked_attention"], attention_chunk_size=8), "config.attention_chunk_size", True),
+        (dict(attention_chunk_size=8), "config.layer_types", True),  # which layers are chunked?
         (dict(use_bidirectional_attention=True), "config.use_bidirectional_attention", True),
-        (dict(model_type="gpt_oss"), "config.model_type", True),
         (dict(model_type="falcon"), "config.model_type", True),
         (dict(kv_lora_rank=8, qk_rope_head_dim=4, model_type="longcat_flash"), "config.model_type", True),
     ]
@@ -247,18 +245,23 @@ def test_check_config_refusals_name_the_field():
             with pytest.raises(ValueError, match=f"^{name}: "):
                 hf_support.check_config(config, paged)
     hf_support.check_config(SimpleNamespace(**{**vars(llama), "use_bidirectional_attention": "vision"}), True)
+    chunked = dict(layer_types=["chunked_attention", "full_attention"], attention_chunk_size=8, model_type="gpt_oss")
+    hf_support.check_config(SimpleNamespace(**{**vars(llama), **chunked}), True)  # sinks and chunks: served
 
 
 def test_switching_to_paged_kv_is_checked_at_the_next_step():
     """A cache built under the default attention checks the paged-only refusals when the model
     switches to `paged_kv`, at the next step's first layer (nothing stored)."""
-    model, default_attn = matrix.model_of(family("GPT-OSS"))
+    bidirectional = dataclasses.replace(
+        family("Gemma3 (text)"), name="Gemma3 (text, bidirectional)", overrides={"use_bidirectional_attention": True}
+    )
+    model, default_attn = matrix.model_of(bidirectional)
     matrix.set_attention(model, default_attn)
     cache = PagedCache(model.config, 2, 24, page_size=4)
     matrix.set_attention(model, "paged_kv")
     try:
         ids = torch.randint(3, matrix.VOCAB, (2, 5))
-        refused = pytest.raises(ValueError, match="^config.model_type: 'gpt_oss' models add attention sinks")
+        refused = pytest.raises(ValueError, match="^config.use_bidirectional_attention: True makes the attention")
         with refused, torch.no_grad():
             model(ids, **{cache_kwarg(model): cache})
         assert not cache.collection.cache_lengths.any() and int(cache.get_seq_length()) == 0

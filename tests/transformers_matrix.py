@@ -130,8 +130,8 @@ MLA = dict(
 WINDOW = "sliding-window layers (window 8, crossed)"
 SHARING = "K/V-sharing layers (under `paged_kv` fed only the last prompt position, as transformers trims them)"
 MLA_NOTE = "MLA: one latent + rope row per token; absorbed MLA over the pages under `paged_kv`"
-SINKS = "GPT-OSS adds learned per-head sink logits to every softmax (`s_aux`); `flash_attention` has no sinks yet"
-CHUNKED = "chunked local attention (`attention_chunk_size`); `flash_attention` has no chunks yet"
+SINKS = "attention sinks: learned per-head logits in every softmax (`s_aux`, `flash_attention`'s `sinks`)"
+CHUNKED = "chunked local attention (`attention_chunk_size` 8, crossed; `flash_attention`'s `attention_chunk_size`)"
 NOT_ON_INTERFACE = (
     "not on transformers' attention interface: transformers refuses `paged_kv` for it (KeyError at "
     "`from_pretrained`, ignored by `set_attn_implementation`); `PagedCache` refuses a config that names it"
@@ -205,7 +205,6 @@ FAMILIES: tuple[Family, ...] = (
         "GptOssConfig",
         "GptOssForCausalLM",
         dict(SLIDING, num_local_experts=4, num_experts_per_tok=2),
-        paged_kv=Refused("config.model_type"),
         notes=SINKS,
     ),
     Family(
@@ -222,7 +221,6 @@ FAMILIES: tuple[Family, ...] = (
             floor_scale=4,
             attn_scale=0.5,
         ),
-        paged_kv=Refused("config.attention_chunk_size"),
         notes=CHUNKED,
     ),
     Family("Cohere", "CohereConfig", "CohereForCausalLM"),

@@ -16,7 +16,7 @@ import torch
 
 from . import hf_mla
 from .hf_cache import PendingKV, token_rows
-from .hf_support import check_attention_call
+from .hf_support import attention_chunk_size, check_attention_call
 
 
 def paged_kv_mask(
@@ -83,8 +83,11 @@ def paged_kv_attention(
         if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
             k, v = token_rows(pending.key), token_rows(pending.value)
             plan.store_kv(k[real] if ragged else k, v[real] if ragged else v, layer.pool_layer)
-        # sinks (`kwargs["s_aux"]`) and chunks are refused by hf_support until the op takes them
-        out = plan.flash_attention(q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0)
+        sinks = kwargs.get("s_aux")  # GPT-OSS's per-head sink logits
+        out = plan.flash_attention(
+            q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0,
+            None if sinks is None else sinks.detach().float(), attention_chunk_size(module),
+        )  # fmt: skip
     cache.layer_done(layer_idx, batch)
     if ragged:
         out = q.new_zeros(batch * new, num_heads, out.shape[-1]).index_copy_(0, real, out)

@@ -7,8 +7,7 @@ function) cannot reproduce token for token. `PagedCache` calls it at constructio
 first step after the attention implementation changes, so a refusal always comes before anything is
 stored. `cache_shape(config)` says what one pool layer holds.
 
-Features `paged_kv` does not reproduce yet are flags below: once the ops take them, set the flag
-and pass the argument in `hf_attention.paged_kv_attention`.
+`attention_chunk_size(module)` is the chunk a layer attends within (Llama 4's chunked layers).
 """
 
 from __future__ import annotations
@@ -16,30 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-PAGED_KV_SINKS = False
-"""Attention sinks (`s_aux`: one learned logit per query head in every softmax denominator, GPT-OSS).
-False until `flash_attention` takes `sinks`; then `paged_kv_attention` passes `s_aux` as `sinks`."""
-PAGED_KV_CHUNKED = False
-"""Chunked local attention (`layer_types` "chunked_attention", `attention_chunk_size`, Llama4).
-False until `flash_attention` takes `chunk_size`; then `paged_kv_attention` passes
-`config.attention_chunk_size` on the chunked layers."""
-
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' layer types whose cache is plain K/V per token (what a pool layer holds)."""
 NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
 """transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
-SINK_MODEL_TYPES = (
-    "gpt_oss",
-    "deepseek_v4",
-    "flint",
-    "granite_swa",
-    "granitemoe_swa",
-    "hy_v4",
-    "hy_v4_vl",
-    "mimo_v2_flash",
-    "openai_privacy_filter",
-)
-"""Model types whose attention passes sinks (`s_aux`) to the attention function (transformers 5.24)."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
 per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
@@ -118,16 +97,10 @@ def check_config(config: Any, paged: bool) -> None:
             f"config.model_type: {model_type!r} models do not call transformers' attention interface, so "
             "attn_implementation='paged_kv' cannot reach them; use PagedCache with the model's default attention"
         )
-    if model_type in SINK_MODEL_TYPES and not PAGED_KV_SINKS:
+    if not types and getattr(config, "attention_chunk_size", None):
         raise ValueError(
-            f"config.model_type: {model_type!r} models add attention sinks (s_aux) to every softmax, which "
-            "paged_kv does not apply yet; use PagedCache with the model's default attention"
-        )
-    chunked = "chunked_attention" in types or (not types and getattr(config, "attention_chunk_size", None))
-    if chunked and not PAGED_KV_CHUNKED:
-        raise ValueError(
-            f"config.attention_chunk_size: layers attend within chunks of {config.attention_chunk_size} tokens, "
-            "which paged_kv does not apply yet; use PagedCache with the model's default attention"
+            f"config.layer_types: missing, so which layers attend within chunks of {config.attention_chunk_size} "
+            "tokens (config.attention_chunk_size) is unknown; paged_kv needs it per layer"
         )
     bidirectional = getattr(config, "use_bidirectional_attention", None)
     if bidirectional and bidirectional != "vision":
@@ -159,13 +132,19 @@ def check_attention_call(module: Any, kwargs: dict[str, Any]) -> None:
     that `paged_kv` would not apply (for models whose config does not say it)."""
     config = getattr(module, "config", None)
     model_type = getattr(config, "model_type", None)
-    if kwargs.get("s_aux") is not None and not PAGED_KV_SINKS:
-        raise ValueError(
-            f"config.model_type: {model_type!r} passes attention sinks (s_aux) to the attention function, which "
-            "paged_kv does not apply yet; use PagedCache with the model's default attention"
-        )
     if getattr(module, "is_causal", True) is False:
         raise ValueError(
             f"config.model_type: {model_type!r} layer {getattr(module, 'layer_idx', '?')} attends non-causally "
             "(is_causal=False); paged_kv attends causally only"
         )
+
+
+def attention_chunk_size(module: Any) -> int:
+    """The chunk of positions layer `module` attends within (its `layer_types` entry "chunked_attention":
+    `config.attention_chunk_size`), or -1 (no chunks)."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if not types or layer_idx is None or types[layer_idx] != "chunked_attention":
+        return -1
+    return int(config.attention_chunk_size)
