@@ -4,20 +4,20 @@ Arguments arrive validated (`ops/validate.py`), in schema order. Tensors are pas
 pointers with their strides in elements; index tensors are int32 with unit stride in their last
 dimension (validated), `blocks` is contiguous. The threads used are torch's (`torch.get_num_threads()`).
 
-Each call packs its arguments into one `bytes` (int64 values, pointers as integers, then doubles,
-in the order of the C++ `run_*` parameters) and passes that: ctypes converts one argument instead
-of twenty-odd, which saves several microseconds per call (a decode step makes two calls per layer).
-A fresh `bytes` per call keeps concurrent calls from several threads apart.
+Each call packs its arguments into one `bytes` laid out as the entry's argument struct (`args.py`,
+checked against the library's `args.h` when it loads) and passes that: ctypes converts one argument
+instead of forty-odd, which saves several microseconds per call (a decode step makes two calls per
+layer). The values go in field order; `tests/test_cpu.py` checks each entry's values by field name.
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import torch
 
 from . import build
+from .args import PACKERS, check_layout
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -38,10 +38,13 @@ def loaded() -> bool:
 
 
 def load() -> ctypes.CDLL:
-    """The kernel library, built and loaded on first use (raises `build.BuildError`)."""
+    """The kernel library, built and loaded on first use (raises `build.BuildError`), its argument
+    structs checked against `args.py`'s (raises `args.ArgsLayoutError` where they differ)."""
     global _lib
     if _lib is None:
-        _lib = build.library()
+        lib = build.library()
+        check_layout(lib.pkv_args_layout().decode())
+        _lib = lib
     return _lib
 
 
@@ -57,13 +60,10 @@ def step_ok(
     """Whether the step passes every value check that `validate.check_store_kv_data` (`reads_all`
     False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors, library
     loaded). False means: let those checks find what is wrong."""
-    table_shape = lookup_table.shape
-    two_d = len(table_shape) == 2
     return bool(
         _lib.pkv_step_ok(
             _STEP_OK.pack(
-                cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0) if table_shape[0] else 0,
-                two_d, table_shape[1] if two_d else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
+                *_step(cache_lengths, lookup_table, input_row_offsets), lookup_table.dim() == 2,
                 -1 if total_rows is None else total_rows, blocks.shape[3], blocks.shape[0], reads_all,
                 -1 if max_kv_len is None else max_kv_len,
             )
@@ -71,18 +71,23 @@ def step_ok(
     )  # fmt: skip
 
 
-def _pool_and_step(
-    blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor
-) -> tuple[int, ...]:
-    """The pool's shape and the step's index tensors as the C++ store and gather take them: pages,
-    layers, page_size, kv_heads, head_dim, then cache_lengths, table (pointer, row stride, width),
-    offsets and batch."""
+def _pool(blocks: torch.Tensor, layer_idx: int, scales: torch.Tensor | None) -> tuple[int, ...]:
+    """args.h's pool fields: blocks, its shape but the planes, the layer, then the FP8 format code
+    (0: not FP8), the scales and their groups per token and kv head (0: a static pair)."""
     pages, _, layers, page_size, heads, head_dim = blocks.shape
+    if scales is None:
+        fp8 = (0, 0, 0)
+    else:
+        fp8 = (FP8_CODES[blocks.dtype], scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0)
+    return (blocks.data_ptr(), pages, layers, page_size, heads, head_dim, layer_idx, *fp8)
+
+
+def _step(cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor) -> tuple[int, ...]:
+    """args.h's step fields: cache_lengths, the table (row stride, usable columns), offsets, batch."""
     table_shape = lookup_table.shape
     return (
-        pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
-        lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
-        cache_lengths.shape[0],
+        cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
+        table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
     )  # fmt: skip
 
 
@@ -105,17 +110,14 @@ def store_kv(
     if vs[2] != 1:
         value = value.contiguous()
         vs = value.stride()
-    rows = (key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], blocks.data_ptr())
-    step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    lib, threads = _lib or load(), torch.get_num_threads()
     total = key.shape[0]
-    if scales is None:
-        bad = lib.pkv_store_kv(_STORE_KV.pack(blocks.element_size(), *rows, *step, layer_idx, threads, total))
-    else:
-        fp8 = _fp8_arguments(blocks, scales)
-        bad = lib.pkv_store_kv_fp8(
-            _STORE_KV_FP8.pack(DTYPE_CODES[key.dtype], *rows, *fp8, *step, layer_idx, threads, total)
+    bad = (_lib or load()).pkv_store_kv(
+        _STORE_KV.pack(
+            DTYPE_CODES[key.dtype], key.element_size(), key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1],
+            total, *_pool(blocks, layer_idx, scales), *_step(cache_lengths, lookup_table, input_row_offsets),
+            torch.get_num_threads(),
         )
+    )  # fmt: skip
     _raise_out_of_bounds(bad, "key", total)
 
 
@@ -163,16 +165,12 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tup
     # contiguous, as the fake says (empty_like is the cheaper call, where q is contiguous itself)
     out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     os_ = out.stride()
-    pages, _, layers, page_size, heads, head_dim = blocks.shape
-    table_shape = lookup_table.shape
     status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
-            DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], blocks.data_ptr(), pages, layers, page_size, heads,
-            head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
-            table_shape[1] if len(table_shape) == 2 else 1, offsets.data_ptr(), cache_lengths.shape[0],
-            layer_idx, q.shape[1], causal, window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
-            WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), scale, softcap,
-            *_fp8_arguments(blocks, scales), q.shape[0], 0 if sinks is None else sinks.data_ptr(), max(chunk, 0),
+            DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], q.shape[0], q.shape[1], out.data_ptr(), os_[0], os_[1],
+            *_pool(blocks, layer_idx, scales), *_step(cache_lengths, lookup_table, offsets), scale, softcap, causal,
+            window, chunk, 0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
+            torch.get_num_threads(),
         )
     )  # fmt: skip
     return status, out
@@ -198,13 +196,6 @@ def _raise_out_of_bounds(status: int, rows_name: str, rows: int) -> None:
         )
 
 
-def _fp8_arguments(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int, int]:
-    """(FP8 format code or 0, scales pointer, scales per token and kv head or 0 for a static pair)."""
-    if scales is None:
-        return 0, 0, 0
-    return FP8_CODES[blocks.dtype], scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0
-
-
 def gather_kv(
     blocks: torch.Tensor,
     cache_lengths: torch.Tensor,
@@ -216,17 +207,16 @@ def gather_kv(
     out_dtype: torch.dtype | None = None,  # the pool's own (fp32 for FP8): others are declined
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit."""
-    step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
     shape = (cache_lengths.shape[0], max_kv_len, *blocks.shape[4:])
     dtype = blocks.dtype if scales is None else torch.float32
     key, value = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-    out = (max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads())
-    lib = _lib or load()
-    if scales is None:
-        lib.pkv_gather_kv(_GATHER_KV.pack(blocks.element_size(), blocks.data_ptr(), *step, layer_idx, *out))
-    else:
-        fp8 = _fp8_arguments(blocks, scales)
-        lib.pkv_gather_kv_fp8(_GATHER_KV_FP8.pack(blocks.data_ptr(), *fp8, *step, layer_idx, *out))
+    (_lib or load()).pkv_gather_kv(
+        _GATHER_KV.pack(
+            blocks.element_size(), *_pool(blocks, layer_idx, scales),
+            *_step(cache_lengths, lookup_table, input_row_offsets), max_kv_len, key.data_ptr(), value.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )  # fmt: skip
     return key, value
 
 
@@ -247,11 +237,6 @@ def copy_pages(
         )  # fmt: skip
 
 
-# The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d6q")
-_STORE_KV = struct.Struct("@22q")
-_STORE_KV_FP8 = struct.Struct("@25q")
-_GATHER_KV = struct.Struct("@18q")
-_GATHER_KV_FP8 = struct.Struct("@20q")
-_COPY_PAGES = struct.Struct("@7q")
-_STEP_OK = struct.Struct("@12q")
+_STORE_KV, _FLASH_ATTENTION, _GATHER_KV, _COPY_PAGES, _STEP_OK = (
+    PACKERS[name] for name in ("store_kv", "flash_attention", "gather_kv", "copy_pages", "step_ok")
+)
