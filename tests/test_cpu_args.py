@@ -135,7 +135,6 @@ def test_each_entry_gets_each_value_in_its_named_field(monkeypatch):
 
     assert got[0] == dict(
         src_dtype=kernels.DTYPE_CODES[torch.bfloat16],
-        itemsize=2,
         key=key.data_ptr(),
         key_stride_row=heads * 48,
         key_stride_head=48,

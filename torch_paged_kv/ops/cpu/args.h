@@ -45,10 +45,9 @@
   X(int64_t, batch)
 
 // store_kv: new K/V rows [rows, kv_heads, head_dim] (unit element stride) of dtype `src_dtype`
-// (`itemsize` bytes, that of blocks unless the pool is FP8) into their slots.
+// (that of blocks unless the pool is FP8) into their slots.
 #define PKV_STORE_KV_FIELDS(X)                \
   X(int64_t, src_dtype)                       \
-  X(int64_t, itemsize)                        \
   X(const void*, key)                         \
   X(int64_t, key_stride_row)                  \
   X(int64_t, key_stride_head)                 \

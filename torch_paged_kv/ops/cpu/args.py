@@ -45,7 +45,6 @@ _STEP = [
 class StoreKvArgs(ctypes.Structure):
     _fields_ = [
         ("src_dtype", _INT),
-        ("itemsize", _INT),
         ("key", _PTR),
         ("key_stride_row", _INT),
         ("key_stride_head", _INT),

@@ -22,8 +22,9 @@ inline int64_t page_of(const int32_t* table, int64_t table_stride, int64_t table
 // New rows of K and V ([total_new, kv_heads, head_dim], any row / head stride, unit element
 // stride) into their slots; rows whose page is out of range or the null page are skipped.
 void run_store_kv(const PkvStoreKvArgs& a) {
-  const int64_t row_bytes = a.head_dim * a.itemsize, kv_heads = a.kv_heads, page_size = a.page_size;
-  const int64_t plane = a.num_layers * page_size * kv_heads * a.head_dim * a.itemsize;
+  const int64_t itemsize = a.src_dtype == F32 ? 4 : 2;
+  const int64_t row_bytes = a.head_dim * itemsize, kv_heads = a.kv_heads, page_size = a.page_size;
+  const int64_t plane = a.num_layers * page_size * kv_heads * a.head_dim * itemsize;
   const int32_t* offsets = a.offsets;
   const int64_t total = offsets[a.batch] - offsets[0];
   const int threads = thread_count(static_cast<int>(a.threads), static_cast<double>(total) * kv_heads * row_bytes, 1 << 18);
@@ -36,10 +37,10 @@ void run_store_kv(const PkvStoreKvArgs& a) {
       char* dst = base + (((page * 2 * a.num_layers + a.layer) * page_size + pos % page_size) * kv_heads) * row_bytes;
       for (int64_t h = 0; h < kv_heads; ++h) {
         std::memcpy(dst + h * row_bytes,
-                    static_cast<const char*>(a.key) + (row * a.key_stride_row + h * a.key_stride_head) * a.itemsize,
+                    static_cast<const char*>(a.key) + (row * a.key_stride_row + h * a.key_stride_head) * itemsize,
                     row_bytes);
         std::memcpy(dst + plane + h * row_bytes,
-                    static_cast<const char*>(a.value) + (row * a.value_stride_row + h * a.value_stride_head) * a.itemsize,
+                    static_cast<const char*>(a.value) + (row * a.value_stride_row + h * a.value_stride_head) * itemsize,
                     row_bytes);
       }
     }

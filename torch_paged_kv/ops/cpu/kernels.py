@@ -60,10 +60,13 @@ def step_ok(
     """Whether the step passes every value check that `validate.check_store_kv_data` (`reads_all`
     False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors, library
     loaded). False means: let those checks find what is wrong."""
+    table_shape = lookup_table.shape
+    two_d = len(table_shape) == 2
     return bool(
         _lib.pkv_step_ok(
             _STEP_OK.pack(
-                *_step(cache_lengths, lookup_table, input_row_offsets), lookup_table.dim() == 2,
+                cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
+                table_shape[1] if two_d else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0], two_d,
                 -1 if total_rows is None else total_rows, blocks.shape[3], blocks.shape[0], reads_all,
                 -1 if max_kv_len is None else max_kv_len,
             )
@@ -71,21 +74,29 @@ def step_ok(
     )  # fmt: skip
 
 
-def _pool(blocks: torch.Tensor, layer_idx: int, scales: torch.Tensor | None) -> tuple[int, ...]:
-    """args.h's pool fields: blocks, its shape but the planes, the layer, then the FP8 format code
-    (0: not FP8), the scales and their groups per token and kv head (0: a static pair)."""
+def _pool_and_step(
+    blocks: torch.Tensor,
+    layer_idx: int,
+    scales: torch.Tensor | None,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+) -> tuple[int, ...]:
+    """args.h's pool fields, then its step fields: blocks, its shape but the planes, the layer, the
+    FP8 format code (0: not FP8), the scales and their groups per token and kv head (0: a static
+    pair); cache_lengths, the table (row stride, usable columns), offsets, batch."""
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     if scales is None:
-        fp8 = (0, 0, 0)
+        fp8, scales_ptr, groups = 0, 0, 0
     else:
-        fp8 = (FP8_CODES[blocks.dtype], scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0)
-    return (blocks.data_ptr(), pages, layers, page_size, heads, head_dim, layer_idx, *fp8)
-
-
-def _step(cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor) -> tuple[int, ...]:
-    """args.h's step fields: cache_lengths, the table (row stride, usable columns), offsets, batch."""
+        fp8, scales_ptr, groups = (
+            FP8_CODES[blocks.dtype],
+            scales.data_ptr(),
+            scales.shape[5] if scales.dim() == 6 else 0,
+        )
     table_shape = lookup_table.shape
     return (
+        blocks.data_ptr(), pages, layers, page_size, heads, head_dim, layer_idx, fp8, scales_ptr, groups,
         cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
         table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
     )  # fmt: skip
@@ -113,8 +124,8 @@ def store_kv(
     total = key.shape[0]
     bad = (_lib or load()).pkv_store_kv(
         _STORE_KV.pack(
-            DTYPE_CODES[key.dtype], key.element_size(), key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1],
-            total, *_pool(blocks, layer_idx, scales), *_step(cache_lengths, lookup_table, input_row_offsets),
+            DTYPE_CODES[key.dtype], key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1],
+            total, *_pool_and_step(blocks, layer_idx, scales, cache_lengths, lookup_table, input_row_offsets),
             torch.get_num_threads(),
         )
     )  # fmt: skip
@@ -168,7 +179,7 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tup
     status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], q.shape[0], q.shape[1], out.data_ptr(), os_[0], os_[1],
-            *_pool(blocks, layer_idx, scales), *_step(cache_lengths, lookup_table, offsets), scale, softcap, causal,
+            *_pool_and_step(blocks, layer_idx, scales, cache_lengths, lookup_table, offsets), scale, softcap, causal,
             window, chunk, 0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
             torch.get_num_threads(),
         )
@@ -212,8 +223,8 @@ def gather_kv(
     key, value = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
     (_lib or load()).pkv_gather_kv(
         _GATHER_KV.pack(
-            blocks.element_size(), *_pool(blocks, layer_idx, scales),
-            *_step(cache_lengths, lookup_table, input_row_offsets), max_kv_len, key.data_ptr(), value.data_ptr(),
+            blocks.element_size(), *_pool_and_step(blocks, layer_idx, scales, cache_lengths, lookup_table,
+            input_row_offsets), max_kv_len, key.data_ptr(), value.data_ptr(),
             torch.get_num_threads(),
         )
     )  # fmt: skip
