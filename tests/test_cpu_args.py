@@ -11,6 +11,7 @@ import torch
 
 from torch_paged_kv import ops
 from torch_paged_kv.ops.cpu import args, build, kernels
+from torch_paged_kv.ops.records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 
 
 def test_the_library_reports_the_structs_args_py_declares():
@@ -93,12 +94,11 @@ def test_each_entry_gets_each_value_in_its_named_field(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(9)
     try:
-        kernels.store_kv(key, value, blocks, cache_lengths, table, offsets, layer, scales)
-        kernels.flash_attention(
-            q, blocks, cache_lengths, table, offsets, layer, 0.125, True, 17, 2.5, scales, sinks, 21
-        )
-        kernels.gather_kv(blocks, cache_lengths, table, offsets, layer, 23, scales)
-        kernels.copy_pages(blocks, src, dst, scales)
+        kernels.store_kv(StoreKVArgs(key, value, blocks, cache_lengths, table, offsets, layer, scales))
+        call = (q, blocks, cache_lengths, table, offsets, layer, 0.125, True, 17, 2.5, scales, sinks, 21)
+        kernels.flash_attention(FlashAttentionArgs(*call))
+        kernels.gather_kv(GatherKVArgs(blocks, cache_lengths, table, offsets, layer, 23, scales))
+        kernels.copy_pages(CopyPagesArgs(blocks, src, dst, scales))
         kernels.step_ok(blocks, cache_lengths, table, offsets, 11, True, 23)
     finally:
         torch.set_num_threads(threads)

@@ -19,6 +19,7 @@ import torch
 import torch_paged_kv as pk
 from torch_paged_kv import ops
 from torch_paged_kv.layout import NULL_PAGE
+from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.testing import make_mla_batch, make_paged_batch
 
 CACHED, NEW = [5, 9, 0], [2, 1, 3]
@@ -157,7 +158,7 @@ def test_triton_attention_writes_only_its_output_rows():
     b = _batch()
     for case in ("fewer rows than the offsets", "offsets past the rows", "offsets starting below 0"):
         q, step = _wrong_call(b, case, b.q)
-        out, launches = triton_attention.plan_flash_attention(q, b.blocks, *step, b.layer_idx, 0.3)
+        out, launches = triton_attention.plan_flash_attention(FlashAttentionArgs(q, b.blocks, *step, b.layer_idx, 0.3))
         guarded = Guarded(out)
         for launch in launches:
             args = tuple(guarded.view if a is out else a for a in launch.args)

@@ -1,6 +1,6 @@
 """The `cpu` backend's op entry points: one ctypes call into the compiled kernels each.
 
-Arguments arrive validated (`ops/validate.py`), in schema order. Tensors are passed as data
+Each takes its op's argument record (`ops/records.py`), validated (`ops/validate.py`). Tensors are passed as data
 pointers with their strides in elements; index tensors are int32 with unit stride in their last
 dimension (validated), `blocks` is contiguous. The threads used are torch's (`torch.get_num_threads()`).
 
@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 from . import build
 from .args import PACKERS, check_layout
 
@@ -74,17 +75,11 @@ def step_ok(
     )  # fmt: skip
 
 
-def _pool_and_step(
-    blocks: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-) -> tuple[int, ...]:
-    """args.h's pool fields, then its step fields: blocks, its shape but the planes, the layer, the
-    FP8 format code (0: not FP8), the scales and their groups per token and kv head (0: a static
-    pair); cache_lengths, the table (row stride, usable columns), offsets, batch."""
+def _pool_and_step(a: StoreKVArgs | FlashAttentionArgs | GatherKVArgs) -> tuple[int, ...]:
+    """args.h's pool fields, then its step fields, from an op's record: blocks, its shape but the
+    planes, the layer, the FP8 format code (0: not FP8), the scales and their groups per token and kv
+    head (0: a static pair); cache_lengths, the table (row stride, usable columns), offsets, batch."""
+    blocks, scales, lookup_table, cache_lengths = a.blocks, a.scales, a.lookup_table, a.cache_lengths
     pages, _, layers, page_size, heads, head_dim = blocks.shape
     if scales is None:
         fp8, scales_ptr, groups = 0, 0, 0
@@ -96,24 +91,16 @@ def _pool_and_step(
         )
     table_shape = lookup_table.shape
     return (
-        blocks.data_ptr(), pages, layers, page_size, heads, head_dim, layer_idx, fp8, scales_ptr, groups,
+        blocks.data_ptr(), pages, layers, page_size, heads, head_dim, a.layer_idx, fp8, scales_ptr, groups,
         cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
-        table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
+        table_shape[1] if len(table_shape) == 2 else 1, a.input_row_offsets.data_ptr(), cache_lengths.shape[0],
     )  # fmt: skip
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> None:
+def store_kv(a: StoreKVArgs) -> None:
     """An FP8 pool (with `scales`) quantizes the rows by the reference's rule, bit for bit."""
     # (a decode step calls this once per layer: each tensor attribute is read once)
+    key, value = a.key, a.value
     ks, vs = key.stride(), value.stride()
     if ks[2] != 1:
         key = key.contiguous()
@@ -124,51 +111,34 @@ def store_kv(
     total = key.shape[0]
     bad = (_lib or load()).pkv_store_kv(
         _STORE_KV.pack(
-            DTYPE_CODES[key.dtype], key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1],
-            total, *_pool_and_step(blocks, layer_idx, scales, cache_lengths, lookup_table, input_row_offsets),
-            torch.get_num_threads(),
+            DTYPE_CODES[key.dtype], key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], total,
+            *_pool_and_step(a), torch.get_num_threads(),
         )
     )  # fmt: skip
     _raise_out_of_bounds(bad, "key", total)
 
 
-def flash_attention(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> torch.Tensor:
+def flash_attention(a: FlashAttentionArgs) -> torch.Tensor:
     """Over an FP8 pool the fp32 output comes back in q's dtype; bf16 queries stay bf16 where the
     kernels' FP8_*_DOT kinds take them (attention.h's dispatch decides: a call it declines is made
     again with fp32 queries), other queries go in as fp32."""
     lib = _lib or load()
+    q = a.q
     result_dtype = q.dtype
-    if scales is not None and q.dtype != torch.bfloat16:
+    if a.scales is not None and q.dtype != torch.bfloat16:
         q = q.float()
-    args = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
-            softcap, scales, sinks, attention_chunk_size)  # fmt: skip
-    status, out = _flash_attention_call(lib, q, args)
+    status, out = _flash_attention_call(lib, q, a)
     if status == _DECLINED and q.dtype != torch.float32:
-        status, out = _flash_attention_call(lib, q.float(), args)
+        status, out = _flash_attention_call(lib, q.float(), a)
     if status == _DECLINED:
-        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
+        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {a.blocks.dtype} cache")
     _raise_out_of_bounds(status, "q", q.shape[0])
     return out if out.dtype == result_dtype else out.to(result_dtype)
 
 
-def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tuple[int, torch.Tensor]:
-    """One `pkv_flash_attention` call on `q` and the rest of `flash_attention`'s arguments, all of
-    them, in order: (the entry's status: 0, `_DECLINED`, or an out-of-bounds code; the output)."""
-    blocks, cache_lengths, lookup_table, offsets, layer_idx, scale, causal, window, softcap, scales, sinks, chunk = args
+def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, a: FlashAttentionArgs) -> tuple[int, torch.Tensor]:
+    """One `pkv_flash_attention` call on `q` (`a.q`, or it converted) and the rest of `a`: (the
+    entry's status: 0, `_DECLINED`, or an out-of-bounds code; the output)."""
     qs = q.stride()
     if qs[2] != 1:
         q = q.contiguous()
@@ -176,11 +146,12 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tup
     # contiguous, as the fake says (empty_like is the cheaper call, where q is contiguous itself)
     out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     os_ = out.stride()
+    sinks = a.sinks
     status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], q.shape[0], q.shape[1], out.data_ptr(), os_[0], os_[1],
-            *_pool_and_step(blocks, layer_idx, scales, cache_lengths, lookup_table, offsets), scale, softcap, causal,
-            window, chunk, 0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
+            *_pool_and_step(a), a.softmax_scale, a.softcap, a.causal, a.sliding_window, a.attention_chunk_size,
+            0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
             torch.get_num_threads(),
         )
     )  # fmt: skip
@@ -207,38 +178,29 @@ def _raise_out_of_bounds(status: int, rows_name: str, rows: int) -> None:
         )
 
 
-def gather_kv(
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,  # the pool's own (fp32 for FP8): others are declined
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit."""
-    shape = (cache_lengths.shape[0], max_kv_len, *blocks.shape[4:])
+def gather_kv(a: GatherKVArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit.
+    Only gathers in that dtype come here (`out_dtype` None or it: `cpu.__init__`'s supports)."""
+    blocks, scales = a.blocks, a.scales
+    shape = (a.cache_lengths.shape[0], a.max_kv_len, *blocks.shape[4:])
     dtype = blocks.dtype if scales is None else torch.float32
     key, value = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
     (_lib or load()).pkv_gather_kv(
         _GATHER_KV.pack(
-            blocks.element_size(), *_pool_and_step(blocks, layer_idx, scales, cache_lengths, lookup_table,
-            input_row_offsets), max_kv_len, key.data_ptr(), value.data_ptr(),
+            blocks.element_size(), *_pool_and_step(a), a.max_kv_len, key.data_ptr(), value.data_ptr(),
             torch.get_num_threads(),
         )
     )  # fmt: skip
     return key, value
 
 
-def copy_pages(
-    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
-) -> None:
+def copy_pages(a: CopyPagesArgs) -> None:
     """Whole pages, every source read before any write; an FP8 pool's scales rows move with them
     (a static pair has none)."""
+    src_pages, dst_pages, scales = a.src_pages, a.dst_pages, a.scales
     if src_pages.shape[0] == 0:
         return
-    pools = (blocks,) if scales is None or scales.dim() != 6 else (blocks, scales)
+    pools = (a.blocks,) if scales is None or scales.dim() != 6 else (a.blocks, scales)
     for pool in pools:
         (_lib or load()).pkv_copy_pages(
             _COPY_PAGES.pack(
