@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..records import CopyPagesArgs
-from .common import MAX_GRID, Launch, grid_fits
+from .common import MAX_GRID, Launch, grid_fits, real_page
 
 BLOCK = 1024
 
@@ -27,15 +27,16 @@ def _copy_kernel(
 ):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     for i in range(tl.program_id(1), count, tl.num_programs(1)):
-        # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped.
+        # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped,
+        # and the null page (0) is never written.
         if FROM_BLOCKS:
             page = tl.load(src_pages + i)
-            ok = (page >= 0) & (page < num_pages)
+            ok = real_page(page, num_pages, False)
             src_off = page.to(tl.int64) * page_numel
             dst_off = tl.cast(i, tl.int64) * page_numel
         else:
             page = tl.load(dst_pages + i)
-            ok = (page > 0) & (page < num_pages)  # the null page (0) is never written
+            ok = real_page(page, num_pages, True)
             src_off = tl.cast(i, tl.int64) * page_numel
             dst_off = page.to(tl.int64) * page_numel
         mask = idx < tl.where(ok, page_numel, 0)  # (scalar & block masks break the interpreter)

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from .. import splits as split_rule
 from ..records import FlashAttentionArgs
-from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, search_steps
+from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, page_at, search_steps
 from .flash_merge import plan_merge
 from .fp8 import covered, fp8_bits_to_float, quantization
 
@@ -145,10 +145,7 @@ def _attention_kernel(
         out_scale = tl.load(scales + 1)
     for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        col = j // page_size
-        key_ok = (j < stop) & (col < table_width)
-        page = tl.load(table_row + col, mask=key_ok, other=0)
-        key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
+        page, key_ok = page_at(table_row, j, stop, page_size, table_width, num_pages, False)  # inside blocks
         in_page = j % page_size
         if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
             in_page = in_page.to(tl.int64)

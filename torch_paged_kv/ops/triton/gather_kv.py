@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..records import GatherKVArgs
-from .common import MAX_GRID, Launch, blocks_strides, grid_fits
+from .common import MAX_GRID, Launch, blocks_strides, grid_fits, page_at
 from .fp8 import covered, fp8_bits_to_float, quantization
 
 
@@ -54,10 +54,8 @@ def _gather_kv_kernel(
         kv_len = tl.load(cache_lengths + seq) + tl.load(input_row_offsets + seq + 1) - tl.load(input_row_offsets + seq)
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         idx = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-        col = tok // page_size
-        live = (tok < kv_len) & (col < table_width)
-        page = tl.load(lookup_table + tl.cast(seq, tl.int64) * table_stride + col, mask=live, other=0)
-        live = live & (page >= 0) & (page < num_pages)
+        table_row = lookup_table + tl.cast(seq, tl.int64) * table_stride
+        page, live = page_at(table_row, tok, kv_len, page_size, table_width, num_pages, False)
         # int64 before any multiply: the layer and token offsets of a large page outgrow int32.
         src = (
             page.to(tl.int64) * stride_page
