@@ -185,11 +185,11 @@ def checked_kernel(name: str, a: tuple, value_checks: bool = True) -> dispatch.K
 
 def _implementation(name: str) -> Callable[..., Any]:
     """The registered implementation of op `name`: its record, checked, then the selected kernel."""
-    record = RECORDS[name]
+    record, checks = RECORDS[name], _CHECKS[name]
 
     def run(*args: Any, value_checks: bool = True) -> Any:
         a = record(*args)
-        return checked_kernel(name, a, value_checks)(a)
+        return dispatch.select(name, checks(a, value_checks), a)(a)  # (checked_kernel, inlined: per call)
 
     return run
 
