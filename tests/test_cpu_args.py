@@ -23,7 +23,7 @@ def test_the_library_reports_the_structs_args_py_declares():
 
 
 def _edited(edit: str) -> type[ctypes.Structure]:
-    fields = list(args.FlashAttentionArgs._fields_)
+    fields = list(args.FlashAttentionStruct._fields_)
     names = [name for name, _ in fields]
     if edit == "swap":  # two int64 strides side by side: offsets and sizes as before, names swapped
         i = names.index("q_stride_row")
@@ -32,7 +32,7 @@ def _edited(edit: str) -> type[ctypes.Structure]:
         del fields[names.index("sinks")]
     else:  # retype: the same name, offset and size, another kind
         fields[names.index("scale")] = ("scale", ctypes.c_int64)
-    return type("FlashAttentionArgs", (ctypes.Structure,), {"_fields_": fields})
+    return type("FlashAttentionStruct", (ctypes.Structure,), {"_fields_": fields})
 
 
 @pytest.mark.parametrize("edit, where", [("swap", "field 2"), ("drop", "field 30"), ("retype", "field 25")])

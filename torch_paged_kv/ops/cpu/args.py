@@ -42,7 +42,7 @@ _STEP = [
 """args.h's PKV_STEP_FIELDS: the step's index tensors."""
 
 
-class StoreKvArgs(ctypes.Structure):
+class StoreKvStruct(ctypes.Structure):
     _fields_ = [
         ("src_dtype", _INT),
         ("key", _PTR),
@@ -58,7 +58,7 @@ class StoreKvArgs(ctypes.Structure):
     ]
 
 
-class FlashAttentionArgs(ctypes.Structure):
+class FlashAttentionStruct(ctypes.Structure):
     _fields_ = [
         ("dtype", _INT),
         ("q", _PTR),
@@ -84,7 +84,7 @@ class FlashAttentionArgs(ctypes.Structure):
     ]
 
 
-class GatherKvArgs(ctypes.Structure):
+class GatherKvStruct(ctypes.Structure):
     _fields_ = [
         ("itemsize", _INT),
         *_POOL,
@@ -96,7 +96,7 @@ class GatherKvArgs(ctypes.Structure):
     ]
 
 
-class CopyPagesArgs(ctypes.Structure):
+class CopyPagesStruct(ctypes.Structure):
     _fields_ = [
         ("pool", _PTR),
         ("page_bytes", _INT),
@@ -108,7 +108,7 @@ class CopyPagesArgs(ctypes.Structure):
     ]
 
 
-class StepOkArgs(ctypes.Structure):
+class StepOkStruct(ctypes.Structure):
     _fields_ = [
         *_STEP,
         ("table_2d", _INT),
@@ -121,11 +121,11 @@ class StepOkArgs(ctypes.Structure):
 
 
 STRUCTURES: dict[str, type[ctypes.Structure]] = {
-    "store_kv": StoreKvArgs,
-    "flash_attention": FlashAttentionArgs,
-    "gather_kv": GatherKvArgs,
-    "copy_pages": CopyPagesArgs,
-    "step_ok": StepOkArgs,
+    "store_kv": StoreKvStruct,
+    "flash_attention": FlashAttentionStruct,
+    "gather_kv": GatherKvStruct,
+    "copy_pages": CopyPagesStruct,
+    "step_ok": StepOkStruct,
 }
 """entry (`pkv_<name>`) -> its argument Structure (args.h's PKV_ARG_STRUCTS)."""
 
