@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_paged_kv  # noqa: F401  (registers the ops)
 from torch_paged_kv.ops import dispatch, library, reference, validate
 from torch_paged_kv.ops.cpu import kernels
+from torch_paged_kv.ops.records import RECORDS
 from torch_paged_kv.testing import make_paged_batch
 
 
@@ -83,8 +84,8 @@ def main() -> None:
         """The op's implementation called directly (what `StepPlan`'s first eager layer does)."""
 
         def call() -> Any:
-            kernel, completed = library.checked_kernel(op, op_args, value_checks)
-            return kernel(*completed)
+            record = RECORDS[op](*op_args)
+            return library.checked_kernel(op, record, value_checks)(record)
 
         return call
 
@@ -99,15 +100,19 @@ def main() -> None:
                 without_dispatcher(op, op_args, value_checks=False),
             )
             row(f"{op}, no dispatcher", backend, without_dispatcher(op, op_args))
-    row("  shape checks, store_kv", "-", lambda: validate.check_store_kv_meta(*store))
-    row("  shape checks, flash_attention", "-", lambda: validate.check_flash_attention_meta(*attn))
+    records = {"store_kv": RECORDS["store_kv"](*store), "flash_attention": RECORDS["flash_attention"](*attn)}
+    row("  shape checks, store_kv", "-", lambda: validate.check_store_kv_meta(records["store_kv"]))
+    row("  shape checks, flash_attention", "-", lambda: validate.check_flash_attention_meta(records["flash_attention"]))
     row("  value checks, store_kv", "-", lambda: validate.check_store_kv_data(store[0], b.blocks, *b.step))
     row("  value checks, flash_attention", "-", lambda: validate.check_read_data(b.blocks, *b.step, b.q.shape[0]))
-    row("  dispatch.select", "cpu", lambda: dispatch.select("flash_attention", b.blocks.device, attn))
-    for backend, module in (("cpu", kernels), ("reference", reference)):
-        for op, op_args in (("store_kv", store), ("flash_attention", attn)):
-            call = functools.partial(getattr(module, op), *op_args)
-            row(f"  kernel: {op}", backend, call, call)
+    attn_record = records["flash_attention"]
+    row("  dispatch.select", "cpu", lambda: dispatch.select("flash_attention", b.blocks.device, attn_record))
+    for op in ("store_kv", "flash_attention"):
+        call = functools.partial(getattr(kernels, op), records[op])  # the cpu kernels take the op's record
+        row(f"  kernel: {op}", "cpu", call, call)
+    for op, op_args in (("store_kv", store), ("flash_attention", attn)):
+        call = functools.partial(getattr(reference, op), *op_args)
+        row(f"  kernel: {op}", "reference", call, call)
     setup = {"shape": "batch 4, 8 q / 2 kv heads, head_dim 32, ~30 cached tokens, page 16, fp32", "threads": 1}
     print(report("bench_op_overhead", rows, setup))
 

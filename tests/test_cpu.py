@@ -20,6 +20,7 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops.cpu import build, kernels
+from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.testing import (
     ATTENTION_TOLERANCE,
     PagedBatch,
@@ -162,7 +163,7 @@ def test_concurrent_calls_from_python_threads():
     def run(i: int) -> None:
         b = batches[i]
         for _ in range(20):
-            outputs[i] = kernels.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, True, -1, 0.0)
+            outputs[i] = kernels.flash_attention(FlashAttentionArgs(b.q, b.blocks, *b.step, b.layer_idx, 0.3))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(batches))]
     for t in threads:
@@ -436,13 +437,13 @@ def test_the_kernels_alone_decide_which_queries_over_fp8_stay_narrow(granularity
     if declined is None:
         declined = not (lib.pkv_bf16_dot() and lib.pkv_fp8_byte_tables())
     q = b.q.to(q_dtype)
-    args = (b.blocks, *b.step, b.layer_idx, 0.2, True, -1, 0.0, b.scales, None, -1)
+    args = FlashAttentionArgs(q, b.blocks, *b.step, b.layer_idx, 0.2, scales=b.scales)
     said, out = kernels._flash_attention_call(lib, q, args)
     assert said == (kernels._DECLINED if declined else 0)
     fp32 = kernels._flash_attention_call(lib, q.float(), args)[1]
     if not declined:
         torch.testing.assert_close(out.float(), fp32, **ATTENTION_TOLERANCE[q_dtype])
-    got = kernels.flash_attention(q, *args)
+    got = kernels.flash_attention(args)
     assert got.dtype == q_dtype
     if declined:
         assert torch.equal(got, fp32.to(q_dtype))

@@ -163,18 +163,12 @@ def test_operand_rows_match_cache_views(page_size, continuous):
 
 def test_supports_declines_cpu_and_import_needs_no_cutlass():
     from torch_paged_kv.ops.cute.attention import supports
+    from torch_paged_kv.ops.records import FlashAttentionArgs
 
     q = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
     blocks = torch.zeros(3, 2, 1, 16, 2, 64, dtype=torch.bfloat16)
-    assert not supports(
-        q,
-        blocks,
-        torch.zeros(2, dtype=torch.int32),
-        torch.zeros(2, 8, dtype=torch.int32),
-        torch.arange(3, dtype=torch.int32),
-        0,
-        0.125,
-    )
+    step = (torch.zeros(2, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32), torch.arange(3, dtype=torch.int32))
+    assert not supports(FlashAttentionArgs(q, blocks, *step, 0, 0.125))
     code = "import sys, torch_paged_kv; assert 'cutlass' not in sys.modules; print(torch_paged_kv.backend_info('cpu'))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 

@@ -20,6 +20,7 @@ import torch_paged_kv
 pytest.importorskip("triton")
 
 from torch_paged_kv.ops import splits as split_rule
+from torch_paged_kv.ops.records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 from torch_paged_kv.ops.triton import copy_pages, flash_attention, gather_kv, store_kv
 from torch_paged_kv.ops.triton.common import MAX_GRID
 
@@ -59,9 +60,9 @@ def slot_step(batch: int, slot: int, layers: int = 32, kv_heads: int = 8, head_d
 def test_store_kv_grid(total, batch, kv_heads, head_dim):
     blocks, lengths, table, offsets = slot_step(batch, 16, 2, kv_heads, head_dim)
     rows = meta(total, kv_heads, head_dim)
-    args = (rows, rows, blocks, lengths, table, offsets, 1)
-    assert store_kv.supports(*args)
-    assert_fits(store_kv.plan_store_kv(*args))
+    args = StoreKVArgs(rows, rows, blocks, lengths, table, offsets, 1)
+    assert store_kv.supports(args)
+    assert_fits(store_kv.plan_store_kv(args))
 
 
 @pytest.mark.parametrize(
@@ -75,9 +76,9 @@ def test_store_kv_grid(total, batch, kv_heads, head_dim):
 )
 def test_gather_kv_grid(batch, slot, max_kv_len, kv_heads):
     blocks, lengths, table, offsets = slot_step(batch, slot, 4, kv_heads)
-    args = (blocks, lengths, table, offsets, 3, max_kv_len)
-    assert gather_kv.supports(*args)
-    assert_fits(gather_kv.plan_gather_kv(*args)[2])
+    args = GatherKVArgs(blocks, lengths, table, offsets, 3, max_kv_len)
+    assert gather_kv.supports(args)
+    assert_fits(gather_kv.plan_gather_kv(args)[2])
 
 
 @pytest.mark.parametrize(
@@ -90,14 +91,14 @@ def test_gather_kv_grid(batch, slot, max_kv_len, kv_heads):
 )
 def test_copy_pages_grid(count, layers, slot):
     blocks = pool(count + 1, layers, slot)
-    args = (blocks, index(count), index(count))
-    assert copy_pages.supports(*args)
-    assert_fits(copy_pages.plan_copy_pages(*args))
+    args = CopyPagesArgs(blocks, index(count), index(count))
+    assert copy_pages.supports(args)
+    assert_fits(copy_pages.plan_copy_pages(args))
 
 
 def test_copy_pages_refuses_a_page_whose_chunks_overflow_grid_x():
     blocks = pool(2, 2**12, 2**20, 8, 128)  # 2**43 elements per page: 2**33 chunks
-    assert not copy_pages.supports(blocks, index(1), index(1))
+    assert not copy_pages.supports(CopyPagesArgs(blocks, index(1), index(1)))
 
 
 @pytest.mark.parametrize(
@@ -112,18 +113,19 @@ def test_copy_pages_refuses_a_page_whose_chunks_overflow_grid_x():
 def test_flash_attention_grid(total, batch, kv_heads, group, slot):
     blocks, lengths, table, offsets = slot_step(batch, slot, 2, kv_heads, 64)
     q = meta(total, kv_heads * group, 64)
-    args = (q, blocks, lengths, table, offsets, 1, 0.125)
-    assert flash_attention.supports(*args)
-    assert_fits(flash_attention.plan_flash_attention(*args)[1])
+    args = FlashAttentionArgs(q, blocks, lengths, table, offsets, 1, 0.125)
+    assert flash_attention.supports(args)
+    assert_fits(flash_attention.plan_flash_attention(args)[1])
 
 
 def test_flash_attention_refuses_what_it_cannot_launch():
     blocks, lengths, table, offsets = slot_step(4, 16, 2, 65536, 16)  # more KV heads than grid y holds
-    assert not flash_attention.supports(meta(4, 65536, 16), blocks, lengths, table, offsets, 1, 0.1)
+    assert not flash_attention.supports(FlashAttentionArgs(meta(4, 65536, 16), blocks, lengths, table, offsets, 1, 0.1))
     blocks, lengths, table, offsets = slot_step(4, 16, 2, 1, 16)
     q = meta(4, 65536, 16)  # the split merge puts query heads on y
-    assert not flash_attention.supports(q, blocks, lengths, table, offsets, 1, 0.1)
-    assert not flash_attention.supports(meta(4, 1, 24), meta(5, 2, 1, 16, 1, 24), lengths, table, offsets, 1, 0.1)
+    assert not flash_attention.supports(FlashAttentionArgs(q, blocks, lengths, table, offsets, 1, 0.1))
+    odd_head_dim = FlashAttentionArgs(meta(4, 1, 24), meta(5, 2, 1, 16, 1, 24), lengths, table, offsets, 1, 0.1)
+    assert not flash_attention.supports(odd_head_dim)
 
 
 # -- CuTe ----------------------------------------------------------------------------------------

@@ -1,11 +1,16 @@
 """torch.library.opcheck on every op: schema, fake, dispatch and aliasing agree."""
 
+import inspect
 import re
+from typing import NamedTuple
 
 import pytest
 import torch
+from torch import Tensor
 
 import torch_paged_kv  # noqa: F401  (registers the ops)
+from torch_paged_kv.ops import api, library, reference, reference_mla
+from torch_paged_kv.ops.records import RECORDS
 from torch_paged_kv.testing import make_paged_batch
 
 
@@ -88,3 +93,41 @@ def test_attention_output_is_contiguous_in_fake_and_real(batch):
     )
     out = torch.ops.paged_kv.flash_attention(q, batch.blocks, *batch.step, batch.layer_idx, 0.5)
     assert out.is_contiguous()
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_each_op_record_and_reference_take_the_public_signature(name):
+    """The record every backend reads lists api.py's parameters (library.py checks it at import), and
+    the reference, the tests' oracle, keeps the public signature itself."""
+    library.check_record(name, RECORDS[name])
+    oracle = getattr(reference_mla if "latent" in name or "mla" in name else reference, name)
+    public = inspect.signature(api.OPS[name]).parameters.values()
+    assert [(p.name, p.default) for p in inspect.signature(oracle).parameters.values()] == [
+        (p.name, p.default) for p in public
+    ]
+
+
+class _Swapped(NamedTuple):  # copy_pages' record with two tensors in each other's place
+    blocks: Tensor
+    dst_pages: Tensor
+    src_pages: Tensor
+    scales: Tensor | None = None
+
+
+class _OtherDefault(NamedTuple):
+    blocks: Tensor
+    src_pages: Tensor
+    dst_pages: Tensor
+    scales: Tensor | None = 0
+
+
+class _Short(NamedTuple):
+    blocks: Tensor
+    src_pages: Tensor
+    dst_pages: Tensor
+
+
+@pytest.mark.parametrize("record", [_Swapped, _OtherDefault, _Short])
+def test_a_record_that_drifts_from_the_public_signature_is_refused(record):
+    with pytest.raises(TypeError, match="must list api.copy_pages's parameters"):
+        library.check_record("copy_pages", record)

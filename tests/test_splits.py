@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torch_paged_kv.ops import splits
+from torch_paged_kv.ops.records import FlashAttentionArgs
 
 META = torch.device("meta")
 
@@ -38,7 +39,9 @@ def test_triton_plans_its_decode_grid_by_the_shared_rule(monkeypatch):
         blocks = torch.empty(table_width + 1, 2, 1, 16, 8, 128, dtype=torch.bfloat16, device=META)
         lengths, offsets = (torch.empty(n, dtype=torch.int32, device=META) for n in (1, 2))
         table = torch.empty(1, table_width, dtype=torch.int32, device=META)
-        _, launches = triton_attention.plan_flash_attention(q, blocks, lengths, table, offsets, 0, 0.1)
+        _, launches = triton_attention.plan_flash_attention(
+            FlashAttentionArgs(q, blocks, lengths, table, offsets, 0, 0.1)
+        )
         return launches[0].grid[2]
 
     assert planned_splits(2048) == 64  # 32k keys, 8 kv heads on 132 SMs: the cap

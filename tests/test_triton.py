@@ -19,6 +19,7 @@ import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import BackendUnavailableError, reference
 from torch_paged_kv.ops import splits as split_rule
+from torch_paged_kv.ops.records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
@@ -114,13 +115,13 @@ def test_programs_loop_over_what_grid_y_cannot_hold(monkeypatch, op):
     batch = make_paged_batch([5, 0, 17, 2, 9], [3, 4, 1, 1, 2], page_size=4, head_dim=16, seed=11)
     if op == "gather_kv":
         args = (batch.blocks, *batch.step, 1, 19)
-        _, _, launches = gather_kv.plan_gather_kv(*args)
+        _, _, launches = gather_kv.plan_gather_kv(GatherKVArgs(*args))
         assert launches[0].grid[1] == 2
         for got, want in zip(ops.gather_kv(*args), reference.gather_kv(*args), strict=True):
             assert torch.equal(got, want)
         return
     src, dst = (torch.tensor(pages, dtype=torch.int32) for pages in ([1, 2, 3, 4, 5], [6, 7, 8, 9, 2]))
-    assert copy_pages.plan_copy_pages(batch.blocks, src, dst)[0].grid[1] == 2
+    assert copy_pages.plan_copy_pages(CopyPagesArgs(batch.blocks, src, dst))[0].grid[1] == 2
     expected = batch.blocks.clone()
     reference.copy_pages(expected, src, dst)
     ops.copy_pages(batch.blocks, src, dst)
@@ -175,7 +176,7 @@ def test_offsets_past_int32_store_kv(wide_pool):
 
     blocks, layer, first = wide_pool
     key, value = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(0)).to(torch.float16)
-    store_kv(key, value, blocks, *_one_sequence(first, 4), layer)
+    store_kv(StoreKVArgs(key, value, blocks, *_one_sequence(first, 4), layer))
     assert torch.equal(blocks[1, 0, layer, first:], key) and torch.equal(blocks[1, 1, layer, first:], value)
     assert not blocks[:, :, :layer].any() and not blocks[0, :, :, :4].any()  # where the wrapped offsets point
 
@@ -191,7 +192,7 @@ def test_offsets_past_int32_flash_attention(wide_pool):
     key, value = torch.randn(2, 4, 1, 16, generator=generator).to(torch.float16)
     blocks[1, 0, layer, first:], blocks[1, 1, layer, first:] = key, value
     q = torch.randn(1, 4, 16, generator=generator).to(torch.float16)  # decode: the 4th token is new
-    out = flash_attention(q, blocks, *_one_sequence(first, 1), layer, 0.25, True, 4)
+    out = flash_attention(FlashAttentionArgs(q, blocks, *_one_sequence(first, 1), layer, 0.25, True, 4))
     expected = attention_fp64(q, [key], [value], [3], 0.25)
     torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
 
@@ -204,7 +205,7 @@ def test_offsets_past_int32_gather_kv(tmp_path):
     blocks, layer, _ = make_wide_pool("layer", tmp_path)
     key, value = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(2)).to(torch.float16)
     blocks[1, 0, layer], blocks[1, 1, layer] = key, value
-    got_key, got_value = gather_kv(blocks, *_one_sequence(0, 4), layer, 4)
+    got_key, got_value = gather_kv(GatherKVArgs(blocks, *_one_sequence(0, 4), layer, 4))
     assert torch.equal(got_key[0], key) and torch.equal(got_value[0], value)
 
 
@@ -249,9 +250,8 @@ def test_split_kv_decode_matches_fp64(monkeypatch, window, softcap, dtype):
     batch = make_paged_batch(
         [70, 5, 33], [1, 1, 1], page_size=8, num_kv_heads=1, head_dim=16, group=4, layer_idx=0, dtype=dtype, seed=3
     )
-    launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.3, True, window, softcap)[
-        1
-    ]
+    args = FlashAttentionArgs(batch.q, batch.blocks, *batch.step, 0, 0.3, True, window, softcap)
+    launches = triton_attention.plan_flash_attention(args)[1]
     assert len(launches) == 2 and launches[0].grid[2] > 1  # split attention, then the merge
     check_attention(batch, 0.3, True, window, softcap)
 
@@ -316,7 +316,8 @@ def test_fp8_split_decode_and_copy_pages_move_scales(monkeypatch):
 
     monkeypatch.setattr(split_rule, "sm_count", lambda device: 16)  # force several splits
     b, new_keys, new_values = make_fp8_batch([300, 97], [1, 1], granularity=16, page_size=16, seed=4)
-    _, launches = triton_attention.plan_flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
+    args = FlashAttentionArgs(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)
+    _, launches = triton_attention.plan_flash_attention(args)
     assert len(launches) == 2  # split attention, then the merge
     ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
     out = ops.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, scales=b.scales)

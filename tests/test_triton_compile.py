@@ -129,6 +129,7 @@ def test_every_pool_stride_argument_is_checked_for_int32_products():
 GROWING_STEPS = """
 import torch
 from torch_paged_kv.ops.triton import aot
+from torch_paged_kv.ops.records import FlashAttentionArgs, StoreKVArgs
 from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
 from torch_paged_kv.ops.triton.store_kv import plan_store_kv
 from torch_paged_kv.ops.triton.mla_attention import plan_mla_attention
@@ -138,8 +139,8 @@ for batch in (1, 2, 15, 16, 17, 300):
     for layer in (0, 1, 2, 16):
         blocks, lengths, table, offsets, rows = aot._paged(torch.bfloat16, 128, batch, 1, 128)
         q = torch.empty(batch, 32, 128, dtype=torch.bfloat16, device="meta")
-        launches = plan_flash_attention(q, blocks, lengths, table, offsets, layer, 0.1)[1]
-        launches += plan_store_kv(rows, rows, blocks, lengths, table, offsets, layer)
+        launches = plan_flash_attention(FlashAttentionArgs(q, blocks, lengths, table, offsets, layer, 0.1))[1]
+        launches += plan_store_kv(StoreKVArgs(rows, rows, blocks, lengths, table, offsets, layer))
         blocks, scales, lengths, table, offsets, latent, rope = aot._mla_paged(torch.bfloat16, "fp8", batch, 1, 128)
         q_nope = torch.empty(batch, 16, 512, dtype=torch.bfloat16, device="meta")
         q_rope = torch.empty(batch, 16, 64, dtype=torch.bfloat16, device="meta")

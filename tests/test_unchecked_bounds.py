@@ -19,6 +19,7 @@ import torch
 import torch_paged_kv as pk
 from torch_paged_kv import ops
 from torch_paged_kv.layout import NULL_PAGE
+from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.testing import make_mla_batch, make_paged_batch
 
 CACHED, NEW = [5, 9, 0], [2, 1, 3]
@@ -157,7 +158,7 @@ def test_triton_attention_writes_only_its_output_rows():
     b = _batch()
     for case in ("fewer rows than the offsets", "offsets past the rows", "offsets starting below 0"):
         q, step = _wrong_call(b, case, b.q)
-        out, launches = triton_attention.plan_flash_attention(q, b.blocks, *step, b.layer_idx, 0.3)
+        out, launches = triton_attention.plan_flash_attention(FlashAttentionArgs(q, b.blocks, *step, b.layer_idx, 0.3))
         guarded = Guarded(out)
         for launch in launches:
             args = tuple(guarded.view if a is out else a for a in launch.args)
@@ -254,3 +255,27 @@ def test_mla_unchecked_stays_in_bounds(force_backend, case, mla_backend):
         lambda: ops.mla_attention_unchecked(q_nope, q_rope, pool.view, *step, b.layer_idx, 0.2), pool, before
     )
     assert out is None or out.shape == q_nope.shape
+
+
+def test_a_row_at_a_negative_position_writes_nothing(backend):
+    """A length that puts a new row just before position 0 (its column rounds to 0 under C's
+    division) stores nothing for that row; the other rows land where they belong (or the call is
+    refused, as the cpu kernels refuse any negative length, with nothing written)."""
+    b = _batch()
+    before = b.blocks.clone()
+    lengths = _i32([5, -1, 0])
+    key, value = b.new_keys, torch.randn_like(b.new_keys)
+    try:
+        ops.store_kv_unchecked(key, value, b.blocks, lengths, b.lookup_table, b.input_row_offsets, b.layer_idx)
+    except ValueError:
+        assert backend == "cpu" and torch.equal(b.blocks, before)
+        return
+    expected = before.clone()
+    offsets, page_size = b.input_row_offsets.tolist(), b.blocks.shape[3]
+    for seq in (0, 2):
+        for row in range(offsets[seq], offsets[seq + 1]):
+            pos = int(lengths[seq]) + row - offsets[seq]
+            page = int(b.lookup_table[seq, pos // page_size])
+            expected[page, 0, b.layer_idx, pos % page_size] = key[row]
+            expected[page, 1, b.layer_idx, pos % page_size] = value[row]
+    assert torch.equal(b.blocks, expected)

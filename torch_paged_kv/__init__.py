@@ -4,14 +4,9 @@ from __future__ import annotations
 
 from ._version import __version__
 from .checkpoint import CheckpointError, load_cache, save_cache
-from .collection import (
-    ContinuousBatchingKVCache,
-    ContinuousBatchingKVCacheCollection,
-    PagedKVCache,
-    PagedKVCacheCollection,
-    StepTensors,
-)
+from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .compile import mark_step_dynamic
+from .kv_cache_views import ContinuousBatchingKVCache, PagedKVCache
 from .layout import NULL_PAGE
 from .manager import KVCacheManager, OutOfPagesError
 from .ops import (

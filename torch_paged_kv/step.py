@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .ops import library, validate
+from .ops.records import FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 
 _OPS = torch.ops.paged_kv
 
@@ -42,7 +43,10 @@ def _eager_plain(*tensors: Tensor) -> bool:
         return False
     if torch.autograd.profiler._is_profiler_enabled:
         return False
-    return all(type(t) is Tensor for t in tensors)
+    for t in tensors:  # noqa: SIM110 (`all` over a generator costs twice all the rest of this function)
+        if type(t) is not Tensor:
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,30 +91,30 @@ class StepPlan:
             return None  # the op raises the error
         return kernel
 
-    def _call(self, variant: tuple, layer_idx: int, args: tuple, *tensors: Tensor) -> Any:
-        """A call with no kept kernel to run directly. Eager and plain: the op's own checks and kernel
-        choice without the dispatcher's round trip (which costs more than the checks), keeping the
-        kernel for the later layers of this variant: at the first layer the full checks, at a later
-        one (a variant the first layer did not run, such as a sliding-window layer after a full one)
-        the shape checks. Otherwise the op: checked at the first layer, `.unchecked` after (a compiled
-        graph, a mode watching the ops)."""
+    def _call(self, variant: tuple, layer_idx: int, a: tuple, *tensors: Tensor) -> Any:
+        """A call, on the op's record `a`, with no kept kernel to run directly. Eager and plain: the
+        op's own checks and kernel choice without the dispatcher's round trip (which costs more than
+        the checks), keeping the kernel for the later layers of this variant: at the first layer the
+        full checks, at a later one (a variant the first layer did not run, such as a sliding-window
+        layer after a full one) the shape checks. Otherwise the op: checked at the first layer,
+        `.unchecked` after (a compiled graph, a mode watching the ops)."""
         op = variant[0]
         if _eager_plain(*tensors):
-            kernel, args = library.checked_kernel(op, args, value_checks=layer_idx == self.first_layer)
+            kernel = library.checked_kernel(op, a, value_checks=layer_idx == self.first_layer)
             self.kernels[variant] = kernel
-            return kernel(*args)
-        return getattr(getattr(_OPS, op), self._checked(layer_idx))(*args)
+            return kernel(a)
+        return getattr(getattr(_OPS, op), self._checked(layer_idx))(*a)
 
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`api.store_kv` of this step's new K/V rows `[total_new, num_kv_heads, head_dim]` into layer `layer_idx`."""
         self._rows("key", key, layer_idx)
         kernel = self._direct(("store_kv",), layer_idx, key, value)
-        args = (key, value, self.blocks, *self.step, layer_idx, self.scales)
+        a = StoreKVArgs(key, value, self.blocks, *self.step, layer_idx, self.scales)
         if kernel is not None:
-            validate.check_store_kv_rows(key, value, self.blocks)
-            kernel(*args)
+            validate.check_store_kv_rows(a)
+            kernel(a)
             return
-        self._call(("store_kv",), layer_idx, args, key, value)
+        self._call(("store_kv",), layer_idx, a, key, value)
 
     def flash_attention(
         self,
@@ -128,12 +132,14 @@ class StepPlan:
         variant = ("flash_attention", causal, sliding_window > 0, softcap > 0, sinks is None, attention_chunk_size > 0)
         tensors = (q,) if sinks is None else (q, sinks)
         kernel = self._direct(variant, layer_idx, *tensors)
-        args = (q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales)
-        args += (sinks, attention_chunk_size)
+        a = FlashAttentionArgs(
+            q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales, sinks,
+            attention_chunk_size,
+        )  # fmt: skip
         if kernel is not None:
-            validate.check_flash_attention_rows(q, self.blocks, softmax_scale, softcap, sinks, attention_chunk_size)
-            return kernel(*args)
-        return self._call(variant, layer_idx, args, *tensors)
+            validate.check_flash_attention_rows(a)
+            return kernel(a)
+        return self._call(variant, layer_idx, a, *tensors)
 
     def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
         """`api.store_latent` of this step's latents `[total_new, kv_lora_rank]` and rotated rope keys
@@ -154,9 +160,9 @@ class StepPlan:
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
         kernel = self._direct(("gather_kv",), layer_idx) if out_dtype is None else None
-        args = (self.blocks, *self.step, layer_idx, max_kv_len, self.scales, out_dtype)
+        a = GatherKVArgs(self.blocks, *self.step, layer_idx, max_kv_len, self.scales, out_dtype)
         if kernel is not None and max_kv_len >= 0:
-            return kernel(*args)
+            return kernel(a)
         if out_dtype is not None:  # kernels are kept for the plan's own dtype only
-            return getattr(_OPS.gather_kv, self._checked(layer_idx))(*args)
-        return self._call(("gather_kv",), layer_idx, args)
+            return getattr(_OPS.gather_kv, self._checked(layer_idx))(*a)
+        return self._call(("gather_kv",), layer_idx, a)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torch_paged_kv.ops import cute, dispatch, reference
+from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
 
 POISON = 300.0
@@ -56,9 +57,9 @@ def _decode_batch(
     return step
 
 
-def _args(step: PagedBatch, *options) -> tuple:
-    """`flash_attention` arguments: the step's tensors and layer, then `options` (scale, causal, ...)."""
-    return (step.q, step.blocks, *step.step, step.layer_idx, *options)
+def _args(step: PagedBatch, *options) -> FlashAttentionArgs:
+    """`flash_attention`'s record: the step's tensors and layer, then `options` (scale, causal, ...)."""
+    return FlashAttentionArgs(step.q, step.blocks, *step.step, step.layer_idx, *options)
 
 
 def _check(out: torch.Tensor, step: PagedBatch, scale: float, causal: bool = True, window: int = -1) -> None:
@@ -88,8 +89,8 @@ def test_decode_matches_reference(page_size, batch, max_ctx, dtype):
     head_dim = 128
     step = _decode_batch(batch, max_ctx, page_size, 8, head_dim, dtype, group=4, layer=1)
     args = _args(step, head_dim**-0.5)
-    assert supports(*args)
-    _check(flash_attention(*args), step, head_dim**-0.5)
+    assert supports(args)
+    _check(flash_attention(args), step, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("head_dim, group", [(64, 1), (64, 8), (128, 1), (128, 16), (256, 2), (256, 8)])
@@ -97,7 +98,7 @@ def test_decode_head_dims_and_gqa_groups(head_dim, group):
     from torch_paged_kv.ops.cute.attention import flash_attention
 
     step = _decode_batch(16, 3000, 16, 2, head_dim, torch.bfloat16, group=group, layer=0, seed=1)
-    _check(flash_attention(*_args(step, head_dim**-0.5)), step, head_dim**-0.5)
+    _check(flash_attention(_args(step, head_dim**-0.5)), step, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("causal, window", [(False, -1), (True, 100), (True, 1), (True, 5000)])
@@ -105,7 +106,7 @@ def test_decode_window_and_non_causal(causal, window):
     from torch_paged_kv.ops.cute.attention import flash_attention
 
     step = _decode_batch(8, 4000, 64, 4, 128, torch.bfloat16, group=4, layer=1, seed=2)
-    _check(flash_attention(*_args(step, 0.1, causal, window)), step, 0.1, causal, window)
+    _check(flash_attention(_args(step, 0.1, causal, window)), step, 0.1, causal, window)
 
 
 @pytest.mark.parametrize("causal, window", [(True, -1), (False, -1), (True, 300)])
@@ -129,7 +130,7 @@ def test_ragged_chunked_call_matches_fp64(causal, window):
     )
     reference.store_kv(step.new_keys, step.new_values, step.blocks, *step.step, step.layer_idx)
     expected = attention_fp64(step.q, step.keys, step.values, step.cache_lengths.tolist(), 0.09, causal, window)
-    out = flash_attention(*_args(step, 0.09, causal, window))
+    out = flash_attention(_args(step, 0.09, causal, window))
     torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
 
 
@@ -139,7 +140,7 @@ def test_continuous_batching_table():
 
     step = _decode_batch(6, 1024, 1024, 4, 128, torch.float16, group=4, layer=0, continuous=True, seed=3)
     assert step.lookup_table.dim() == 1
-    _check(flash_attention(*_args(step, 0.08)), step, 0.08)
+    _check(flash_attention(_args(step, 0.08)), step, 0.08)
 
 
 def test_small_pages_are_declined_on_sm90_and_dispatch_falls_back(monkeypatch, force_backend):
@@ -148,9 +149,9 @@ def test_small_pages_are_declined_on_sm90_and_dispatch_falls_back(monkeypatch, f
     step = _decode_batch(4, 100, 1, 2, 128, torch.bfloat16, group=4, layer=0)
     args = _args(step, 0.1, True, -1, 0.0)
     if cute.device_arch(torch.cuda.current_device()) != "sm_90a":
-        assert supports(*args)  # gather4 streams single rows
+        assert supports(args)  # gather4 streams single rows
         return
-    assert not supports(*args)  # page 1 on Hopper: below a TMA box, Triton's kernel runs it
+    assert not supports(args)  # page 1 on Hopper: below a TMA box, Triton's kernel runs it
     monkeypatch.setitem(dispatch.DEFAULT_ORDER, "cuda", ("cute", "triton", "reference"))
     assert dispatch.select("flash_attention", CUDA, args) is dispatch._kernels[("triton", "flash_attention")][0]
     force_backend("cute")
@@ -171,11 +172,11 @@ def test_cuda_graph_replay_sees_updated_lengths():
 
     step = _decode_batch(8, 1024, 16, 4, 128, torch.bfloat16, group=4, layer=0, seed=5)
     args = _args(step, 0.1)
-    flash_attention(*args)  # compile outside capture
+    flash_attention(args)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = flash_attention(*args)
+        out = flash_attention(args)
     step.cache_lengths.sub_(7).clamp_(min=0)
     graph.replay()
     torch.cuda.synchronize()
@@ -187,10 +188,10 @@ def test_disk_cache_kernel_gives_the_same_answer(tmp_path, monkeypatch):
 
     step = _decode_batch(4, 512, 16, 2, 64, torch.float16, group=2, layer=0, seed=6)
     args = _args(step, 0.125)
-    first = attention.flash_attention(*args)
+    first = attention.flash_attention(args)
     key = variants.decode_key(cute.device_arch(torch.cuda.current_device()), "float16", 64, 16, 2)
     compile_cache.CompileCache(cache_dir=tmp_path).get(key, lambda: variants.build(key))  # compile + export
     monkeypatch.setattr(compile_cache, "CACHE", compile_cache.CompileCache(cache_dir=tmp_path))
-    second = attention.flash_attention(*args)
+    second = attention.flash_attention(args)
     assert compile_cache.CACHE.stats()[key][1] == "disk"
     torch.testing.assert_close(first, second, atol=0, rtol=0)

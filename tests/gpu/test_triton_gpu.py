@@ -9,6 +9,7 @@ import torch
 
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
+from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE as TOLERANCE
 from torch_paged_kv.testing import PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
@@ -198,7 +199,7 @@ def test_decode_batch_one_long_context_is_split():
     from torch_paged_kv.ops.triton import flash_attention as triton_attention
 
     batch = make_batch([32767], [1], 16, layers=1)
-    launches = triton_attention.plan_flash_attention(batch.q, batch.blocks, *batch.step, 0, 0.1)[1]
+    launches = triton_attention.plan_flash_attention(FlashAttentionArgs(batch.q, batch.blocks, *batch.step, 0, 0.1))[1]
     assert len(launches) == 2 and launches[0].grid[2] >= 16  # split attention, then the merge
 
 

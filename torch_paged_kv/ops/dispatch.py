@@ -1,8 +1,8 @@
 """Which backend runs an op: registry, default order, `TORCH_PAGED_KV_BACKEND`, `backend_info`.
 
 Backends register kernels with `register_kernel(backend, op, fn, supports)`; `fn` takes the op's
-arguments in schema order and may assume they passed validation. `supports(*args)` says whether the
-kernel covers a particular call (shapes, dtypes, arch); without it every call is covered.
+argument record (`records.py`) and may assume it passed validation. `supports(record)` says whether
+the kernel covers a particular call (shapes, dtypes, arch); without it every call is covered.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ DEFAULT_ORDER = {"cuda": ("triton", "reference"), "cpu": ("cpu", "reference")}
 FALLBACK_ORDER = ("reference",)
 ENV_VAR = "TORCH_PAGED_KV_BACKEND"
 
-Kernel = Callable[..., Any]
-Supports = Callable[..., bool]
+Kernel = Callable[[Any], Any]  # the op's record -> its result
+Supports = Callable[[Any], bool]  # the op's record -> whether the kernel covers the call
 Declines = Callable[[Any], "str | None"]  # KVCacheParams -> why caches like these are not covered, or None
 
 
@@ -61,7 +61,7 @@ def register_kernel(
 
 
 def _reason(backend: str, op: str, device: torch.device, args: tuple | None) -> str | None:
-    """Why `backend` cannot run `op` on `device` (for `args`, when given); None if it can."""
+    """Why `backend` cannot run `op` on `device` (for the call of record `args`, when given); None if it can."""
     if backend not in _availability:
         return f"backend {backend!r} is not installed"
     reason = _availability[backend](device)
@@ -71,7 +71,7 @@ def _reason(backend: str, op: str, device: torch.device, args: tuple | None) -> 
     if entry is None:
         return f"backend {backend!r} has no {op} kernel"
     supports = entry[1]
-    if args is not None and supports is not None and not supports(*args):
+    if args is not None and supports is not None and not supports(args):
         return f"backend {backend!r} does not cover this {op} call (shapes/dtypes)"
     return None
 
@@ -85,7 +85,7 @@ def forced_backend() -> str | None:
 
 
 def select(op: str, device: torch.device, args: tuple) -> Kernel:
-    """The kernel that runs this call of `op` on `device`."""
+    """The kernel that runs the call of `op` on `device` whose record is `args`."""
     forced = forced_backend()
     if forced is not None:
         reason = _reason(forced, op, device, args)

@@ -13,6 +13,7 @@ the layers after layer 0 (`step.StepPlan`). Being its own op, it stays itself in
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,15 @@ import torch
 from torch import Tensor
 
 from . import api, dispatch, validate
+from .records import (
+    RECORDS,
+    CopyPagesArgs,
+    FlashAttentionArgs,
+    GatherKVArgs,
+    MLAAttentionArgs,
+    StoreKVArgs,
+    StoreLatentArgs,
+)
 
 lib = torch.library.Library("paged_kv", "DEF")
 OVERLOADS = ("", ".unchecked")
@@ -32,17 +42,37 @@ def schema(name: str) -> str:
     return inferred.replace("SymInt", "int")
 
 
+def check_record(name: str, record: type[tuple]) -> None:
+    """Raise `TypeError` unless `record` has exactly the parameters of `api.<name>`: names in order,
+    annotations and defaults (the record is what every backend reads; api.py is the signature)."""
+    params = inspect.signature(api.OPS[name]).parameters.values()
+    want = [(p.name, p.annotation, p.default) for p in params]
+    empty = inspect.Parameter.empty
+    annotations = {f: getattr(t, "__forward_arg__", t) for f, t in record.__annotations__.items()}  # (ForwardRefs)
+    got = [(f, annotations.get(f), record._field_defaults.get(f, empty)) for f in record._fields]
+    if got != want:
+        raise TypeError(
+            f"records.{record.__name__} must list api.{name}'s parameters (name, annotation, default) in "
+            f"order: {want}, got {got}"
+        )
+
+
 for _name in api.OPS:
+    check_record(_name, RECORDS[_name])
     for _overload in OVERLOADS:
         lib.define(_name + _overload + schema(_name))
 
 
 def _register_fake(name: str) -> Callable[[Callable], Callable]:
-    """Register the decorated function as the fake of both overloads of `name`."""
+    """Register the decorated function, which takes op `name`'s record, as the fake of both overloads."""
+    record = RECORDS[name]
 
     def register(fake: Callable) -> Callable:
+        def from_arguments(*args: Any, **kwargs: Any) -> Any:
+            return fake(record(*args, **kwargs))
+
         for overload in OVERLOADS:
-            torch.library.register_fake(f"paged_kv::{name}{overload}", fake, lib=lib)
+            torch.library.register_fake(f"paged_kv::{name}{overload}", from_arguments, lib=lib)
         return fake
 
     return register
@@ -52,171 +82,90 @@ def _register_fake(name: str) -> Callable[[Callable], Callable]:
 
 
 @_register_fake("store_kv")
-def _store_kv_fake(
-    key: Tensor,
-    value: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    scales: Tensor | None = None,
-) -> None:
-    validate.check_store_kv_meta(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales)
+def _store_kv_fake(a: StoreKVArgs) -> None:
+    validate.check_store_kv_meta(a)
 
 
 @_register_fake("flash_attention")
-def _flash_attention_fake(
-    q: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: Tensor | None = None,
-    sinks: Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> Tensor:
-    validate.check_flash_attention_meta(
-        q, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
-        softcap, scales, sinks, attention_chunk_size,
-    )  # fmt: skip
-    return q.new_empty(q.shape)  # contiguous, as every backend returns it (empty_like would keep q's strides)
+def _flash_attention_fake(a: FlashAttentionArgs) -> Tensor:
+    validate.check_flash_attention_meta(a)
+    return a.q.new_empty(a.q.shape)  # contiguous, as every backend returns it (empty_like would keep q's strides)
 
 
 @_register_fake("gather_kv")
-def _gather_kv_fake(
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor]:
-    validate.check_gather_kv_meta(
-        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales, out_dtype
-    )
-    shape = (cache_lengths.shape[0], max_kv_len, blocks.shape[4], blocks.shape[5])
-    dtype = validate.gather_dtype(blocks, out_dtype)
-    return blocks.new_empty(shape, dtype=dtype), blocks.new_empty(shape, dtype=dtype)
+def _gather_kv_fake(a: GatherKVArgs) -> tuple[Tensor, Tensor]:
+    validate.check_gather_kv_meta(a)
+    shape = (a.cache_lengths.shape[0], a.max_kv_len, a.blocks.shape[4], a.blocks.shape[5])
+    dtype = validate.gather_dtype(a.blocks, a.out_dtype)
+    return a.blocks.new_empty(shape, dtype=dtype), a.blocks.new_empty(shape, dtype=dtype)
 
 
 @_register_fake("copy_pages")
-def _copy_pages_fake(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
-    validate.check_copy_pages_meta(blocks, src_pages, dst_pages, scales)
+def _copy_pages_fake(a: CopyPagesArgs) -> None:
+    validate.check_copy_pages_meta(a)
 
 
 @_register_fake("store_latent")
-def _store_latent_fake(
-    latent: Tensor,
-    k_rope: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    scales: Tensor | None = None,
-) -> None:
-    validate.check_store_latent_meta(
-        latent, k_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales
-    )
+def _store_latent_fake(a: StoreLatentArgs) -> None:
+    validate.check_store_latent_meta(a)
 
 
 @_register_fake("mla_attention")
-def _mla_attention_fake(
-    q_nope: Tensor,
-    q_rope: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    scales: Tensor | None = None,
-) -> Tensor:
-    validate.check_mla_attention_meta(
-        q_nope, q_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, scales
-    )
-    return q_nope.new_empty(q_nope.shape)  # contiguous whatever q_nope's strides (as every backend returns it)
+def _mla_attention_fake(a: MLAAttentionArgs) -> Tensor:
+    validate.check_mla_attention_meta(a)
+    return a.q_nope.new_empty(a.q_nope.shape)  # contiguous whatever q_nope's strides (as every backend returns it)
 
 
 # -- implementations: validate, then the selected backend's kernel ----------------------------
-# Each takes the op's arguments in schema order, completed with the schema's defaults (a Python
-# kernel receives only the arguments its caller passed), plus whether the value checks run.
-# `checked_kernel` is that path up to the kernel, for `step.StepPlan`'s eager calls.
+# Each builds the op's record from the arguments the dispatcher passes (a Python kernel receives
+# only the arguments its caller passed; the record fills the schema's defaults), checks it (values
+# too, unless `.unchecked`) and runs the selected backend's kernel on it. `checked_kernel` is that
+# path up to the kernel, for `step.StepPlan`'s eager calls.
 
 
-def _with_defaults(name: str) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
-    """A function completing op `name`'s positional arguments with its schema's trailing defaults."""
-    arguments = getattr(torch.ops.paged_kv, name).default._schema.arguments
-    defaults = [a.default_value for a in arguments if a.has_default_value()]
-    total = len(arguments)
-
-    def complete(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        missing = total - len(args)
-        return args + tuple(defaults[len(defaults) - missing :]) if missing else args
-
-    return complete
+def _check_store_kv(a: StoreKVArgs, value_checks: bool) -> torch.device:
+    validate.check_store_kv_meta(a)
+    if value_checks and validate.data_checks_enabled(a.blocks.device):
+        validate.check_store_kv_data(a.key, a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
+    return a.blocks.device
 
 
-_complete = {name: _with_defaults(name) for name in api.OPS}
+def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.device:
+    validate.check_flash_attention_meta(a)
+    if value_checks and validate.data_checks_enabled(a.blocks.device):
+        validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0])
+    return a.blocks.device
 
 
-def _check_store_kv(args: tuple[Any, ...], value_checks: bool) -> torch.device:
-    key, _, blocks, cache_lengths, lookup_table, input_row_offsets, _, _ = args
-    validate.check_store_kv_meta(*args)
-    if value_checks and validate.data_checks_enabled(blocks.device):
-        validate.check_store_kv_data(key, blocks, cache_lengths, lookup_table, input_row_offsets)
-    return blocks.device
+def _check_gather_kv(a: GatherKVArgs, value_checks: bool) -> torch.device:
+    validate.check_gather_kv_meta(a)
+    if value_checks and validate.data_checks_enabled(a.blocks.device):
+        validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, None, a.max_kv_len)
+    return a.blocks.device
 
 
-def _check_flash_attention(args: tuple[Any, ...], value_checks: bool) -> torch.device:
-    q, blocks, cache_lengths, lookup_table, input_row_offsets = args[:5]
-    validate.check_flash_attention_meta(*args)
-    if value_checks and validate.data_checks_enabled(blocks.device):
-        validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, q.shape[0])
-    return blocks.device
+def _check_copy_pages(a: CopyPagesArgs, value_checks: bool) -> torch.device:
+    validate.check_copy_pages_meta(a)
+    if value_checks and validate.data_checks_enabled(a.blocks.device):
+        validate.check_copy_pages_data(a.blocks, a.src_pages, a.dst_pages)
+    return a.blocks.device
 
 
-def _check_gather_kv(args: tuple[Any, ...], value_checks: bool) -> torch.device:
-    blocks, cache_lengths, lookup_table, input_row_offsets, _, max_kv_len, _, _ = args
-    validate.check_gather_kv_meta(*args)
-    if value_checks and validate.data_checks_enabled(blocks.device):
-        validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, None, max_kv_len)
-    return blocks.device
+def _check_store_latent(a: StoreLatentArgs, value_checks: bool) -> torch.device:
+    validate.check_store_latent_meta(a)
+    if value_checks and validate.data_checks_enabled(a.blocks.device):
+        validate.check_store_kv_data(a.latent, a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
+    return a.blocks.device
 
 
-def _check_copy_pages(args: tuple[Any, ...], value_checks: bool) -> torch.device:
-    validate.check_copy_pages_meta(*args)
-    if value_checks and validate.data_checks_enabled(args[0].device):
-        validate.check_copy_pages_data(*args[:3])
-    return args[0].device
+def _check_mla_attention(a: MLAAttentionArgs, value_checks: bool) -> torch.device:
+    validate.check_mla_attention_meta(a)
+    if value_checks and validate.data_checks_enabled(a.blocks.device):
+        validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q_nope.shape[0])
+    return a.blocks.device
 
 
-def _check_store_latent(args: tuple[Any, ...], value_checks: bool) -> torch.device:
-    latent, _, blocks, cache_lengths, lookup_table, input_row_offsets, _, _ = args
-    validate.check_store_latent_meta(*args)
-    if value_checks and validate.data_checks_enabled(blocks.device):
-        validate.check_store_kv_data(latent, blocks, cache_lengths, lookup_table, input_row_offsets)
-    return blocks.device
-
-
-def _check_mla_attention(args: tuple[Any, ...], value_checks: bool) -> torch.device:
-    q_nope, _, blocks, cache_lengths, lookup_table, input_row_offsets = args[:6]
-    validate.check_mla_attention_meta(*args)
-    if value_checks and validate.data_checks_enabled(blocks.device):
-        validate.check_read_data(blocks, cache_lengths, lookup_table, input_row_offsets, q_nope.shape[0])
-    return blocks.device
-
-
-_CHECKS: dict[str, Callable[[tuple[Any, ...], bool], torch.device]] = {
+_CHECKS: dict[str, Callable[[Any, bool], torch.device]] = {
     # op name -> its checks (shapes; values too when asked): returns the device of its pool
     "store_kv": _check_store_kv,
     "flash_attention": _check_flash_attention,
@@ -227,23 +176,20 @@ _CHECKS: dict[str, Callable[[tuple[Any, ...], bool], torch.device]] = {
 }
 
 
-def checked_kernel(
-    name: str, args: tuple[Any, ...], value_checks: bool = True
-) -> tuple[dispatch.Kernel, tuple[Any, ...]]:
-    """What op `name`'s implementation does before it runs: complete `args` with the schema's
-    defaults, validate them (shapes; values too with `value_checks`, unless turned off by
-    `TORCH_PAGED_KV_VALIDATE`) and select the kernel. Returns (kernel, completed arguments)."""
-    args = _complete[name](args)
-    device = _CHECKS[name](args, value_checks)
-    return dispatch.select(name, device, args), args
+def checked_kernel(name: str, a: tuple, value_checks: bool = True) -> dispatch.Kernel:
+    """What op `name`'s implementation does before it runs, on its record `a`: validate it (shapes;
+    values too with `value_checks`, unless turned off by `TORCH_PAGED_KV_VALIDATE`) and select the
+    kernel, which takes `a`."""
+    return dispatch.select(name, _CHECKS[name](a, value_checks), a)
 
 
 def _implementation(name: str) -> Callable[..., Any]:
-    """The registered implementation of op `name`: check, then run the selected kernel."""
+    """The registered implementation of op `name`: its record, checked, then the selected kernel."""
+    record, checks = RECORDS[name], _CHECKS[name]
 
     def run(*args: Any, value_checks: bool = True) -> Any:
-        kernel, args = checked_kernel(name, args, value_checks)
-        return kernel(*args)
+        a = record(*args)
+        return dispatch.select(name, checks(a, value_checks), a)(a)  # (checked_kernel, inlined: per call)
 
     return run
 

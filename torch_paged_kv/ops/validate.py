@@ -19,6 +19,14 @@ from torch import Tensor
 
 from ..layout import NULL_PAGE
 from .cpu import kernels as cpu_kernels
+from .records import (
+    CopyPagesArgs,
+    FlashAttentionArgs,
+    GatherKVArgs,
+    MLAAttentionArgs,
+    StoreKVArgs,
+    StoreLatentArgs,
+)
 
 INDEX_DTYPE = torch.int32
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -159,25 +167,17 @@ def _check_rows(name: str, t: Tensor, blocks: Tensor, heads: int | None = None) 
     _check_inference(name, t)
 
 
-def check_store_kv_meta(
-    key: Tensor,
-    value: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    scales: Tensor | None = None,
-) -> None:
-    _check_blocks(blocks, layer_idx)
-    _check_scales(blocks, scales)
-    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    check_store_kv_rows(key, value, blocks)
+def check_store_kv_meta(a: StoreKVArgs) -> None:
+    _check_blocks(a.blocks, a.layer_idx)
+    _check_scales(a.blocks, a.scales)
+    _check_step(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
+    check_store_kv_rows(a)
 
 
-def check_store_kv_rows(key, value, blocks) -> None:
+def check_store_kv_rows(a: StoreKVArgs) -> None:
     """The shape checks of `store_kv` that concern the new rows (`step.StepPlan` runs only these at a
     later layer of a step, whose pool and step tensors the first layer checked)."""
+    key, value, blocks = a.key, a.value, a.blocks
     _check_rows("key", key, blocks, blocks.shape[4])
     _check_rows("value", value, blocks, blocks.shape[4])
     if value.dtype != key.dtype:
@@ -204,37 +204,17 @@ def check_step_rows(name: str, t: Tensor, step_rows: int | torch.SymInt, layer_i
     torch._check_with(ValueError, rows == step_rows, lambda: message)
 
 
-def check_flash_attention_meta(
-    q: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool,
-    sliding_window: int,
-    softcap: float,
-    scales: Tensor | None = None,
-    sinks: Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> None:
-    _check_blocks(blocks, layer_idx)
-    _check_scales(blocks, scales)
-    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    check_flash_attention_rows(q, blocks, softmax_scale, softcap, sinks, attention_chunk_size)
+def check_flash_attention_meta(a: FlashAttentionArgs) -> None:
+    _check_blocks(a.blocks, a.layer_idx)
+    _check_scales(a.blocks, a.scales)
+    _check_step(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
+    check_flash_attention_rows(a)
 
 
-def check_flash_attention_rows(
-    q: Tensor,
-    blocks: Tensor,
-    softmax_scale: float,
-    softcap: float,
-    sinks: Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> None:
+def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
     """The shape checks of `flash_attention` that concern the queries, the sinks and the scalars (see
     `check_store_kv_rows`)."""
+    q, blocks, softmax_scale, softcap, sinks = a.q, a.blocks, a.softmax_scale, a.softcap, a.sinks
     _check_rows("q", q, blocks)
     if q.shape[1] % blocks.shape[4] != 0:
         _fail("q", f"num_q_heads {q.shape[1]} is not a multiple of num_kv_heads {blocks.shape[4]}")
@@ -255,8 +235,9 @@ def check_flash_attention_rows(
         if sinks.stride(0) != 1 and sinks.shape[0] > 1:
             _fail("sinks", f"expected unit stride (kernels index it densely), got stride {sinks.stride(0)}")
         _check_inference("sinks", sinks)
-    if not isinstance(attention_chunk_size, int) or isinstance(attention_chunk_size, bool):
-        _fail("attention_chunk_size", f"expected an int (<= 0 disables it), got {attention_chunk_size!r}")
+    chunk = a.attention_chunk_size
+    if not isinstance(chunk, int) or isinstance(chunk, bool):
+        _fail("attention_chunk_size", f"expected an int (<= 0 disables it), got {chunk!r}")
 
 
 def _describe(t: object) -> str:
@@ -303,22 +284,14 @@ def _check_mla_split(latent_name: str, rope_name: str, rank: int, rope_dim: int,
         )
 
 
-def check_store_latent_meta(
-    latent: Tensor,
-    k_rope: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    scales: Tensor | None = None,
-) -> None:
-    _check_blocks(blocks, layer_idx, planes=(1,))
+def check_store_latent_meta(a: StoreLatentArgs) -> None:
+    latent, k_rope, blocks = a.latent, a.k_rope, a.blocks
+    _check_blocks(blocks, a.layer_idx, planes=(1,))
     _check_mla_rows("latent", latent, blocks, 2)
     _check_mla_rows("k_rope", k_rope, blocks, 2)
     _check_mla_split("latent", "k_rope", latent.shape[1], k_rope.shape[1], blocks)
-    _check_scales(blocks, scales, latent.shape[1])
-    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    _check_scales(blocks, a.scales, latent.shape[1])
+    _check_step(blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
     if k_rope.dtype != latent.dtype:
         _fail("k_rope", f"expected dtype {latent.dtype} like latent, got {k_rope.dtype}")
     _require(
@@ -328,24 +301,14 @@ def check_store_latent_meta(
     )
 
 
-def check_mla_attention_meta(
-    q_nope: Tensor,
-    q_rope: Tensor,
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    scales: Tensor | None = None,
-) -> None:
-    _check_blocks(blocks, layer_idx, planes=(1,))
+def check_mla_attention_meta(a: MLAAttentionArgs) -> None:
+    q_nope, q_rope, blocks = a.q_nope, a.q_rope, a.blocks
+    _check_blocks(blocks, a.layer_idx, planes=(1,))
     _check_mla_rows("q_nope", q_nope, blocks, 3)
     _check_mla_rows("q_rope", q_rope, blocks, 3)
     _check_mla_split("q_nope", "q_rope", q_nope.shape[2], q_rope.shape[2], blocks)
-    _check_scales(blocks, scales, q_nope.shape[2])
-    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+    _check_scales(blocks, a.scales, q_nope.shape[2])
+    _check_step(blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
     if q_rope.dtype != q_nope.dtype:
         _fail("q_rope", f"expected dtype {q_nope.dtype} like q_nope, got {q_rope.dtype}")
     if q_rope.shape[1] != q_nope.shape[1]:
@@ -355,8 +318,8 @@ def check_mla_attention_meta(
         "q_rope",
         lambda: f"expected {q_nope.shape[0]} rows like q_nope, got {q_rope.shape[0]}",
     )
-    if not softmax_scale > 0 or softmax_scale == float("inf"):
-        _fail("softmax_scale", f"expected a finite positive float, got {softmax_scale!r}")
+    if not a.softmax_scale > 0 or a.softmax_scale == float("inf"):
+        _fail("softmax_scale", f"expected a finite positive float, got {a.softmax_scale!r}")
 
 
 def gather_dtype(blocks: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -366,29 +329,22 @@ def gather_dtype(blocks: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
     return torch.float32 if blocks.dtype in FP8_DTYPES else blocks.dtype
 
 
-def check_gather_kv_meta(
-    blocks: Tensor,
-    cache_lengths: Tensor,
-    lookup_table: Tensor,
-    input_row_offsets: Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> None:
-    _check_blocks(blocks, layer_idx)
-    _check_scales(blocks, scales)
-    _check_step(blocks, cache_lengths, lookup_table, input_row_offsets)
+def check_gather_kv_meta(a: GatherKVArgs) -> None:
+    blocks, max_kv_len, out_dtype = a.blocks, a.max_kv_len, a.out_dtype
+    _check_blocks(blocks, a.layer_idx)
+    _check_scales(blocks, a.scales)
+    _check_step(blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
     _require(max_kv_len >= 0, "max_kv_len", lambda: f"expected >= 0, got {max_kv_len}")
     if out_dtype is not None and out_dtype not in (torch.float64, *FLOAT_DTYPES) and out_dtype != blocks.dtype:
         _fail("out_dtype", f"expected float64/float32/float16/bfloat16 (or blocks' dtype), got {out_dtype}")
 
 
-def check_copy_pages_meta(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor, scales: Tensor | None = None) -> None:
+def check_copy_pages_meta(a: CopyPagesArgs) -> None:
+    blocks, src_pages, dst_pages = a.blocks, a.src_pages, a.dst_pages
     if not isinstance(blocks, Tensor) or blocks.dim() != 6 or not blocks.is_contiguous():
         _fail("blocks", "expected a contiguous 6-D tensor")
     _check_inference("blocks", blocks)
-    _check_scales(blocks, scales)
+    _check_scales(blocks, a.scales)
     _check_index("src_pages", src_pages, (1,), blocks.device)
     _check_index("dst_pages", dst_pages, (1,), blocks.device)
     _require(

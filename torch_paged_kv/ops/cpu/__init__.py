@@ -7,10 +7,9 @@ CPU calls fall back to `reference` (a forced `cpu` raises instead). See docs/cpu
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from ..records import GatherKVArgs
 from . import build, kernels
 
 _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
@@ -31,11 +30,10 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _gather_in_its_dtype(blocks: torch.Tensor, *args: Any) -> bool:
+def _gather_in_its_dtype(a: GatherKVArgs) -> bool:
     """gather_kv covers gathers in the pool's own dtype (fp32 for an FP8 pool); one converting to
     another dtype runs on the reference backend."""
-    scales, out_dtype = args[5], args[6]
-    return out_dtype is None or out_dtype == (torch.float32 if scales is not None else blocks.dtype)
+    return a.out_dtype is None or a.out_dtype == (torch.float32 if a.scales is not None else a.blocks.dtype)
 
 
 KERNELS = {op: (getattr(kernels, op), _gather_in_its_dtype if op == "gather_kv" else None) for op in _OPS}

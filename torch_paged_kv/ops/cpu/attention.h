@@ -7,6 +7,7 @@
 #include <atomic>
 #include <vector>
 
+#include "args.h"
 #include "attend_item.h"
 #include "parallel.h"
 
@@ -161,38 +162,34 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
 // queries outside FP8_*_DOT (one scale per token and kv head or a static pair, head_dim a multiple
 // of 2W, a build with both the bf16 dot products and the FP8 byte tables). kernels.py then calls
 // again with the queries in fp32: this dispatch alone decides which queries stay narrow.
-int run_flash_attention(int dtype, const void* q, int64_t q_stride_row, int64_t q_stride_head, const void* blocks,
-                         int64_t num_pages, int64_t num_layers, int64_t page_size, int64_t kv_heads,
-                         int64_t head_dim, const int32_t* cache_lengths, const int32_t* table, int64_t table_stride,
-                         int64_t table_width, const int32_t* offsets, int64_t batch, int64_t layer, int64_t q_heads,
-                         double scale, int causal, int64_t window, double softcap, void* out, int64_t out_stride_row,
-                         int64_t out_stride_head, int64_t min_split, int64_t want_items, int64_t min_work,
-                         int nthreads, int fp8, const float* scales, int64_t scale_groups, const float* sinks,
-                         int64_t chunk) {
+int run_flash_attention(const PkvFlashAttentionArgs& in) {
   AttnArgs a;
-  a.dtype = dtype;
-  a.q = q;
-  a.q_stride_row = q_stride_row;
-  a.q_stride_head = q_stride_head;
-  a.blocks = blocks;
-  a.geo = Geometry{num_pages, num_layers, page_size, kv_heads, head_dim, layer, table, table_stride, table_width};
-  a.cache_lengths = cache_lengths;
-  a.offsets = offsets;
-  a.batch = batch;
-  a.q_heads = q_heads;
-  a.scale = static_cast<float>(scale);
-  a.causal = causal;
-  a.window = window;
-  a.softcap = static_cast<float>(softcap);
-  a.out = out;
-  a.out_stride_row = out_stride_row;
-  a.out_stride_head = out_stride_head;
-  a.fp8 = fp8;
-  a.scales = scales;
-  a.scale_groups = scale_groups;
-  a.sinks = sinks;
-  a.chunk = chunk;
-  const Tuning tune{min_split, want_items, min_work};
+  a.dtype = static_cast<int>(in.dtype);
+  a.q = in.q;
+  a.q_stride_row = in.q_stride_row;
+  a.q_stride_head = in.q_stride_head;
+  a.blocks = in.blocks;
+  a.geo = Geometry{in.num_pages, in.num_layers, in.page_size, in.kv_heads, in.head_dim,
+                   in.layer,     in.table,      in.table_stride, in.table_width};
+  a.cache_lengths = in.cache_lengths;
+  a.offsets = in.offsets;
+  a.batch = in.batch;
+  a.q_heads = in.q_heads;
+  a.scale = static_cast<float>(in.scale);
+  a.causal = static_cast<int>(in.causal);
+  a.window = in.window;
+  a.softcap = static_cast<float>(in.softcap);
+  a.out = in.out;
+  a.out_stride_row = in.out_stride_row;
+  a.out_stride_head = in.out_stride_head;
+  a.fp8 = static_cast<int>(in.fp8);
+  a.scales = in.scales;
+  a.scale_groups = in.scale_groups;
+  a.sinks = in.sinks;
+  a.chunk = std::max<int64_t>(in.chunk, 0);
+  const Tuning tune{in.min_split, in.want_items, in.min_work};
+  const int nthreads = static_cast<int>(in.threads), dtype = a.dtype, fp8 = a.fp8;
+  const int64_t head_dim = in.head_dim, scale_groups = in.scale_groups;
   const int64_t granule = scale_groups ? head_dim / scale_groups : head_dim;  // (static: one scale per row)
   const bool fp8_codes = fp8 && head_dim % (2 * W) == 0 && granule % (2 * W) == 0;
   if (fp8 && dtype == BF16) {  // FP8_*_DOT: one scale per token and kv head, or a static pair

@@ -8,8 +8,9 @@ the OpenMP runtime torch itself loaded, so the kernels share torch's threads. Th
 the sources and headers, the compiler (path, size, mtime), the flags and the CPU (`-march=native`
 code must not run on another CPU), and lands in `$TORCH_PAGED_KV_CACHE_DIR` (default
 `$XDG_CACHE_HOME/torch_paged_kv` or `~/.cache/torch_paged_kv`), written to a temporary name and
-renamed, so concurrent first calls in several processes at worst compile twice. A warm cache loads
-in milliseconds. Where a variant fails to compile, the next one (no `-march=native`, no OpenMP) is
+renamed, so concurrent first calls in several processes at worst compile twice; a process that
+compiles says so on stderr (one line: the first call stalls 10-20 s). A warm cache loads in
+milliseconds, silently. Where a variant fails to compile, the next one (no `-march=native`, no OpenMP) is
 tried, with a `RuntimeWarning` saying why; the failure is kept beside the library's place
 (`compile-error.txt`) so later processes do not compile it again (delete it to retry).
 """
@@ -23,6 +24,7 @@ import pathlib
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -131,11 +133,14 @@ def _build_and_load() -> ctypes.CDLL:
         raise BuildError("no C++ compiler found (set CXX, or install g++ or clang++)")
     sources = [path.read_bytes() for path in (*SOURCES, *headers())]
     extra = os.environ.get(EXTRA_FLAGS_ENV, "").split()
-    errors = []
+    errors, said = [], False
     for flags in (variant + extra for variant in VARIANT_FLAGS):
         path = cache_dir() / "cpu" / _key(compiler, flags, sources) / f"lib{LIBRARY_NAME}.so"
         failed = path.with_name(FAILED_NAME)  # this variant's compile failed before: not tried again
         if not path.exists():
+            if not failed.exists() and not said:  # the first call stalls: say why, once
+                print(COMPILING.format(cache_dir() / "cpu"), file=sys.stderr, flush=True)
+                said = True
             error = failed.read_text() if failed.exists() else _compile(compiler, flags, SOURCES, path)
             if error is not None:
                 if not failed.exists():  # (a fresh failure)
@@ -159,6 +164,8 @@ def _build_and_load() -> ctypes.CDLL:
 
 
 FAILED_NAME = "compile-error.txt"
+COMPILING = "torch_paged_kv: compiling the CPU kernels once (about 15 s); cached in {}"
+"""Printed to stderr when a process compiles the library (not when it loads it from the cache)."""
 
 
 def _first_error(output: str) -> str:
@@ -175,18 +182,14 @@ def _write_atomically(target: pathlib.Path, text: str) -> None:
     os.replace(tmp, target)
 
 
-SIGNATURES = {  # name -> (argument types, result type); the op kernels take one packed argument block
+SIGNATURES = {  # name -> (argument types, result type); an op entry takes its packed argument struct (args.py)
     "pkv_vector_width": ([], ctypes.c_int),
     "pkv_openmp": ([], ctypes.c_int),
     "pkv_bf16_dot": ([], ctypes.c_int),
     "pkv_fp8_byte_tables": ([], ctypes.c_int),
-    "pkv_flash_attention": ([ctypes.c_char_p], ctypes.c_int),
-    "pkv_store_kv": ([ctypes.c_char_p], ctypes.c_int),
-    "pkv_store_kv_fp8": ([ctypes.c_char_p], ctypes.c_int),
-    "pkv_gather_kv": ([ctypes.c_char_p], None),
-    "pkv_gather_kv_fp8": ([ctypes.c_char_p], None),
-    "pkv_copy_pages": ([ctypes.c_char_p], None),
-    "pkv_step_ok": ([ctypes.c_char_p], ctypes.c_int),
+    "pkv_args_layout": ([], ctypes.c_char_p),
+    **{name: ([ctypes.c_char_p], ctypes.c_int) for name in ("pkv_flash_attention", "pkv_store_kv", "pkv_step_ok")},
+    **{name: ([ctypes.c_char_p], None) for name in ("pkv_gather_kv", "pkv_copy_pages")},
     # segments (int64 [n, 3]), n, message, payload bytes, to_message -> the payload's sum64
     "pkv_wire_copy": (
         [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],

@@ -31,6 +31,7 @@
 // bf16 for the keys-major bf16 tiles.
 //
 // One translation unit, in parts (each a header included once, in this order of dependence):
+//   args.h              the calling convention: one argument struct per entry, and their layout
 //   vec.h               vector width and types, exp / softcap / horizontal sums
 //   kinds.h             storage kinds (fp32, bf16, fp16, FP8 codes): loads, conversions, stores
 //   read_ahead.h        software prefetch of the rows an item reads next
@@ -42,37 +43,13 @@
 //   attention.h         flash_attention: the work items on the threads, the merge of split ranges
 //   fp8_quantize.h      fp32 to FP8 codes, per-granule amax
 //   cache_ops.h         store_kv, gather_kv, copy_pages, the value check of a step
-// This file: the packed argument blocks and the extern "C" entries kernels.py calls.
+// This file: the extern "C" entries kernels.py calls.
 #include <cstdint>
 #include <cstring>
 
+#include "args.h"
 #include "attention.h"
 #include "cache_ops.h"
-
-namespace {
-
-// One call's arguments as kernels.py packs them (struct "@...q...d"): int64 values (pointers as
-// integers) then doubles, 8 bytes each, in the order of the run_* parameters. ctypes then converts
-// one argument per call instead of twenty-odd (a few microseconds a call).
-struct Packed {
-  const unsigned char* p;
-  int64_t i(int k) const {
-    int64_t v;
-    std::memcpy(&v, p + 8 * k, 8);
-    return v;
-  }
-  double d(int k) const {
-    double v;
-    std::memcpy(&v, p + 8 * k, 8);
-    return v;
-  }
-  template <class T>
-  T* ptr(int k) const {
-    return reinterpret_cast<T*>(static_cast<intptr_t>(i(k)));
-  }
-};
-
-}  // namespace
 
 extern "C" {
 
@@ -96,73 +73,48 @@ int pkv_openmp() {
 #endif
 }
 
+// The calling convention: each op entry takes its argument struct (args.h) as the bytes kernels.py
+// packed; pkv_args_layout() describes those structs, for kernels.py to check its side against.
+const char* pkv_args_layout() {
+  static const std::string layout = args_layout();
+  return layout.c_str();
+}
+
 // The op entries return 0, or step_bounds' code (1: offsets, 2: lengths) for a step whose values
 // would take the kernel outside its tensors (nothing is then read or written); flash_attention
 // also 3 where it declines the queries (see run_flash_attention).
-int pkv_flash_attention(const unsigned char* packed) {
-  const Packed a{packed};
-  const int64_t capacity = a.i(7) * a.i(13);  // page_size x table width
-  if (const int bad = step_bounds(a.ptr<const int32_t>(10), a.ptr<const int32_t>(14), a.i(15), a.i(32), capacity)) {
+int pkv_flash_attention(const void* packed) {
+  const auto a = unpack_args<PkvFlashAttentionArgs>(packed);
+  if (const int bad = step_bounds(a.cache_lengths, a.offsets, a.batch, a.q_rows, a.page_size * a.table_width)) {
     return bad;
   }
-  return run_flash_attention(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
-                      a.i(6), a.i(7), a.i(8), a.i(9), a.ptr<const int32_t>(10), a.ptr<const int32_t>(11), a.i(12),
-                      a.i(13), a.ptr<const int32_t>(14), a.i(15), a.i(16), a.i(17), a.d(27), static_cast<int>(a.i(18)),
-                      a.i(19), a.d(28), a.ptr<void>(20), a.i(21), a.i(22), a.i(23), a.i(24), a.i(25),
-                      static_cast<int>(a.i(26)), static_cast<int>(a.i(29)), a.ptr<const float>(30), a.i(31),
-                      a.ptr<const float>(33), a.i(34))
-             ? 3
-             : 0;
+  return run_flash_attention(a) ? 3 : 0;
 }
 
-int pkv_store_kv(const unsigned char* packed) {
-  const Packed a{packed};
-  if (const int bad = step_bounds(a.ptr<const int32_t>(13), a.ptr<const int32_t>(17), a.i(18), a.i(21), a.i(10) * a.i(16))) {
+int pkv_store_kv(const void* packed) {
+  const auto a = unpack_args<PkvStoreKvArgs>(packed);
+  if (const int bad = step_bounds(a.cache_lengths, a.offsets, a.batch, a.rows, a.page_size * a.table_width)) {
     return bad;
   }
-  run_store_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5), a.i(6), a.ptr<void>(7),
-               a.i(8), a.i(9), a.i(10), a.i(11), a.i(12), a.ptr<const int32_t>(13), a.ptr<const int32_t>(14), a.i(15),
-               a.i(16), a.ptr<const int32_t>(17), a.i(18), a.i(19), static_cast<int>(a.i(20)));
+  if (a.fp8) {
+    run_store_kv_fp8(a);
+  } else {
+    run_store_kv(a);
+  }
   return 0;
 }
 
-int pkv_store_kv_fp8(const unsigned char* packed) {
-  const Packed a{packed};
-  if (const int bad = step_bounds(a.ptr<const int32_t>(16), a.ptr<const int32_t>(20), a.i(21), a.i(24), a.i(13) * a.i(19))) {
-    return bad;
+void pkv_gather_kv(const void* packed) {
+  const auto a = unpack_args<PkvGatherKvArgs>(packed);
+  if (a.fp8) {
+    run_gather_kv_fp8(a);
+  } else {
+    run_gather_kv(a);
   }
-  run_store_kv_fp8(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
-                   a.i(6), a.ptr<void>(7), static_cast<int>(a.i(8)), a.ptr<float>(9), a.i(10), a.i(11), a.i(12),
-                   a.i(13), a.i(14), a.i(15), a.ptr<const int32_t>(16), a.ptr<const int32_t>(17), a.i(18), a.i(19),
-                   a.ptr<const int32_t>(20), a.i(21), a.i(22), static_cast<int>(a.i(23)));
-  return 0;
 }
 
-void pkv_gather_kv(const unsigned char* packed) {
-  const Packed a{packed};
-  run_gather_kv(a.i(0), a.ptr<const void>(1), a.i(2), a.i(3), a.i(4), a.i(5), a.i(6), a.ptr<const int32_t>(7),
-                a.ptr<const int32_t>(8), a.i(9), a.i(10), a.ptr<const int32_t>(11), a.i(12), a.i(13), a.i(14),
-                a.ptr<void>(15), a.ptr<void>(16), static_cast<int>(a.i(17)));
-}
+void pkv_copy_pages(const void* packed) { run_copy_pages(unpack_args<PkvCopyPagesArgs>(packed)); }
 
-void pkv_gather_kv_fp8(const unsigned char* packed) {
-  const Packed a{packed};
-  run_gather_kv_fp8(a.ptr<const uint8_t>(0), static_cast<int>(a.i(1)), a.ptr<const float>(2), a.i(3), a.i(4), a.i(5),
-                    a.i(6), a.i(7), a.i(8), a.ptr<const int32_t>(9), a.ptr<const int32_t>(10), a.i(11), a.i(12),
-                    a.ptr<const int32_t>(13), a.i(14), a.i(15), a.i(16), a.ptr<float>(17), a.ptr<float>(18),
-                    static_cast<int>(a.i(19)));
-}
-
-void pkv_copy_pages(const unsigned char* packed) {
-  const Packed a{packed};
-  run_copy_pages(a.ptr<void>(0), a.i(1), a.i(2), a.ptr<const int32_t>(3), a.ptr<const int32_t>(4), a.i(5),
-                 static_cast<int>(a.i(6)));
-}
-
-int pkv_step_ok(const unsigned char* packed) {
-  const Packed a{packed};
-  return run_step_ok(a.ptr<const int32_t>(0), a.ptr<const int32_t>(1), a.i(2), a.i(3), a.i(4), a.ptr<const int32_t>(5),
-                     a.i(6), a.i(7), a.i(8), a.i(9), static_cast<int>(a.i(10)), a.i(11));
-}
+int pkv_step_ok(const void* packed) { return run_step_ok(unpack_args<PkvStepOkArgs>(packed)); }
 
 }  // extern "C"

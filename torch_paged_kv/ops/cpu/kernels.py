@@ -1,23 +1,24 @@
 """The `cpu` backend's op entry points: one ctypes call into the compiled kernels each.
 
-Arguments arrive validated (`ops/validate.py`), in schema order. Tensors are passed as data
+Each takes its op's argument record (`ops/records.py`), validated (`ops/validate.py`). Tensors are passed as data
 pointers with their strides in elements; index tensors are int32 with unit stride in their last
 dimension (validated), `blocks` is contiguous. The threads used are torch's (`torch.get_num_threads()`).
 
-Each call packs its arguments into one `bytes` (int64 values, pointers as integers, then doubles,
-in the order of the C++ `run_*` parameters) and passes that: ctypes converts one argument instead
-of twenty-odd, which saves several microseconds per call (a decode step makes two calls per layer).
-A fresh `bytes` per call keeps concurrent calls from several threads apart.
+Each call packs its arguments into one `bytes` laid out as the entry's argument struct (`args.py`,
+checked against the library's `args.h` when it loads) and passes that: ctypes converts one argument
+instead of forty-odd, which saves several microseconds per call (a decode step makes two calls per
+layer). The values go in field order; `tests/test_cpu.py` checks each entry's values by field name.
 """
 
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import torch
 
+from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 from . import build
+from .args import PACKERS, check_layout
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -38,10 +39,13 @@ def loaded() -> bool:
 
 
 def load() -> ctypes.CDLL:
-    """The kernel library, built and loaded on first use (raises `build.BuildError`)."""
+    """The kernel library, built and loaded on first use (raises `build.BuildError`), its argument
+    structs checked against `args.py`'s (raises `args.ArgsLayoutError` where they differ)."""
     global _lib
     if _lib is None:
-        _lib = build.library()
+        lib = build.library()
+        check_layout(lib.pkv_args_layout().decode())
+        _lib = lib
     return _lib
 
 
@@ -62,8 +66,8 @@ def step_ok(
     return bool(
         _lib.pkv_step_ok(
             _STEP_OK.pack(
-                cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0) if table_shape[0] else 0,
-                two_d, table_shape[1] if two_d else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0],
+                cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
+                table_shape[1] if two_d else 1, input_row_offsets.data_ptr(), cache_lengths.shape[0], two_d,
                 -1 if total_rows is None else total_rows, blocks.shape[3], blocks.shape[0], reads_all,
                 -1 if max_kv_len is None else max_kv_len,
             )
@@ -71,33 +75,32 @@ def step_ok(
     )  # fmt: skip
 
 
-def _pool_and_step(
-    blocks: torch.Tensor, cache_lengths: torch.Tensor, lookup_table: torch.Tensor, input_row_offsets: torch.Tensor
-) -> tuple[int, ...]:
-    """The pool's shape and the step's index tensors as the C++ store and gather take them: pages,
-    layers, page_size, kv_heads, head_dim, then cache_lengths, table (pointer, row stride, width),
-    offsets and batch."""
+def _pool_and_step(a: StoreKVArgs | FlashAttentionArgs | GatherKVArgs) -> tuple[int, ...]:
+    """args.h's pool fields, then its step fields, from an op's record: blocks, its shape but the
+    planes, the layer, the FP8 format code (0: not FP8), the scales and their groups per token and kv
+    head (0: a static pair); cache_lengths, the table (row stride, usable columns), offsets, batch."""
+    blocks, scales, lookup_table, cache_lengths = a.blocks, a.scales, a.lookup_table, a.cache_lengths
     pages, _, layers, page_size, heads, head_dim = blocks.shape
+    if scales is None:
+        fp8, scales_ptr, groups = 0, 0, 0
+    else:
+        fp8, scales_ptr, groups = (
+            FP8_CODES[blocks.dtype],
+            scales.data_ptr(),
+            scales.shape[5] if scales.dim() == 6 else 0,
+        )
     table_shape = lookup_table.shape
     return (
-        pages, layers, page_size, heads, head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(),
-        lookup_table.stride(0), table_shape[1] if len(table_shape) == 2 else 1, input_row_offsets.data_ptr(),
-        cache_lengths.shape[0],
+        blocks.data_ptr(), pages, layers, page_size, heads, head_dim, a.layer_idx, fp8, scales_ptr, groups,
+        cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
+        table_shape[1] if len(table_shape) == 2 else 1, a.input_row_offsets.data_ptr(), cache_lengths.shape[0],
     )  # fmt: skip
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> None:
+def store_kv(a: StoreKVArgs) -> None:
     """An FP8 pool (with `scales`) quantizes the rows by the reference's rule, bit for bit."""
     # (a decode step calls this once per layer: each tensor attribute is read once)
+    key, value = a.key, a.value
     ks, vs = key.stride(), value.stride()
     if ks[2] != 1:
         key = key.contiguous()
@@ -105,57 +108,37 @@ def store_kv(
     if vs[2] != 1:
         value = value.contiguous()
         vs = value.stride()
-    rows = (key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], blocks.data_ptr())
-    step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    lib, threads = _lib or load(), torch.get_num_threads()
     total = key.shape[0]
-    if scales is None:
-        bad = lib.pkv_store_kv(_STORE_KV.pack(blocks.element_size(), *rows, *step, layer_idx, threads, total))
-    else:
-        fp8 = _fp8_arguments(blocks, scales)
-        bad = lib.pkv_store_kv_fp8(
-            _STORE_KV_FP8.pack(DTYPE_CODES[key.dtype], *rows, *fp8, *step, layer_idx, threads, total)
+    bad = (_lib or load()).pkv_store_kv(
+        _STORE_KV.pack(
+            DTYPE_CODES[key.dtype], key.data_ptr(), ks[0], ks[1], value.data_ptr(), vs[0], vs[1], total,
+            *_pool_and_step(a), torch.get_num_threads(),
         )
+    )  # fmt: skip
     _raise_out_of_bounds(bad, "key", total)
 
 
-def flash_attention(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> torch.Tensor:
+def flash_attention(a: FlashAttentionArgs) -> torch.Tensor:
     """Over an FP8 pool the fp32 output comes back in q's dtype; bf16 queries stay bf16 where the
     kernels' FP8_*_DOT kinds take them (attention.h's dispatch decides: a call it declines is made
     again with fp32 queries), other queries go in as fp32."""
     lib = _lib or load()
+    q = a.q
     result_dtype = q.dtype
-    if scales is not None and q.dtype != torch.bfloat16:
+    if a.scales is not None and q.dtype != torch.bfloat16:
         q = q.float()
-    args = (blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, sliding_window,
-            softcap, scales, sinks, attention_chunk_size)  # fmt: skip
-    status, out = _flash_attention_call(lib, q, args)
+    status, out = _flash_attention_call(lib, q, a)
     if status == _DECLINED and q.dtype != torch.float32:
-        status, out = _flash_attention_call(lib, q.float(), args)
+        status, out = _flash_attention_call(lib, q.float(), a)
     if status == _DECLINED:
-        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {blocks.dtype} cache")
+        raise RuntimeError(f"the cpu kernels declined {q.dtype} queries over a {a.blocks.dtype} cache")
     _raise_out_of_bounds(status, "q", q.shape[0])
     return out if out.dtype == result_dtype else out.to(result_dtype)
 
 
-def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tuple[int, torch.Tensor]:
-    """One `pkv_flash_attention` call on `q` and the rest of `flash_attention`'s arguments, all of
-    them, in order: (the entry's status: 0, `_DECLINED`, or an out-of-bounds code; the output)."""
-    blocks, cache_lengths, lookup_table, offsets, layer_idx, scale, causal, window, softcap, scales, sinks, chunk = args
+def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, a: FlashAttentionArgs) -> tuple[int, torch.Tensor]:
+    """One `pkv_flash_attention` call on `q` (`a.q`, or it converted) and the rest of `a`: (the
+    entry's status: 0, `_DECLINED`, or an out-of-bounds code; the output)."""
     qs = q.stride()
     if qs[2] != 1:
         q = q.contiguous()
@@ -163,16 +146,13 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, args: tuple) -> tup
     # contiguous, as the fake says (empty_like is the cheaper call, where q is contiguous itself)
     out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     os_ = out.stride()
-    pages, _, layers, page_size, heads, head_dim = blocks.shape
-    table_shape = lookup_table.shape
+    sinks = a.sinks
     status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
-            DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], blocks.data_ptr(), pages, layers, page_size, heads,
-            head_dim, cache_lengths.data_ptr(), lookup_table.data_ptr(), lookup_table.stride(0),
-            table_shape[1] if len(table_shape) == 2 else 1, offsets.data_ptr(), cache_lengths.shape[0],
-            layer_idx, q.shape[1], causal, window, out.data_ptr(), os_[0], os_[1], MIN_SPLIT_KEYS,
-            WANT_ITEMS, MIN_WORK_PER_THREAD, torch.get_num_threads(), scale, softcap,
-            *_fp8_arguments(blocks, scales), q.shape[0], 0 if sinks is None else sinks.data_ptr(), max(chunk, 0),
+            DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], q.shape[0], q.shape[1], out.data_ptr(), os_[0], os_[1],
+            *_pool_and_step(a), a.softmax_scale, a.softcap, a.causal, a.sliding_window, a.attention_chunk_size,
+            0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
+            torch.get_num_threads(),
         )
     )  # fmt: skip
     return status, out
@@ -198,46 +178,29 @@ def _raise_out_of_bounds(status: int, rows_name: str, rows: int) -> None:
         )
 
 
-def _fp8_arguments(blocks: torch.Tensor, scales: torch.Tensor | None) -> tuple[int, int, int]:
-    """(FP8 format code or 0, scales pointer, scales per token and kv head or 0 for a static pair)."""
-    if scales is None:
-        return 0, 0, 0
-    return FP8_CODES[blocks.dtype], scales.data_ptr(), scales.shape[-1] if scales.dim() == 6 else 0
-
-
-def gather_kv(
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,  # the pool's own (fp32 for FP8): others are declined
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit."""
-    step = _pool_and_step(blocks, cache_lengths, lookup_table, input_row_offsets)
-    shape = (cache_lengths.shape[0], max_kv_len, *blocks.shape[4:])
+def gather_kv(a: GatherKVArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 pool (with `scales`) is dequantized into fp32 rows, the reference's values bit for bit.
+    Only gathers in that dtype come here (`out_dtype` None or it: `cpu.__init__`'s supports)."""
+    blocks, scales = a.blocks, a.scales
+    shape = (a.cache_lengths.shape[0], a.max_kv_len, *blocks.shape[4:])
     dtype = blocks.dtype if scales is None else torch.float32
     key, value = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
-    out = (max_kv_len, key.data_ptr(), value.data_ptr(), torch.get_num_threads())
-    lib = _lib or load()
-    if scales is None:
-        lib.pkv_gather_kv(_GATHER_KV.pack(blocks.element_size(), blocks.data_ptr(), *step, layer_idx, *out))
-    else:
-        fp8 = _fp8_arguments(blocks, scales)
-        lib.pkv_gather_kv_fp8(_GATHER_KV_FP8.pack(blocks.data_ptr(), *fp8, *step, layer_idx, *out))
+    (_lib or load()).pkv_gather_kv(
+        _GATHER_KV.pack(
+            blocks.element_size(), *_pool_and_step(a), a.max_kv_len, key.data_ptr(), value.data_ptr(),
+            torch.get_num_threads(),
+        )
+    )  # fmt: skip
     return key, value
 
 
-def copy_pages(
-    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
-) -> None:
+def copy_pages(a: CopyPagesArgs) -> None:
     """Whole pages, every source read before any write; an FP8 pool's scales rows move with them
     (a static pair has none)."""
+    src_pages, dst_pages, scales = a.src_pages, a.dst_pages, a.scales
     if src_pages.shape[0] == 0:
         return
-    pools = (blocks,) if scales is None or scales.dim() != 6 else (blocks, scales)
+    pools = (a.blocks,) if scales is None or scales.dim() != 6 else (a.blocks, scales)
     for pool in pools:
         (_lib or load()).pkv_copy_pages(
             _COPY_PAGES.pack(
@@ -247,11 +210,6 @@ def copy_pages(
         )  # fmt: skip
 
 
-# The packed argument blocks (see the module docstring), in the order of the C++ run_* parameters.
-_FLASH_ATTENTION = struct.Struct("@27q2d6q")
-_STORE_KV = struct.Struct("@22q")
-_STORE_KV_FP8 = struct.Struct("@25q")
-_GATHER_KV = struct.Struct("@18q")
-_GATHER_KV_FP8 = struct.Struct("@20q")
-_COPY_PAGES = struct.Struct("@7q")
-_STEP_OK = struct.Struct("@12q")
+_STORE_KV, _FLASH_ATTENTION, _GATHER_KV, _COPY_PAGES, _STEP_OK = (
+    PACKERS[name] for name in ("store_kv", "flash_attention", "gather_kv", "copy_pages", "step_ok")
+)

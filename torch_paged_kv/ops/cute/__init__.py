@@ -75,16 +75,16 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _flash_attention(*args: Any) -> torch.Tensor:
+def _flash_attention(a: Any) -> torch.Tensor:
     from .attention import flash_attention
 
-    return flash_attention(*args)
+    return flash_attention(a)
 
 
-def _flash_attention_supports(*args: Any) -> bool:
+def _flash_attention_supports(a: Any) -> bool:
     from .attention import supports
 
-    return supports(*args)
+    return supports(a)
 
 
 def _flash_attention_declines(params: Any) -> str | None:

@@ -1,6 +1,6 @@
 """Public entry: paged decode attention with the CuTe kernels (compile cache -> kernels).
 
-`flash_attention` takes the `paged_kv::flash_attention` arguments (validated), picks the arch's
+`flash_attention` takes the `paged_kv::flash_attention` record (validated), picks the arch's
 kernel variant and a split count from shapes only (no host sync, CUDA-graph safe), runs the decode
 kernel into fp32 partials and merges them with the combine kernel.
 """
@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .. import splits as split_rule
+from ..records import FlashAttentionArgs
 from . import device_arch, device_index, unverified_reason, variants
 from .operand import KVCacheMHAOperand
 
@@ -21,27 +22,16 @@ PROGRAMS_PER_SM = 2
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def supports(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> bool:
+def supports(a: FlashAttentionArgs) -> bool:
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only.
     Not covered (Triton runs them): softcap, attention sinks, chunked attention, FP8 caches (see
     cute._flash_attention_declines)."""
-    if q.device.type != "cuda" or softcap > 0 or scales is not None or sinks is not None or attention_chunk_size > 0:
+    q = a.q
+    if q.device.type != "cuda" or a.softcap > 0 or a.scales is not None or a.sinks is not None:
         return False
-    return covers(device_arch(device_index(q.device)), q, blocks, cache_lengths.shape[0])
+    if a.attention_chunk_size > 0:
+        return False
+    return covers(device_arch(device_index(q.device)), q, a.blocks, a.cache_lengths.shape[0])
 
 
 def covers(arch: str | None, q: torch.Tensor, blocks: torch.Tensor, batch: int) -> bool:
@@ -67,23 +57,10 @@ def covers(arch: str | None, q: torch.Tensor, blocks: torch.Tensor, batch: int) 
     )
 
 
-def flash_attention(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> torch.Tensor:
+def flash_attention(a: FlashAttentionArgs) -> torch.Tensor:
     """`paged_kv::flash_attention` for calls `supports` accepts."""
-    operand = KVCacheMHAOperand.from_blocks(blocks, cache_lengths, lookup_table, layer_idx)
+    q, causal, sliding_window = a.q, a.causal, a.sliding_window
+    operand = KVCacheMHAOperand.from_blocks(a.blocks, a.cache_lengths, a.lookup_table, a.layer_idx)
     index = device_index(q.device)
     arch = device_arch(index)
     dtype = _DTYPES[q.dtype]
@@ -98,8 +75,8 @@ def flash_attention(
         variants.get(variants.combine_key(arch, dtype, head_dim)),
         q,
         operand,
-        input_row_offsets,
-        softmax_scale,
+        a.input_row_offsets,
+        a.softmax_scale,
         causal,
         sliding_window,
         splits,

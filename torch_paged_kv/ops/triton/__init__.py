@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..records import MLAAttentionArgs, StoreLatentArgs, unpacked
+
 _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
 
 
@@ -58,14 +60,15 @@ def unavailable_reason(device: torch.device) -> str | None:
     return f"no Triton kernels for device type {device.type!r}"
 
 
-def _lazy(module: str, name: str) -> Callable[..., Any]:
-    """`name` (a kernel entry point, or `supports`) of submodule `module`, imported on first call."""
-    found: list[Callable[..., Any]] = []
+def _lazy(module: str, name: str) -> Callable[[tuple], Any]:
+    """`name` (a kernel entry point, or `supports`, taking the op's record) of submodule `module`,
+    imported on first call."""
+    found: list[Callable[[tuple], Any]] = []
 
-    def run(*args: Any) -> Any:
+    def run(a: tuple) -> Any:
         if not found:
             found.append(getattr(importlib.import_module(f"{__name__}.{module}"), name))
-        return found[0](*args)
+        return found[0](a)
 
     run.__name__ = name if name == module else f"{module}_{name}"
     return run
@@ -92,20 +95,32 @@ def _power_of_two(n: int, low: int, high: int) -> bool:
     return low <= n <= high and n & (n - 1) == 0
 
 
-def _store_latent_supports(latent: torch.Tensor, *args: Any) -> bool:
+def _store_latent_supports(a: StoreLatentArgs) -> bool:
     """kv_lora_rank a power of two (tl.arange, per-granule reshape); any rope_dim."""
-    return _power_of_two(latent.shape[1], 16, 4096)
+    return _power_of_two(a.latent.shape[1], 16, 4096)
 
 
-def _mla_attention_supports(q_nope: torch.Tensor, q_rope: torch.Tensor, *args: Any) -> bool:
+def _mla_attention_supports(a: MLAAttentionArgs) -> bool:
     """kv_lora_rank a power of two from 16 (tl.dot) to 512 (the fp32 accumulator's registers); rope_dim
     <= 256; not fp32 queries over FP8 rows (its FMA tiles spill kilobytes at rank 512: the reference runs
     them; FP8 caches serve 16-bit models)."""
-    fp8_rows = args[-1] is not None  # scales
-    if fp8_rows and q_nope.dtype == torch.float32:
+    if a.scales is not None and a.q_nope.dtype == torch.float32:
         return False
-    return _power_of_two(q_nope.shape[2], 16, 512) and q_rope.shape[2] <= 256
+    return _power_of_two(a.q_nope.shape[2], 16, 512) and a.q_rope.shape[2] <= 256
 
 
-KERNELS["store_latent"] = (_lazy("mla_store", "store_latent"), _store_latent_supports)
-KERNELS["mla_attention"] = (_lazy("mla_attention", "mla_attention"), _mla_attention_supports)
+def _lazy_positional(module: str, name: str) -> Callable[[tuple], Any]:
+    """As `_lazy`, for the MLA entry points, which take the op's arguments as `api.py` does."""
+    found: list[Callable[[tuple], Any]] = []
+
+    def run(a: tuple) -> Any:
+        if not found:
+            found.append(unpacked(getattr(importlib.import_module(f"{__name__}.{module}"), name)))
+        return found[0](a)
+
+    run.__name__ = f"{module}_{name}"
+    return run
+
+
+KERNELS["store_latent"] = (_lazy_positional("mla_store", "store_latent"), _store_latent_supports)
+KERNELS["mla_attention"] = (_lazy_positional("mla_attention", "mla_attention"), _mla_attention_supports)

@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
+from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 from .common import Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
@@ -125,7 +126,7 @@ def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) ->
     page_size = WIDE_SLOT if mode == "decode-slot" else 16
     blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, batch, new, context, page_size)
     q = torch.empty(batch * new, KV_HEADS * group, head_dim, dtype=DTYPES[dtype], device="meta")
-    _, launches = plan_flash_attention(
+    args = FlashAttentionArgs(
         q,
         blocks,
         cache_lengths,
@@ -139,7 +140,7 @@ def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) ->
         sinks=torch.empty(q.shape[1], device="meta") if "sinks" in option else None,
         attention_chunk_size=8192 if "chunk" in option else -1,
     )
-    return launches
+    return plan_flash_attention(args)[1]
 
 
 def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
@@ -242,13 +243,13 @@ def variants(quick: bool = False) -> list[tuple[str, Launch]]:
     for dtype, head_dim in itertools.product(DTYPES, (128,) if quick else HEAD_DIMS):
         for mode, (batch, new) in {"decode": (64, 1), "prefill": (4, 256)}.items():
             blocks, cache_lengths, table, offsets, rows = _paged(DTYPES[dtype], head_dim, batch, new, 1024)
-            for launch in plan_store_kv(rows, rows, blocks, cache_lengths, table, offsets, LAYER):
+            for launch in plan_store_kv(StoreKVArgs(rows, rows, blocks, cache_lengths, table, offsets, LAYER)):
                 found.append((f"store_kv {dtype} d{head_dim} {mode}", launch))
         blocks, cache_lengths, table, offsets, _ = _paged(DTYPES[dtype], head_dim, 4, 1, 1024)
-        for launch in plan_gather_kv(blocks, cache_lengths, table, offsets, LAYER, 1024)[2]:
+        for launch in plan_gather_kv(GatherKVArgs(blocks, cache_lengths, table, offsets, LAYER, 1024))[2]:
             found.append((f"gather_kv {dtype} d{head_dim}", launch))
         pages = torch.empty(7, dtype=torch.int32, device="meta")
-        for i, launch in enumerate(plan_copy_pages(blocks, pages, pages)):
+        for i, launch in enumerate(plan_copy_pages(CopyPagesArgs(blocks, pages, pages))):
             found.append((f"copy_pages {dtype} d{head_dim} pass{i + 1}", launch))
     found.extend(_fp8_variants(quick))
     found.extend(_mla_variants(quick))
@@ -278,13 +279,15 @@ def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
     for cache in caches:
         for mode, (batch, new, context) in {"decode": (64, 1, 128), "prefill": (4, 256, 1024)}.items():
             blocks, lengths, table, offsets, rows, scales = _fp8_paged(cache, batch, new, context)
-            for launch in plan_store_kv(rows, rows, blocks, lengths, table, offsets, LAYER, scales):
+            for launch in plan_store_kv(StoreKVArgs(rows, rows, blocks, lengths, table, offsets, LAYER, scales)):
                 found.append((f"store_kv {cache} {mode}", launch))
         blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, 4, 1, 1024)
-        for launch in plan_gather_kv(blocks, lengths, table, offsets, LAYER, 1024, scales, torch.bfloat16)[2]:
+        for launch in plan_gather_kv(
+            GatherKVArgs(blocks, lengths, table, offsets, LAYER, 1024, scales, torch.bfloat16)
+        )[2]:
             found.append((f"gather_kv {cache} to bf16", launch))
         pages = torch.empty(7, dtype=torch.int32, device="meta")
-        for i, launch in enumerate(plan_copy_pages(blocks, pages, pages, scales)):
+        for i, launch in enumerate(plan_copy_pages(CopyPagesArgs(blocks, pages, pages, scales))):
             found.append((f"copy_pages {cache} pass{i + 1}", launch))
     modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
     quick_cases = (("e4m3-token", "bf16", "decode-split"), ("e5m2-static", "bf16", "prefill"))
@@ -295,7 +298,9 @@ def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
         batch, new, context = modes[mode]
         blocks, lengths, table, offsets, _, scales = _fp8_paged(cache, batch, new, context)
         q = torch.empty(batch * new, KV_HEADS * 4, 128, dtype=DTYPES[q_dtype], device="meta")
-        _, launches = plan_flash_attention(q, blocks, lengths, table, offsets, LAYER, 128**-0.5, scales=scales)
+        _, launches = plan_flash_attention(
+            FlashAttentionArgs(q, blocks, lengths, table, offsets, LAYER, 128**-0.5, scales=scales)
+        )
         for launch in launches:
             found.append((f"{launch.kernel.__name__.strip('_')} {q_dtype} over {cache} {mode}", launch))
     return found

@@ -66,6 +66,30 @@ def owning_sequence(input_row_offsets, batch, target, TILE: tl.constexpr, PAD: t
     return seq
 
 
+@triton.jit
+def real_page(page, num_pages, WRITE: tl.constexpr):
+    """Whether page id `page` names one of the pool's `num_pages` pages that a kernel may read, or
+    write (`WRITE`: never the null page 0). Every K/V kernel guards its page reads and writes with it
+    (through `page_at` where a table is read), so that no step value, an `.unchecked` call's, makes
+    one leave `blocks`."""
+    return (page >= (1 if WRITE else 0)) & (page < num_pages)
+
+
+@triton.jit
+def page_at(table_row, pos, end, page_size, table_width, num_pages, WRITE: tl.constexpr):
+    """The page holding position `pos` of a sequence whose lookup-table row starts at `table_row`,
+    and whether a kernel may touch it there: `pos` below `end` and inside the table, and the page a
+    `real_page`. A write's position also must not be negative (it comes from `cache_lengths`, which
+    an `.unchecked` call may make so; reads walk positions from 0). The table is read only where
+    that holds (the page is 0 elsewhere). Scalars or blocks."""
+    col = pos // page_size
+    ok = (pos < end) & (col < table_width)
+    if WRITE:
+        ok = ok & (pos >= 0)
+    page = tl.load(table_row + col, mask=ok, other=0)
+    return page, ok & (page >= (1 if WRITE else 0)) & (page < num_pages)  # real_page, as (ok & lo) & hi
+
+
 def blocks_strides(blocks: torch.Tensor) -> tuple[int, int, int, int]:
     """(page, plane, layer, token) strides of `blocks` in elements; heads x head_dim are dense."""
     return blocks.stride(0), blocks.stride(1), blocks.stride(2), blocks.stride(3)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import MAX_GRID, Launch, grid_fits
+from ..records import CopyPagesArgs
+from .common import MAX_GRID, Launch, grid_fits, real_page
 
 BLOCK = 1024
 
@@ -26,15 +27,16 @@ def _copy_kernel(
 ):
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     for i in range(tl.program_id(1), count, tl.num_programs(1)):
-        # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped.
+        # Only the blocks side is indexed by page id; ids outside blocks are skipped, never clamped,
+        # and the null page (0) is never written.
         if FROM_BLOCKS:
             page = tl.load(src_pages + i)
-            ok = (page >= 0) & (page < num_pages)
+            ok = real_page(page, num_pages, False)
             src_off = page.to(tl.int64) * page_numel
             dst_off = tl.cast(i, tl.int64) * page_numel
         else:
             page = tl.load(dst_pages + i)
-            ok = (page > 0) & (page < num_pages)  # the null page (0) is never written
+            ok = real_page(page, num_pages, True)
             src_off = tl.cast(i, tl.int64) * page_numel
             dst_off = page.to(tl.int64) * page_numel
         mask = idx < tl.where(ok, page_numel, 0)  # (scalar & block masks break the interpreter)
@@ -46,23 +48,20 @@ def _grid(count: int, page_numel: int) -> tuple[int, int]:
     return triton.cdiv(page_numel, BLOCK), min(count, MAX_GRID[1])
 
 
-def supports(
-    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
-) -> bool:
+def supports(a: CopyPagesArgs) -> bool:
     """Calls whose grid CUDA can launch (shapes only): pages below 2**41 elements."""
-    page_numel = math.prod(blocks.shape[1:])
-    return src_pages.shape[0] == 0 or page_numel == 0 or grid_fits(_grid(src_pages.shape[0], page_numel))
+    page_numel = math.prod(a.blocks.shape[1:])
+    return a.src_pages.shape[0] == 0 or page_numel == 0 or grid_fits(_grid(a.src_pages.shape[0], page_numel))
 
 
-def plan_copy_pages(
-    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
-) -> list[Launch]:
+def plan_copy_pages(a: CopyPagesArgs) -> list[Launch]:
     """Two launches per page tensor (sources to scratch, scratch to destinations): `blocks`, as raw
     bytes for an FP8 cache, and per-granule `scales`, which move with their pages. Allocates the scratch."""
+    blocks, scales = a.blocks, a.scales
     pools = [blocks.view(torch.uint8) if scales is not None else blocks]
     if scales is not None and scales.dim() == 6:
         pools.append(scales)
-    return [launch for pool in pools for launch in _plan_pool(pool, src_pages, dst_pages)]
+    return [launch for pool in pools for launch in _plan_pool(pool, a.src_pages, a.dst_pages)]
 
 
 def _plan_pool(pool: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> list[Launch]:
@@ -89,8 +88,6 @@ def _plan_pool(pool: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Ten
     ]
 
 
-def copy_pages(
-    blocks: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor, scales: torch.Tensor | None = None
-) -> None:
-    for launch in plan_copy_pages(blocks, src_pages, dst_pages, scales):
+def copy_pages(a: CopyPagesArgs) -> None:
+    for launch in plan_copy_pages(a):
         launch()

@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .. import splits as split_rule
-from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, search_steps
+from ..records import FlashAttentionArgs
+from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, page_at, search_steps
 from .flash_merge import plan_merge
 from .fp8 import covered, fp8_bits_to_float, quantization
 
@@ -144,10 +145,7 @@ def _attention_kernel(
         out_scale = tl.load(scales + 1)
     for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        col = j // page_size
-        key_ok = (j < stop) & (col < table_width)
-        page = tl.load(table_row + col, mask=key_ok, other=0)
-        key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
+        page, key_ok = page_at(table_row, j, stop, page_size, table_width, num_pages, False)  # inside blocks
         in_page = j % page_size
         if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
             in_page = in_page.to(tl.int64)
@@ -252,32 +250,19 @@ def wide_page(blocks: torch.Tensor) -> bool:
     return (blocks.shape[3] - 1) * blocks.stride(3) >= 2**31
 
 
-def supports(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> bool:
+def supports(a: FlashAttentionArgs) -> bool:
     """Power-of-two head_dim from 16 to 256 (tl.arange and tl.dot need it), FP8 granules the kernel
     tiles, and grids CUDA can launch: the largest any tile choice plans (BLOCK_Q >= 1, MAX_SPLITS
     splits, then the merge). Not fp32 queries over FP8 pages at head_dim 256: the smallest tile
     (16 x 16, on FMAs, the pages decoded in registers) still spills ~300 bytes a thread; the
     reference backend runs them (FP8 caches serve 16-bit models)."""
+    q, blocks = a.q, a.blocks
     head_dim = blocks.shape[5]
-    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or not covered(blocks, scales):
+    if not (16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0) or not covered(blocks, a.scales):
         return False
-    if q.dtype == torch.float32 and scales is not None and head_dim > 128:
+    if q.dtype == torch.float32 and a.scales is not None and head_dim > 128:
         return False
-    total, batch = q.shape[0], cache_lengths.shape[0]
+    total, batch = q.shape[0], a.cache_lengths.shape[0]
     return (
         total == 0
         or batch == 0
@@ -285,22 +270,10 @@ def supports(
     )
 
 
-def plan_flash_attention(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> tuple[torch.Tensor, list[Launch]]:
+def plan_flash_attention(a: FlashAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
     """The output, allocated, and the launches that fill it (attention, then the split merge)."""
+    q, blocks, cache_lengths, lookup_table, sinks = a.q, a.blocks, a.cache_lengths, a.lookup_table, a.sinks
+    sliding_window, chunk_size = a.sliding_window, a.attention_chunk_size
     total, num_q_heads, head_dim = q.shape
     batch, num_kv_heads, page_size = cache_lengths.shape[0], blocks.shape[4], blocks.shape[3]
     out = torch.empty((total, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -310,15 +283,15 @@ def plan_flash_attention(
     group = num_q_heads // num_kv_heads
     interpret = is_interpreted(q)
     fp32 = q.dtype == torch.float32
-    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret, fp32, scales is not None)
+    block_q, block_n, num_warps = _blocks_for(head_dim, group, total <= batch, interpret, fp32, a.scales is not None)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     max_context = width * page_size  # upper bound of every kv_len: no lengths are read on the host
-    window, chunk = sliding_window > 0, attention_chunk_size > 0
+    window, chunk = sliding_window > 0, chunk_size > 0
     key_bound = max_context  # keys one query tile may see, at most
-    if causal and window:
+    if a.causal and window:
         key_bound = min(key_bound, sliding_window + block_q + block_n)
     if chunk:
-        key_bound = min(key_bound, attention_chunk_size + block_q + block_n)
+        key_bound = min(key_bound, chunk_size + block_q + block_n)
 
     splits = num_splits(batch * num_kv_heads, key_bound, block_n, q.device) if total <= batch else 1
     if splits == 1:
@@ -328,7 +301,7 @@ def plan_flash_attention(
         part_lse = torch.empty((splits, total, num_q_heads), dtype=torch.float32, device=q.device)
 
     grid = (total // block_q + batch, num_kv_heads, splits)
-    quant = quantization(blocks, scales)
+    quant = quantization(blocks, a.scales)
     launches = [
         Launch(
             _attention_kernel,
@@ -341,7 +314,7 @@ def plan_flash_attention(
                 quant.pool,
                 cache_lengths,
                 lookup_table,
-                input_row_offsets,
+                a.input_row_offsets,
                 batch,
                 total,
                 num_q_heads,
@@ -349,7 +322,7 @@ def plan_flash_attention(
                 width,
                 table_stride,
                 page_size,
-                layer_idx,
+                a.layer_idx,
                 q.stride(0),
                 q.stride(1),
                 out.stride(0),
@@ -358,11 +331,11 @@ def plan_flash_attention(
                 quant.scales,
                 *quant.scale_strides,
                 splits,
-                float(softmax_scale),
-                float(softcap),
+                float(a.softmax_scale),
+                float(a.softcap),
                 int(sliding_window),
                 q if sinks is None else sinks,  # (not read without sinks)
-                max(int(attention_chunk_size), 1),
+                max(int(chunk_size), 1),
             ),
             dict(
                 GROUP=group,
@@ -370,9 +343,9 @@ def plan_flash_attention(
                 BLOCK_Q=block_q,
                 BLOCK_N=block_n,
                 HEAD_DIM=head_dim,
-                CAUSAL=bool(causal),
+                CAUSAL=bool(a.causal),
                 WINDOW=window,
-                SOFTCAP=softcap > 0,
+                SOFTCAP=a.softcap > 0,
                 SINK=sinks is not None,
                 CHUNK=chunk,
                 SPLIT=splits > 1,
@@ -390,36 +363,8 @@ def plan_flash_attention(
     return out, launches
 
 
-def flash_attention(
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-    scales: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk_size: int = -1,
-) -> torch.Tensor:
-    out, launches = plan_flash_attention(
-        q,
-        blocks,
-        cache_lengths,
-        lookup_table,
-        input_row_offsets,
-        layer_idx,
-        softmax_scale,
-        causal,
-        sliding_window,
-        softcap,
-        scales,
-        sinks,
-        attention_chunk_size,
-    )
+def flash_attention(a: FlashAttentionArgs) -> torch.Tensor:
+    out, launches = plan_flash_attention(a)
     for launch in launches:
         launch()
     return out

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import MAX_GRID, Launch, blocks_strides, grid_fits
+from ..records import GatherKVArgs
+from .common import MAX_GRID, Launch, blocks_strides, grid_fits, page_at
 from .fp8 import covered, fp8_bits_to_float, quantization
 
 
@@ -53,10 +54,8 @@ def _gather_kv_kernel(
         kv_len = tl.load(cache_lengths + seq) + tl.load(input_row_offsets + seq + 1) - tl.load(input_row_offsets + seq)
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         idx = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-        col = tok // page_size
-        live = (tok < kv_len) & (col < table_width)
-        page = tl.load(lookup_table + tl.cast(seq, tl.int64) * table_stride + col, mask=live, other=0)
-        live = live & (page >= 0) & (page < num_pages)
+        table_row = lookup_table + tl.cast(seq, tl.int64) * table_stride
+        page, live = page_at(table_row, tok, kv_len, page_size, table_width, num_pages, False)
         # int64 before any multiply: the layer and token offsets of a large page outgrow int32.
         src = (
             page.to(tl.int64) * stride_page
@@ -93,41 +92,24 @@ def _grid(batch: int, max_kv_len: int, row: int) -> tuple[tuple[int, int, int], 
     return (triton.cdiv(max_kv_len, block_t), min(batch, MAX_GRID[1]), triton.cdiv(row, block_r)), block_t, block_r
 
 
-def supports(
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> bool:
+def supports(a: GatherKVArgs) -> bool:
     """Calls whose grid CUDA can launch, whose token indices stay int32 and whose FP8 granules the
     kernel handles (shapes only)."""
-    batch, row = cache_lengths.shape[0], blocks.shape[4] * blocks.shape[5]
-    if not covered(blocks, scales):
+    batch, row = a.cache_lengths.shape[0], a.blocks.shape[4] * a.blocks.shape[5]
+    if not covered(a.blocks, a.scales):
         return False
-    if batch == 0 or max_kv_len == 0 or row == 0:
+    if batch == 0 or a.max_kv_len == 0 or row == 0:
         return True
-    grid, block_t, _ = _grid(batch, max_kv_len, row)
+    grid, block_t, _ = _grid(batch, a.max_kv_len, row)
     return grid_fits(grid) and grid[0] * block_t <= 2**31
 
 
-def plan_gather_kv(
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+def plan_gather_kv(a: GatherKVArgs) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The (key, value) outputs, allocated, and the launch that fills them."""
-    batch, num_kv_heads, head_dim = cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
+    blocks, lookup_table, max_kv_len, scales = a.blocks, a.lookup_table, a.max_kv_len, a.scales
+    batch, num_kv_heads, head_dim = a.cache_lengths.shape[0], blocks.shape[4], blocks.shape[5]
     shape = (batch, max_kv_len, num_kv_heads, head_dim)
-    dtype = out_dtype or (torch.float32 if scales is not None else blocks.dtype)
+    dtype = a.out_dtype or (torch.float32 if scales is not None else blocks.dtype)
     key = torch.empty(shape, dtype=dtype, device=blocks.device)
     value = torch.empty(shape, dtype=dtype, device=blocks.device)
     if key.numel() == 0:
@@ -146,15 +128,15 @@ def plan_gather_kv(
                     quant.pool,
                     key,
                     value,
-                    cache_lengths,
+                    a.cache_lengths,
                     lookup_table,
-                    input_row_offsets,
+                    a.input_row_offsets,
                     batch,
                     blocks.shape[0],
                     width,
                     table_stride,
                     blocks.shape[3],
-                    layer_idx,
+                    a.layer_idx,
                     max_kv_len,
                     *blocks_strides(blocks),
                     quant.scales,
@@ -166,19 +148,8 @@ def plan_gather_kv(
     )
 
 
-def gather_kv(
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    max_kv_len: int,
-    scales: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    key, value, launches = plan_gather_kv(
-        blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, max_kv_len, scales, out_dtype
-    )
+def gather_kv(a: GatherKVArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    key, value, launches = plan_gather_kv(a)
     for launch in launches:
         launch()
     return key, value

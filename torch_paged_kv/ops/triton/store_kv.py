@@ -7,11 +7,11 @@ plane's static scale. The pool is then addressed as raw bytes.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, blocks_strides, grid_fits, owning_sequence, search_steps
+from ..records import StoreKVArgs
+from .common import Launch, blocks_strides, grid_fits, owning_sequence, page_at, search_steps
 from .fp8 import covered, float_to_fp8_bits, quantization, quantize_granules
 
 
@@ -56,10 +56,9 @@ def _store_kv_kernel(
     row = tl.program_id(0)
     seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
     pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
-    col = pos // page_size
-    page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(tl.maximum(col, 0), table_width - 1))
     # A page id outside `blocks` or the null page 0 (possible only if data checks were off) writes nothing.
-    in_range = (col >= 0) & (col < table_width) & (page > 0) & (page < num_pages)
+    table_row = lookup_table + seq.to(tl.int64) * table_stride
+    page, in_range = page_at(table_row, pos, table_width * page_size, page_size, table_width, num_pages, True)
 
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < tl.where(in_range, ROW, 0)  # (scalar & block masks break the interpreter)
@@ -114,39 +113,23 @@ def _grid(total: int, row: int, granularity: int = 1) -> tuple[tuple[int, int], 
     return (total, triton.cdiv(row, block)), block
 
 
-def supports(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> bool:
+def supports(a: StoreKVArgs) -> bool:
     """Calls whose grid CUDA can launch and whose quantization the kernel handles (shapes only)."""
+    key = a.key
     launchable = key.shape[0] == 0 or grid_fits(_grid(key.shape[0], key.shape[1] * key.shape[2])[0])
-    return launchable and covered(blocks, scales)
+    return launchable and covered(a.blocks, a.scales)
 
 
-def plan_store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> list[Launch]:
+def plan_store_kv(a: StoreKVArgs) -> list[Launch]:
+    key, value, blocks, lookup_table = a.key, a.value, a.blocks, a.lookup_table
     total, num_kv_heads, head_dim = key.shape
-    batch = cache_lengths.shape[0]
+    batch = a.cache_lengths.shape[0]
     if total == 0 or batch == 0:
         return []
     key = key if key.stride(2) == 1 else key.contiguous()
     value = value if value.stride(2) == 1 else value.contiguous()
     row = num_kv_heads * head_dim
-    quant = quantization(blocks, scales)
+    quant = quantization(blocks, a.scales)
     grid, block = _grid(total, row, quant.constexprs["GRAN"])
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     return [
@@ -157,15 +140,15 @@ def plan_store_kv(
                 key,
                 value,
                 quant.pool,
-                cache_lengths,
+                a.cache_lengths,
                 lookup_table,
-                input_row_offsets,
+                a.input_row_offsets,
                 batch,
                 blocks.shape[0],
                 width,
                 table_stride,
                 blocks.shape[3],
-                layer_idx,
+                a.layer_idx,
                 key.stride(0),
                 key.stride(1),
                 value.stride(0),
@@ -179,15 +162,6 @@ def plan_store_kv(
     ]
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    for launch in plan_store_kv(key, value, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales):
+def store_kv(a: StoreKVArgs) -> None:
+    for launch in plan_store_kv(a):
         launch()
