@@ -15,6 +15,7 @@ import torch_paged_kv as pk
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
 from torch_paged_kv.ops import splits as split_rule
+from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE as TOLERANCE
@@ -66,7 +67,7 @@ def test_fp8_split_kv_decode_matches_fp64(device, kind, monkeypatch):
     blocks, scales = b.blocks.to(device), b.scales.to(device)
     ops.store_kv(new_keys.to(device), new_values.to(device), blocks, *step, b.layer_idx, scales)
     args = (b.q.to(device), blocks, *step, b.layer_idx, head_dim**-0.5)
-    launches = triton_attention.plan_flash_attention(*args, scales=scales)[1]
+    launches = triton_attention.plan_flash_attention(FlashAttentionArgs(*args, scales=scales))[1]
     assert len(launches) == 2 and launches[0].grid[2] > 1  # split attention, then the merge
     out = ops.flash_attention(*args, scales=scales)
     expected = attention_fp64(b.q, b.keys, b.values, cached, head_dim**-0.5)
