@@ -23,11 +23,12 @@ import torch
 
 from ..checkpoint import CONTINUOUS, PAGED, CheckpointError, CheckpointInfo, check_allocation, read_info
 from ..collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
-from ..manager import KVCacheManager, saved_token_ids
+from ..manager import KVCacheManager
 from ..ops.quant import indexable
 from ..page_stream import CHUNK_BYTES
 from ..params import KVCacheParams
 from ..safetensors_stream import SafetensorsFormatError, format_crc, read_into
+from ..sequence_checkpoint import saved_token_ids
 
 PathLike = str | os.PathLike[str]
 
@@ -172,7 +173,7 @@ def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Se
     """Add the sequences of a checkpoint saved as shards (any tensor-parallel size) to `manager`,
     reading the KV heads its cache holds; returns their ids (`seq_ids`, else `("loaded", n)`).
 
-    All or nothing, through `KVCacheManager.adopt`: mismatched or incomplete files raise
+    All or nothing, through `KVCacheManager.reserve`: mismatched or incomplete files raise
     `CheckpointError` before anything is allocated, too few pages `OutOfPagesError`, a checksum
     error while streaming `CheckpointError` with the manager as before."""
     c = manager.collection
@@ -182,30 +183,23 @@ def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Se
     if max(info.cache_lengths) > c.max_seq_len:
         raise CheckpointError(f"{info.path}: a sequence of {max(info.cache_lengths)} tokens exceeds {c.max_seq_len}")
     batch = len(info.cache_lengths)
-    if seq_ids is None:
-        ids, n = [], 0
-        while len(ids) < batch:
-            if ("loaded", n) not in manager.sequences:
-                ids.append(("loaded", n))
-            n += 1
-    else:
-        ids = list(seq_ids)
+    ids = manager.fresh_ids(batch) if seq_ids is None else list(seq_ids)
+    if len(ids) != batch:
+        raise ValueError(f"seq_ids: the checkpoint holds {batch} sequences, got {len(ids)} ids")
+    manager.check_new_ids(ids)
     tokens = saved_token_ids(info.path, info, c.max_seq_len)
     rows = [[j - 1 for j in info.lookup_table[b, :per_row].tolist()] for b, per_row in enumerate(info.pages_per_row())]
-
-    def fill(incoming: list[int], pages: list[int]) -> None:
-        order = torch.empty(info.num_pages, dtype=torch.long)
-        order[torch.tensor(incoming, dtype=torch.long)] = torch.tensor(pages, dtype=torch.long)
-        _fill(sources, c.page_tensors(), order)
-
     try:
-        manager.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
+        reservation = manager.reserve(ids, info.cache_lengths, rows, token_ids=tokens)
     except CheckpointError:
         raise
-    except ValueError as exc:
-        if str(exc).startswith("seq_ids:"):  # the caller's ids
-            raise
-        raise CheckpointError(f"{info.path}: {exc}") from None  # the rest adopt refuses is the files'
+    except ValueError as exc:  # the ids were checked above: what reserve refuses is the files'
+        raise CheckpointError(f"{info.path}: {exc}") from None
+    with reservation:
+        order = torch.empty(info.num_pages, dtype=torch.long)  # stored page j + 1 -> order[j]
+        order[torch.tensor(reservation.incoming, dtype=torch.long)] = torch.tensor(reservation.pages, dtype=torch.long)
+        _fill(sources, c.page_tensors(), order)
+        reservation.commit()
     return ids
 
 

@@ -152,20 +152,19 @@ class TensorParallelKVCacheManager(KVCacheManager):
     def digest(self, full: bool = False) -> int:
         """A 56-bit digest of the page decisions so far (see the class docs); equal on every rank."""
         h = hashlib.blake2b(digest_size=7)
-        table, pool = self.page_table, self.page_pool
-        pending = self._pending
-        if pending is not None:
-            slots = pending.slots
-            counts = table.num_pages[slots]
-            last = table.rows[slots, np.maximum(counts - 1, 0)]
-            for array in (pending.new_lengths, pending.num_new, counts, last):
+        table = self.page_table
+        rows = self.prepared_rows
+        if rows is not None:
+            counts = table.num_pages[rows.slots]
+            last = table.rows[rows.slots, np.maximum(counts - 1, 0)]
+            for array in (rows.new_lengths, rows.num_new, counts, last):
                 h.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
-        counters = (len(pool.free), len(pool.evictable), len(pool.key_of), len(self._seqs), self.steps_prepared)
+        counters = (*self.page_pool.counts(), self.num_sequences(), self.steps_prepared)
         h.update(np.array(counters, dtype=np.int64).tobytes())
         if full:
-            slots = np.array([self._seqs[i].slot for i in self._seqs], dtype=np.int64)
+            slots = np.array([self.slot(i) for i in self.sequences], dtype=np.int64)
             h.update(table.lengths[slots].tobytes() + table.num_pages[slots].tobytes())
-            h.update(table.rows[slots].tobytes() + np.array(pool.free, dtype=np.int64).tobytes())
+            h.update(table.rows[slots].tobytes() + np.array(self.page_pool.free_pages(), dtype=np.int64).tobytes())
         return int.from_bytes(h.digest(), "little")
 
     def _start(self, digest: int) -> tuple[int, torch.Tensor, object]:

@@ -2,7 +2,7 @@
 
 The sender ships the pages of one or more sequences (each shared page once), with their lengths,
 token ids and prefix-cache keys (and `scales` for a quantized cache); the receiver allocates
-through its `KVCacheManager.adopt`, skips pages it already has cached, receives the rest in
+through `KVCacheManager.reserve`, skips pages it already has cached, receives the rest in
 chunks of many pages per message, checks every chunk's checksum, and registers the sequences only
 once every byte has arrived. On any failure (a rejected request, a dead or silent peer, a bad
 checksum) the receiver's manager is as before and a `TransferError` says what happened. The
@@ -20,13 +20,14 @@ import dataclasses
 import datetime
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from ..manager import KVCacheManager
 from ..params import KVCacheParams
+from ..reservation import Reservation
 from . import wire
 from .pipes import PIPELINE_DEPTH, DirectPipe, PackedPipe, byte_pages, free_buffers
 
@@ -115,19 +116,13 @@ def _exchange(op: Any, tensor: torch.Tensor, peer: int, group: Any, timeout: dat
 
 def _used_pages(manager: KVCacheManager, seq_ids: list) -> tuple[list[int], list[list[int]], list[int]]:
     """Lengths, rows (indices into the distinct used pages, first use first) and those pages."""
-    prepared = set(manager.prepared_sequences)
+    lengths, table = manager.committed_rows(seq_ids)  # on device, committed: else ValueError
     source: dict[int, int] = {}
-    lengths, rows = [], []
-    for seq_id in seq_ids:
-        if manager.is_offloaded(seq_id):  # raises ValueError for an unknown id
-            raise ValueError(f"seq_ids: sequence {seq_id!r} is offloaded; restore it first")
-        if seq_id in prepared:
-            raise ValueError(f"seq_ids: sequence {seq_id!r} is in the prepared step; commit_step first")
-        length = manager.cache_length(seq_id)
-        used = manager.pages(seq_id)[: -(-length // manager.page_size)]
-        lengths.append(length)
+    rows = []
+    for length, row in zip(lengths.tolist(), table, strict=True):
+        used = row[: -(-length // manager.page_size)].tolist()
         rows.append([source.setdefault(page, len(source)) for page in used])
-    return lengths, rows, list(source)
+    return lengths.tolist(), rows, list(source)
 
 
 def send_sequences(
@@ -308,48 +303,84 @@ def receive_sequences(
 ) -> TransferStats:
     """Receive the sequences the rank `src` sends with `send_sequences` into `manager`'s pool.
 
-    Ids are `seq_ids` if given, else the sender's. The sequences are registered (through
-    `manager.adopt`) only after every chunk arrived and its checksum matched; pages the receiver
-    already holds in its prefix cache (same keys, same salt) are shared instead of sent. With
-    `consensus_group` (e.g. the tensor-parallel ranks, each receiving its head shard), every rank
-    of that group must get all its pages before any registers them: the ranks vote once per call.
+    Ids are `seq_ids` if given, else the sender's. The sequences are registered (a
+    `KVCacheManager.reserve` committed) only after every chunk arrived and its checksum matched;
+    pages the receiver already holds in its prefix cache (same keys, same salt) are shared instead
+    of sent. With `consensus_group` (e.g. the tensor-parallel ranks, each receiving its head shard),
+    every rank of that group must get all its pages before any registers them: the ranks vote once
+    per call.
 
     Errors: `TransferRejected` (after telling the sender why) when this cache cannot take the
     transfer, with `OutOfPagesError` or `ValueError` as its cause; `TransferError` when the sender
     disappears, stays silent for `timeout`, or a checksum fails. The manager is then as before
-    (see `KVCacheManager.adopt`; only free pages were written).
+    (see `Reservation.abort`; only free pages were written).
     """
-    start = time.perf_counter()
-    dev = wire_device(group, manager.collection.blocks.device)
-    vote_device = wire_device(consensus_group, manager.collection.blocks.device) if consensus_group else dev
-    if dev.type == manager.collection.blocks.device.type == "cpu":
-        wire.has_copy_sum64()  # a machine's first call builds the library: now, not while the sender waits
-    state = {"replied": False, "voted": False}
-    preamble_tensor = wire.empty_preamble(dev)
+    receiver = _Receiver(manager, src, group, timeout, consensus_group)
     try:
-        _exchange(dist.irecv, preamble_tensor, src, group, timeout, "waiting for a transfer")
+        reservation, ids = receiver.negotiate(seq_ids)
         try:
-            preamble = wire.Preamble.unpack(preamble_tensor)
+            direct = receiver.reply(reservation)
+            written, error = receiver.receive(reservation, direct)
+            receiver.vote(error, written)
+            receiver.confirm(written)
+        except BaseException as exc:
+            written = getattr(exc, "pages_written", None)
+            reservation.abort(written if isinstance(written, int) else None)
+            raise
+        reservation.commit()
+    except BaseException:
+        receiver.vote_no()
+        raise
+    return receiver.stats(ids, len(reservation.pages))
+
+
+class _Receiver:
+    """The receiving side of one transfer, in its phases: `negotiate` (preamble, metadata, checks,
+    pages reserved), `reply` (which pages to send, and how), `receive` (every message, checked),
+    `vote` (with the consensus group), `confirm` (tell the sender). The caller commits or aborts the
+    reservation. A refusal is answered before `TransferRejected` goes up; a failure after the reply
+    gets a best-effort FAILED answer."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        src: int,
+        group: Any,
+        timeout: datetime.timedelta,
+        consensus_group: Any,
+    ) -> None:
+        self.start = time.perf_counter()
+        self.manager, self.src, self.group, self.timeout = manager, src, group, timeout
+        self.consensus_group = consensus_group
+        pool_device = manager.collection.blocks.device
+        self.dev = wire_device(group, pool_device)
+        self.vote_device = wire_device(consensus_group, pool_device) if consensus_group else self.dev
+        self.voted = False
+        self.preamble: wire.Preamble | None = None
+        self.meta: dict[str, Any] = {}
+        if self.dev.type == pool_device.type == "cpu":
+            wire.has_copy_sum64()  # a machine's first call builds the library: now, not while the sender waits
+
+    def _exchange(self, op: Any, tensor: torch.Tensor, what: str) -> None:
+        _exchange(op, tensor, self.src, self.group, self.timeout, what)
+
+    def negotiate(self, seq_ids: Sequence[Hashable] | None) -> tuple[Reservation, list]:
+        """Take the preamble and metadata, check them against this cache and reserve the pages;
+        `TransferRejected` (the sender told) or `TransferError` if that fails."""
+        preamble_tensor = wire.empty_preamble(self.dev)
+        self._exchange(dist.irecv, preamble_tensor, "waiting for a transfer")
+        try:
+            preamble = self.preamble = wire.Preamble.unpack(preamble_tensor)
         except ValueError as exc:
-            raise TransferError(f"rank {src} sent {exc}") from None
-        meta_tensor = torch.empty(preamble.meta_bytes, dtype=torch.uint8, device=dev)  # at most MAX_META_BYTES
-        _exchange(dist.irecv, meta_tensor, src, group, timeout, "receiving the transfer metadata")
-
-        def reject(reason: str) -> None:
-            state["replied"] = True
-            # gloo takes a shorter reply than the sender posted; NCCL needs the exact size, which a
-            # consistent sender's num_pages bounds (each incoming page is listed in the meta)
-            exact = dev.type != "cpu" and preamble.num_pages <= preamble.meta_bytes
-            reply = wire.pack_reply(wire.REJECTED, reason, [0] * preamble.num_pages if exact else None, dev)
-            _exchange(dist.isend, reply, src, group, timeout, "refusing the transfer")
-
+            raise TransferError(f"rank {self.src} sent {exc}") from None
+        meta_tensor = torch.empty(preamble.meta_bytes, dtype=torch.uint8, device=self.dev)  # <= MAX_META_BYTES
+        self._exchange(dist.irecv, meta_tensor, "receiving the transfer metadata")
         try:
-            meta = wire.decode_meta(bytes(meta_tensor.cpu().numpy()))
+            meta = self.meta = wire.decode_meta(bytes(meta_tensor.cpu().numpy()))
             wire.check_pages(meta, preamble.num_pages)
         except ValueError as exc:
-            reject(str(exc))
-            raise TransferRejected(f"refused the transfer from rank {src}: {exc}") from None
-        why = _check_compatible(manager, meta, preamble)
+            self._reject(str(exc))
+        why = _check_compatible(self.manager, meta, preamble)
         seqs = meta["sequences"]
         ids = list(seq_ids) if seq_ids is not None else [s["id"] for s in seqs]
         if why is None and len(ids) != len(seqs):
@@ -357,63 +388,95 @@ def receive_sequences(
         if why is None and any(i is None for i in ids):
             why = "seq_ids: the sender's ids do not travel (not str, int or tuples of them); pass seq_ids"
         if why is not None:
-            reject(why)
-            raise TransferRejected(f"refused the transfer from rank {src}: {why}")
-        same_root = meta["root"] == wire.root_fingerprint(manager.prefix_root)
-        stats = TransferStats(ids, preamble.num_pages, 0, 0, 0.0, meta["metadata"])
-
-        def fill(incoming: list[int], pages: list[int]) -> None:
-            direct = _direct_flags(manager, meta, preamble, incoming, pages, dev)
-            flags = [0] * preamble.num_pages
-            for j, i in enumerate(incoming):
-                flags[i] = wire.SEND if direct is None else direct[j]
-            state["replied"] = True
-            reply = wire.pack_reply(wire.ACCEPTED, "", flags, dev)
-            _exchange(dist.isend, reply, src, group, timeout, "accepting the transfer")
-            error: BaseException | None = None
-            written = 0
-            try:
-                if direct is None:
-                    written = _receive_packed(manager, preamble, src, group, timeout, pages, dev)
-                else:
-                    pipe = DirectPipe(manager.collection.blocks, _scales(manager))
-                    written = _receive_direct(pipe, preamble, wire.direct_messages(direct), pages, src, group, timeout)
-            except BaseException as exc:
-                error = exc
-                free_buffers()  # a receive may still hold one: the next transfer gets fresh buffers
-            if consensus_group is not None:
-                state["voted"] = True
-                if not _vote(consensus_group, error is None, vote_device) and error is None:
-                    error = TransferError("another rank of the consensus group did not get its pages", written)
-            if error is not None:
-                reason = str(error)[: wire.REPLY_BYTES - 1]
-                with contextlib.suppress(TransferError):  # best effort: the sender may be gone
-                    _exchange(dist.isend, wire.pack_reply(wire.FAILED, reason, None, dev), src, group, timeout, "")
-                raise error
-            _exchange(dist.isend, wire.pack_reply(wire.ACCEPTED, "", None, dev), src, group, timeout, "confirming")
-            stats.pages_sent, stats.bytes_sent = len(pages), len(pages) * preamble.bytes_per_page
-
+            self._reject(why)
+        same_root = meta["root"] == wire.root_fingerprint(self.manager.prefix_root)
         try:
-            manager.adopt(
+            reservation = self.manager.reserve(
                 ids,
                 [s["length"] for s in seqs],
                 [s["pages"] for s in seqs],
-                fill,
                 token_ids=[s["token_ids"] for s in seqs],
                 prefix_keys=[s["keys"] for s in seqs] if same_root else None,
             )
-        except Exception as exc:
-            if state["replied"]:
-                raise
-            reject(f"{type(exc).__name__}: {exc}")  # before any page moved: out of pages, bad ids
-            raise TransferRejected(f"refused the transfer from rank {src}: {type(exc).__name__}: {exc}") from exc
-    except BaseException:
-        if consensus_group is not None and not state["voted"]:
-            state["voted"] = True
-            _vote(consensus_group, False, vote_device)
-        raise
-    stats.seconds = time.perf_counter() - start
-    return stats
+        except Exception as exc:  # out of pages, ids in use, rows that do not fit
+            self._reject(f"{type(exc).__name__}: {exc}", exc)
+        return reservation, ids
+
+    def _reject(self, reason: str, cause: BaseException | None = None) -> NoReturn:
+        """Tell the sender why, then raise `TransferRejected`."""
+        preamble = self.preamble
+        assert preamble is not None
+        # gloo takes a shorter reply than the sender posted; NCCL needs the exact size, which a
+        # consistent sender's num_pages bounds (each incoming page is listed in the meta)
+        exact = self.dev.type != "cpu" and preamble.num_pages <= preamble.meta_bytes
+        reply = wire.pack_reply(wire.REJECTED, reason, [0] * preamble.num_pages if exact else None, self.dev)
+        self._exchange(dist.isend, reply, "refusing the transfer")
+        raise TransferRejected(f"refused the transfer from rank {self.src}: {reason}") from cause
+
+    def reply(self, reservation: Reservation) -> list[int] | None:
+        """Accept, naming the pages to send (those not shared from the prefix cache) and whether they
+        come direct; returns the direct flags of the wanted pages, or None for packed chunks."""
+        preamble = self.preamble
+        assert preamble is not None
+        incoming, pages = reservation.incoming, reservation.pages
+        direct = _direct_flags(self.manager, self.meta, preamble, incoming, pages, self.dev)
+        flags = [0] * preamble.num_pages
+        for j, i in enumerate(incoming):
+            flags[i] = wire.SEND if direct is None else direct[j]
+        self._exchange(dist.isend, wire.pack_reply(wire.ACCEPTED, "", flags, self.dev), "accepting the transfer")
+        return direct
+
+    def receive(self, reservation: Reservation, direct: list[int] | None) -> tuple[int, BaseException | None]:
+        """Every page message into the reserved pages; returns the pages written and the error that
+        stopped it (None: everything arrived and checked out)."""
+        preamble, pages = self.preamble, reservation.pages
+        assert preamble is not None
+        try:
+            if direct is None:
+                written = _receive_packed(self.manager, preamble, self.src, self.group, self.timeout, pages, self.dev)
+            else:
+                pipe = DirectPipe(self.manager.collection.blocks, _scales(self.manager))
+                messages = wire.direct_messages(direct)
+                written = _receive_direct(pipe, preamble, messages, pages, self.src, self.group, self.timeout)
+        except BaseException as exc:
+            free_buffers()  # a receive may still hold one: the next transfer gets fresh buffers
+            written = exc.pages_written if isinstance(exc, TransferError) else len(pages)
+            return written, exc
+        return written, None
+
+    def vote(self, error: BaseException | None, written: int) -> None:
+        """With a consensus group, every rank says whether it got its pages; then raise this rank's
+        error, or a `TransferError` if another rank failed, after telling the sender (best effort)."""
+        if self.consensus_group is not None:
+            self.voted = True
+            if not _vote(self.consensus_group, error is None, self.vote_device) and error is None:
+                error = TransferError("another rank of the consensus group did not get its pages", written)
+        if error is not None:
+            reason = str(error)[: wire.REPLY_BYTES - 1]
+            with contextlib.suppress(TransferError):  # the sender may be gone
+                self._exchange(dist.isend, wire.pack_reply(wire.FAILED, reason, None, self.dev), "")
+            raise error
+
+    def vote_no(self) -> None:
+        """On a failure before `vote`: the consensus group still hears this rank, once."""
+        if self.consensus_group is not None and not self.voted:
+            self.voted = True
+            _vote(self.consensus_group, False, self.vote_device)
+
+    def confirm(self, written: int) -> None:
+        """Tell the sender every page arrived (a failure here counts `written` pages as written)."""
+        try:
+            self._exchange(dist.isend, wire.pack_reply(wire.ACCEPTED, "", None, self.dev), "confirming")
+        except TransferError as exc:
+            exc.pages_written = written
+            raise
+
+    def stats(self, ids: list, pages_sent: int) -> TransferStats:
+        preamble = self.preamble
+        assert preamble is not None
+        nbytes = pages_sent * preamble.bytes_per_page
+        seconds = time.perf_counter() - self.start
+        return TransferStats(ids, preamble.num_pages, pages_sent, nbytes, seconds, self.meta["metadata"])
 
 
 def _direct_flags(
@@ -521,7 +584,7 @@ def _receive_packed(
         if bad is not None:  # drain the rest, so the sender hears why and the channel stays usable
             continue
         matched, filled = pipe.scatter(pipe.message(k, n), pages[written : written + n], preamble.checksum)
-        written += filled  # with a mismatch too: `adopt` must forget cached pages that were written
+        written += filled  # with a mismatch too: the abort must forget cached pages that were written
         if isinstance(matched, torch.Tensor):
             verdicts.append(matched)
         elif not matched:
