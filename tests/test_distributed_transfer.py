@@ -494,6 +494,42 @@ def test_a_corrupted_chunk_in_evicted_cached_pages_drops_their_cache_entries(ran
     rank_groups.get(2).run(_corrupted_into_cached_pages, direct)
 
 
+def _confirmation_lost_after_evicting(rank: int, world: int) -> int:
+    """The receiver fills its 4 free pages and 2 cached pages it evicts, then its confirmation fails:
+    the sequences are not registered and the cached pages it overwrote lose their cache entries."""
+    one_page, prompt = PS * PARAMS.bytes_per_token, list(range(100, 132))
+    if rank == 0:
+        src, model = make(), {"s": []}
+        src.claim("s")
+        run_step(src, ["s"], [list(range(24))], model)
+        send_sequences(src, ["s"], 1, chunk_bytes=one_page)  # (its confirmation went out)
+        return 0
+    dst, model = make(num_pages=12), {"c": []}
+    dst.claim("c", prompt)
+    run_step(dst, ["c"], [prompt], model)
+    dst.release("c")
+    pool, blocks = dst.page_pool, dst.collection.blocks
+    cached = {page: blocks[page].clone() for page in pool.key_of}
+    post = transfer_module._post
+
+    def lost(op, tensor, peer, group, what, *args):
+        work = post(op, tensor, peer, group, what, *args)
+        if what == "confirming":
+            work.wait()
+            raise TransferError("confirmation lost")
+        return work
+
+    with patched(transfer_module, "_post", lost), pytest.raises(TransferError, match="confirmation lost"):
+        receive_sequences(dst, 0)
+    assert len(cached) - len(pool.key_of) == 2 and not dst.sequences
+    assert all(torch.equal(blocks[page], cached[page]) for page in pool.key_of)
+    return len(pool.free)
+
+
+def test_a_failed_confirmation_drops_the_cache_entries_of_the_pages_it_wrote(rank_groups):
+    assert rank_groups.get(2).run(_confirmation_lost_after_evicting) == [0, 6]
+
+
 WIDE = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=3, head_dim=40, page_size=16)
 """15 KiB pages: not whole 4 KiB rows; a chunk of 12 crosses the fused copy's 128 KiB slabs."""
 
