@@ -176,6 +176,7 @@ def _rejections(rank: int, world: int) -> list[str]:
     messages = []
     cases = [
         ("params", lambda: make(params=other), None),
+        ("heads", lambda: make(tp_shard=pk.TPShard(2, 1, 2, 4)), None),  # heads 2..3 of 4, the sender all 2
         ("pages", lambda: make(num_pages=2), None),
         ("clash", lambda: _with_sequence(ids[0]), None),
         ("foreign ids", lambda: make(), None),
@@ -223,9 +224,10 @@ def _with_sequence(seq_id) -> pk.KVCacheManager:
 def test_refusals_leave_both_sides_unchanged_and_say_why(rank_groups):
     messages = rank_groups.get(2).run(_rejections)[0]
     assert "the sender's cache is" in messages[0] and "page_size=4" in messages[0]
-    assert "OutOfPagesError: out of KV pages" in messages[1]
-    assert "already exists" in messages[2]
-    assert "pass seq_ids" in messages[3]
+    assert "the sender's cache holds every KV head (2), this one KV heads 2..3 of 4 (tensor-parallel" in messages[1]
+    assert "OutOfPagesError: out of KV pages" in messages[2]
+    assert "already exists" in messages[3]
+    assert "pass seq_ids" in messages[4]
 
 
 # -- a sender that dies or goes silent mid-transfer ---------------------------------------------------
@@ -294,22 +296,22 @@ def _consensus(rank: int, world: int) -> str:
     then rank 3 has too few pages and rank 2, whose own transfer went through, must give it up too."""
     full = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=4, head_dim=8, page_size=4)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    from torch_paged_kv.distributed.tensor_parallel import shard_params
+    from torch_paged_kv.distributed.tensor_parallel import shard_params, tp_shard
 
-    params = shard_params(full, 2, rank % 2)
+    params, shard = shard_params(full, 2, rank % 2), tp_shard(full, 2, rank % 2)
     tokens = list(range(23))
     if rank < 2:
-        src, model = make(params=params), {"a": []}
+        src, model = make(params=params, tp_shard=shard), {"a": []}
         src.claim("a", tokens)
         run_step(src, ["a"], [tokens], model)
         send_sequences(src, ["a"], rank + 2)
         with pytest.raises(TransferError) as info:
             send_sequences(src, ["a"], rank + 2)
         return str(info.value)
-    dst, model = make(params=params), {"a": tokens}
+    dst, model = make(params=params, tp_shard=shard), {"a": tokens}
     receive_sequences(dst, rank - 2, consensus_group=groups[1])
     check_contents(dst, model, ["a"])
-    small = make(num_pages=3 if rank == 3 else 96, params=params)
+    small = make(num_pages=3 if rank == 3 else 96, params=params, tp_shard=shard)
     before = snapshot(small)
     with pytest.raises(TransferError) as info:
         receive_sequences(small, rank - 2, seq_ids=["b"], consensus_group=groups[1])

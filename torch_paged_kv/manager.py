@@ -24,6 +24,7 @@ from .collection import PagedKVCacheCollection, StepTensors
 from .ops import copy_pages
 from .page_pool import OutOfPagesError, PagePool, root_key, token_array
 from .page_table import PageTable
+from .params import TPShard, normalized_shard
 from .reservation import Incoming, Reservation
 from .sequences import Sequences, SequenceState, cache_full_pages, check_unique
 from .step_rows import PreparedStep, StepRows, UploadedRows, check_lengths, check_num_new, check_token_ids
@@ -38,16 +39,24 @@ class KVCacheManager:
     key and its token ids (plus `hash_salt`); `claim` reuses the longest cached prefix. The
     counters `prefix_cache_hits` / `prefix_cache_misses` count prompt *tokens* given to `claim`
     that were reused / must be computed. `page_pool` and `page_table` are the state it owns
-    (read them; change them only through the manager).
+    (read them; change them only through the manager). `tp_shard` says which of the model's KV
+    heads the pool holds (a tensor-parallel rank's; None: all); checkpoints and transfers record
+    and check it, the manager itself does not use it.
     """
 
     def __init__(
-        self, collection: PagedKVCacheCollection, enable_prefix_caching: bool = True, hash_salt: bytes | None = None
+        self,
+        collection: PagedKVCacheCollection,
+        enable_prefix_caching: bool = True,
+        hash_salt: bytes | None = None,
+        *,
+        tp_shard: TPShard | None = None,
     ) -> None:
         if not isinstance(collection, PagedKVCacheCollection):
             raise ValueError(f"collection: expected a PagedKVCacheCollection, got {type(collection).__name__}")
         if hash_salt is not None and not isinstance(hash_salt, bytes):
             raise ValueError(f"hash_salt: expected bytes or None, got {type(hash_salt).__name__}")
+        self.tp_shard = normalized_shard(collection.params, tp_shard)
         self.collection = collection
         mark_driven(collection, "KVCacheManager.save(path, seq_ids)")
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -67,14 +76,6 @@ class KVCacheManager:
     def sequences(self) -> list:
         """Ids of the claimed sequences (offloaded ones included), in claim order."""
         return list(self._seqs)
-
-    def num_sequences(self) -> int:
-        """How many sequences there are (`len(sequences)`, without the list)."""
-        return len(self._seqs)
-
-    def slot(self, seq_id: Hashable) -> int:
-        """The `page_table` slot (row of its arrays) of `seq_id`."""
-        return self._seqs.get(seq_id, "seq_id").slot
 
     def cache_length(self, seq_id: Hashable) -> int:
         """Tokens cached for `seq_id` (committed steps only)."""
@@ -202,13 +203,11 @@ class KVCacheManager:
     ) -> Reservation:
         """Plan adding sequences whose pages come from elsewhere (another process, a file), taking nothing.
 
-        Sequence `seq_ids[i]` holds `cache_lengths[i]` tokens in the incoming pages `page_rows[i]`
-        (`ceil(length / page_size)` indices into the incoming pages `0..n-1`, each used; rows may
-        share full pages); `token_ids[i]` are its known ids from position 0 (or None), `prefix_keys[i]`
-        the keys of its leading full pages, with this manager's salt: an incoming page whose key is
-        cached here is shared, not filled. Checked here (`ValueError` naming the argument,
-        `OutOfPagesError`); then write the pages the `Reservation` names and `commit()` or `abort()`
-        it (see reservation.py). Until then every change to the manager raises `RuntimeError`.
+        Sequence i holds `cache_lengths[i]` tokens in incoming pages `page_rows[i]` (indices into
+        `0..n-1`), with known `token_ids[i]` and the `prefix_keys[i]` of its full pages (see
+        `reservation.Incoming`; a page whose key is cached here is shared, not filled). Checked here
+        (`ValueError` naming the argument, `OutOfPagesError`); then write the pages the `Reservation`
+        names and `commit()` or `abort()` it. Until then every change to the manager raises `RuntimeError`.
         """
         self._check_unlocked()
         ids = list(seq_ids)

@@ -20,9 +20,11 @@ from .page_pool import PagePool, token_array
 
 @dataclasses.dataclass(frozen=True)
 class Incoming:
-    """The sequences of a reservation, checked and normalised: row i holds `lengths[i]` tokens in
-    incoming pages `rows[i]`, its known token ids `tokens[i]` (or None) and the prefix keys `keys[i]`
-    of its leading full pages; `page_keys` the key of each keyed incoming page."""
+    """The sequences of a reservation, checked and normalised: `seq_ids[i]` holds `lengths[i]` tokens
+    in the incoming pages `rows[i]` (`ceil(length / page_size)` indices into `0..n-1`, each used;
+    rows may share full pages), its token ids known from position 0 `tokens[i]` (or None), for
+    prefix caching, and the prefix keys `keys[i]` of its leading full pages, computed with the
+    manager's salt; `page_keys` is the key of each keyed incoming page."""
 
     seq_ids: list
     lengths: list[int]

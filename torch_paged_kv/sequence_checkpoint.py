@@ -18,7 +18,7 @@ import torch
 from . import checkpoint
 from .manager import KVCacheManager
 from .page_pool import token_array
-from .params import KVCacheParams
+from .params import KVCacheParams, TPShard, describe_heads
 
 METADATA_KEY = "torch_paged_kv.manager"
 """Checkpoint user-metadata key holding the saved sequences' token ids (JSON)."""
@@ -28,7 +28,8 @@ def save(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
     """Save sequences of `manager` (on device, not in a prepared step) with `checkpoint.save_cache`.
 
     Row i of the file is `seq_ids[i]`; pages they share are stored once. Token ids known for
-    prefix caching go into the checkpoint's metadata. The live step tensors are untouched.
+    prefix caching go into the checkpoint's metadata, `manager.tp_shard` into its params. The live
+    step tensors are untouched.
     """
     ids = list(seq_ids)
     lengths, table = manager.committed_rows(ids)
@@ -36,14 +37,15 @@ def save(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
         raise ValueError("seq_ids: nothing to save (empty)")
     rows = (torch.from_numpy(lengths.astype("int32")), torch.from_numpy(table))
     meta = {"token_ids": [manager.token_ids(i) for i in ids]}
-    checkpoint.save_cache(manager.collection, path, rows=rows, metadata={METADATA_KEY: json.dumps(meta)})
+    metadata = {METADATA_KEY: json.dumps(meta)}
+    checkpoint.save_cache(manager.collection, path, rows=rows, metadata=metadata, tp_shard=manager.tp_shard)
 
 
 def load(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
     """Add the sequences of a checkpoint to `manager`'s live cache, in free pages; returns their ids.
 
     Ids are `seq_ids` if given, else fresh `("loaded", n)` tuples (`manager.fresh_ids`). All or
-    nothing: a checkpoint whose params, kind, tables or token ids do not fit raises
+    nothing: a checkpoint whose params, KV heads (`tp_shard`), kind, tables or token ids do not fit raises
     `checkpoint.CheckpointError`, too few pages `OutOfPagesError`, before any page is taken. Pages
     stream straight into the pool; a checksum error found on the way also raises `CheckpointError`
     with the manager as before, except that prefix-cache entries of the pages it was going to evict
@@ -51,8 +53,8 @@ def load(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
     """
     info = checkpoint.read_info(path)
     c = manager.collection
-    if info.kind != checkpoint.PAGED or info.params != c.params:
-        raise checkpoint.CheckpointError(f"{path}: {_misfit(info.kind, info.params, c.params)}")
+    if info.kind != checkpoint.PAGED or (info.params, info.tp_shard) != (c.params, manager.tp_shard):
+        raise checkpoint.CheckpointError(f"{path}: {_misfit(info, c.params, manager.tp_shard)}")
     if max(info.cache_lengths) > c.max_seq_len:
         raise checkpoint.CheckpointError(
             f"{path}: a sequence of {max(info.cache_lengths)} tokens exceeds max_seq_len={c.max_seq_len}"
@@ -111,15 +113,17 @@ def saved_token_ids(path: str | os.PathLike[str], info: checkpoint.CheckpointInf
     return tokens
 
 
-def _misfit(kind: str, theirs: KVCacheParams, ours: KVCacheParams) -> str:
-    """Why a checkpoint of `kind` and params `theirs` does not load into this paged cache of `ours`."""
+def _misfit(info: checkpoint.CheckpointInfo, ours: KVCacheParams, our_shard: TPShard | None) -> str:
+    """Why the checkpoint of `info` does not load into this paged cache of `ours` holding `our_shard`."""
+    theirs = info.params
     if theirs.is_mla != ours.is_mla:
         kinds = {True: "an MLA (latent)", False: "a K/V"}
         return f"{kinds[theirs.is_mla]} cache does not fit this {kinds[ours.is_mla].split(' ', 1)[1]} cache ({theirs})"
-    heads = ("num_kv_heads", "tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
     try:
-        other_heads = dataclasses.replace(theirs, **{f: getattr(ours, f) for f in heads}) == ours
+        other_heads = dataclasses.replace(theirs, num_kv_heads=ours.num_kv_heads) == ours
     except ValueError:
         other_heads = False
+    other_heads &= (info.tp_shard, theirs.num_kv_heads) != (our_shard, ours.num_kv_heads)
     hint = " (a shard of other KV heads: see torch_paged_kv.distributed.reshard.load_sharded)" * other_heads
-    return f"a {kind} cache of {theirs} does not fit this paged cache of {ours}{hint}"
+    file, live = f"{theirs}, {describe_heads(theirs, info.tp_shard)}", f"{ours}, {describe_heads(ours, our_shard)}"
+    return f"a {info.kind} cache of {file} does not fit this paged cache of {live}{hint}"

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..manager import KVCacheManager
-from ..params import KVCacheParams
+from ..params import describe_heads, params_from_dict, params_to_dict
 from ..reservation import Reservation
 from . import wire
 from .pipes import PIPELINE_DEPTH, DirectPipe, PackedPipe, byte_pages, free_buffers
@@ -164,7 +164,7 @@ def send_sequences(
     tokens = [manager.token_ids(i) for i in ids]
     tokens = [None if t is None else t[:n] for t, n in zip(tokens, lengths, strict=True)]  # what ran, not a prompt
     meta = wire.encode_meta(
-        manager.collection.params.to_dict(),
+        params_to_dict(manager.collection.params, manager.tp_shard),
         _scales_spec(scales),
         ids,
         lengths,
@@ -267,13 +267,17 @@ def _send_direct(
 
 def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: wire.Preamble) -> str | None:
     """Why the receiver cannot take this transfer (None: it can)."""
-    params = manager.collection.params
+    params, shard = manager.collection.params, manager.tp_shard
     try:
-        theirs = KVCacheParams.from_dict(meta["params"])
+        theirs, their_shard = params_from_dict(meta["params"])
     except (ValueError, TypeError, AttributeError, OverflowError) as exc:
         return f"unreadable sender params ({type(exc).__name__}: {exc})"
     if theirs != params:
         return f"the sender's cache is {theirs}, this one is {params}"
+    if their_shard != shard:
+        return (
+            f"the sender's cache holds {describe_heads(theirs, their_shard)}, this one {describe_heads(params, shard)}"
+        )
     scales = _scales(manager)
     if meta["scales"] != _scales_spec(scales):
         return f"the sender's scales are {meta['scales']}, this cache's are {_scales_spec(scales)}"
