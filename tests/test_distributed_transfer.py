@@ -21,8 +21,16 @@ import torch.distributed as dist
 from distributed_ranks import Ranks, assert_same, check_contents, kv_rows, run_step, snapshot
 
 import torch_paged_kv as pk
-from torch_paged_kv.distributed import TransferError, TransferRejected, pipes, receive_sequences, send_sequences, wire
-from torch_paged_kv.distributed import transfer as transfer_module
+from torch_paged_kv.distributed import (
+    TransferError,
+    TransferRejected,
+    channel,
+    pipes,
+    receive_sequences,
+    send_sequences,
+    wire,
+)
+from torch_paged_kv.distributed import receiver as receiver_module
 from torch_paged_kv.manager import OutOfPagesError
 
 PARAMS = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
@@ -150,8 +158,8 @@ def direct_counted(force: bool = True) -> Iterator[list[int]]:
         count[0] += 1
         return message(self, first_page, n)
 
-    minimum = 0 if force else transfer_module.DIRECT_MIN_MESSAGE_BYTES
-    with patched(transfer_module, "DIRECT_MIN_MESSAGE_BYTES", minimum), patched(pipes.DirectPipe, "message", counting):
+    minimum = 0 if force else receiver_module.DIRECT_MIN_MESSAGE_BYTES
+    with patched(receiver_module, "DIRECT_MIN_MESSAGE_BYTES", minimum), patched(pipes.DirectPipe, "message", counting):
         yield count
 
 
@@ -181,7 +189,7 @@ def _rejections(rank: int, world: int) -> list[str]:
         ("clash", lambda: _with_sequence(ids[0]), None),
         ("foreign ids", lambda: make(), None),
     ]
-    for name, receiver, seq_ids in cases:
+    for name, make_receiver, seq_ids in cases:
         if rank == 0:
             send_ids = ids if name != "foreign ids" else [frozenset({1}), ids[1]]
             if name == "foreign ids":
@@ -192,7 +200,7 @@ def _rejections(rank: int, world: int) -> list[str]:
             if name == "foreign ids":
                 src.release(frozenset({1}))
         else:
-            dst = receiver()
+            dst = make_receiver()
             before = snapshot(dst)
             with pytest.raises(TransferRejected) as info:
                 receive_sequences(dst, 0, seq_ids=seq_ids)
@@ -512,7 +520,7 @@ def _confirmation_lost_after_evicting(rank: int, world: int) -> int:
     dst.release("c")
     pool, blocks = dst.page_pool, dst.collection.blocks
     cached = {page: blocks[page].clone() for page in pool.key_of}
-    post = transfer_module._post
+    post = channel.post
 
     def lost(op, tensor, peer, group, what, *args):
         work = post(op, tensor, peer, group, what, *args)
@@ -521,7 +529,7 @@ def _confirmation_lost_after_evicting(rank: int, world: int) -> int:
             raise TransferError("confirmation lost")
         return work
 
-    with patched(transfer_module, "_post", lost), pytest.raises(TransferError, match="confirmation lost"):
+    with patched(channel, "post", lost), pytest.raises(TransferError, match="confirmation lost"):
         receive_sequences(dst, 0)
     assert len(cached) - len(pool.key_of) == 2 and not dst.sequences
     assert all(torch.equal(blocks[page], cached[page]) for page in pool.key_of)
@@ -674,13 +682,13 @@ def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
     one_page = PS * PARAMS.bytes_per_token
     with direct_counted():
         if rank == 0:
-            post = transfer_module._post
+            post = channel.post
 
             def slow(*args):
                 time.sleep(0.02)
                 return post(*args)
 
-            with patched(transfer_module, "_post", slow), pytest.raises(TransferError) as info:
+            with patched(channel, "post", slow), pytest.raises(TransferError) as info:
                 send_sequences(src, ids, 1, chunk_bytes=one_page)
             send_sequences(src, ids, 1, chunk_bytes=one_page)
             return str(info.value)
@@ -715,7 +723,7 @@ def _killed_direct_sender(rank: int, world: int) -> str:
     with direct_counted():
         if rank == 0:
             src, _, _, _ = sender_state(3)
-            post = transfer_module._post
+            post = channel.post
 
             def dying(op, tensor, peer, group, what, *args):
                 if what == "sending chunk 3":
@@ -723,7 +731,7 @@ def _killed_direct_sender(rank: int, world: int) -> str:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return post(op, tensor, peer, group, what, *args)
 
-            with patched(transfer_module, "_post", dying):
+            with patched(channel, "post", dying):
                 send_sequences(src, src.sequences, 1, chunk_bytes=PS * PARAMS.bytes_per_token)
             return "not killed"
         dst, model = receiver_state(3, [1, 2, 3, 4])
@@ -755,7 +763,7 @@ def test_transfers_go_direct_only_where_runs_of_pages_are_long_enough():
     meta, cpu = {"source_pages": list(range(10, 42))}, torch.device("cpu")
 
     def choose(meta: dict, dest: list[int]) -> list[int] | None:
-        return transfer_module._direct_flags(manager, meta, preamble, list(range(len(dest))), dest, cpu)
+        return receiver_module._direct_flags(manager, meta, preamble, list(range(len(dest))), dest, cpu)
 
     flags = choose(meta, list(range(1, 33)))
     assert flags is not None and wire.direct_messages(flags) == [(0, 16), (16, 16)]  # chunk_pages caps a run
