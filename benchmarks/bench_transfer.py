@@ -39,7 +39,7 @@ from harness import report
 import torch_paged_kv as pk
 from torch_paged_kv.distributed import receive_sequences, send_sequences
 from torch_paged_kv.distributed import transfer as transfer_module
-from torch_paged_kv.distributed.tensor_parallel import TensorParallelKVCacheManager, shard_params
+from torch_paged_kv.distributed.tensor_parallel import TensorParallelKVCacheManager, shard_params, tp_shard
 
 DIRECT_MIN = transfer_module.DIRECT_MIN_MESSAGE_BYTES
 PARAMS = pk.KVCacheParams(torch.bfloat16, num_layers=32, num_kv_heads=8, head_dim=128, page_size=16)
@@ -150,13 +150,19 @@ def tp_bookkeeping(rank: int, args: argparse.Namespace) -> list[dict]:
     commit_step) of a plain manager and of TP managers checked every step, and the overhead over
     the plain one; then the digest and a blocking `verify` alone."""
     full = pk.KVCacheParams(torch.float16, num_layers=1, num_kv_heads=2, head_dim=8, page_size=16)
-    params = shard_params(full, 2, rank)
+    params, shard = shard_params(full, 2, rank), tp_shard(full, 2, rank)
     model_s = args.tp_model_ms / 1e3
     rows = []
     for name, make in [
         ("KVCacheManager (no TP)", lambda c: pk.KVCacheManager(c)),
-        ("TensorParallelKVCacheManager (check overlapped with the model)", lambda c: TensorParallelKVCacheManager(c)),
-        ("TensorParallelKVCacheManager, overlap=False", lambda c: TensorParallelKVCacheManager(c, overlap=False)),
+        (
+            "TensorParallelKVCacheManager (check overlapped with the model)",
+            lambda c: TensorParallelKVCacheManager(c, tp_shard=shard),
+        ),
+        (
+            "TensorParallelKVCacheManager, overlap=False",
+            lambda c: TensorParallelKVCacheManager(c, tp_shard=shard, overlap=False),
+        ),
     ]:
         per_step = []
         for _ in range(args.repeats):
@@ -180,7 +186,7 @@ def tp_bookkeeping(rank: int, args: argparse.Namespace) -> list[dict]:
         rows.append({"what": name, "batch": args.tp_batch, "us_per_step": statistics.median(per_step)})
     for row in rows:
         row["overhead_us"] = row["us_per_step"] - rows[0]["us_per_step"]
-    m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 64, 8, 64))
+    m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 64, 8, 64), tp_shard=shard)
     m.claim(0)
     m.prepare_step([0], [1])
     for label, fn in [("digest alone", m.digest), ("verify (digest + blocking all-reduce)", m.verify)]:

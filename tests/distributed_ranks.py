@@ -155,21 +155,30 @@ class RankGroups:
 # -- K/V that is a function of the token prefix (so every rank and every process can recompute it) --
 
 
-def kv_rows(params: Any, tokens: list[int], start: int, stop: int) -> Any:
-    """K/V of positions start..stop-1 for every global KV head: `[n, planes, layers, total_kv_heads,
-    head_dim]` in `params.dtype`, a pure function of `tokens[:position + 1]`."""
+def kv_rows(params: Any, tokens: list[int], start: int, stop: int, total_kv_heads: int | None = None) -> Any:
+    """K/V of positions start..stop-1 for every global KV head: `[n, planes, layers, total_kv_heads
+    (default: the params' heads), head_dim]` in `params.dtype`, a pure function of `tokens[:position + 1]`."""
     import torch
 
     h, hashes = 7, []
     for tok in tokens[:stop]:
         h = (h * 1_000_003 + tok + 1) % 2_147_483_647
         hashes.append(h)
-    shape = (params.num_planes, params.num_layers, params.total_kv_heads, params.head_dim)
+    total = params.num_kv_heads if total_kv_heads is None else total_kv_heads
+    shape = (params.num_planes, params.num_layers, total, params.head_dim)
     n_vals = shape[0] * shape[1] * shape[2] * shape[3]
     mult = torch.arange(1, n_vals + 1, dtype=torch.int64) * 7919
     vals = (torch.tensor(hashes[start:], dtype=torch.int64)[:, None] * mult[None]) % 997
     dtype = torch.float32 if params.quantized else params.dtype  # an FP8 cache quantizes float rows
     return (vals.double() / 997 - 0.5).to(dtype).view(-1, *shape)
+
+
+def heads(manager: Any) -> tuple[range, int]:
+    """The global KV heads `manager`'s cache holds (its `tp_shard`), and the model's head count."""
+    p, shard = manager.collection.params, manager.tp_shard
+    if shard is None:
+        return range(p.num_kv_heads), p.num_kv_heads
+    return shard.kv_head_range(p.num_kv_heads), shard.total_kv_heads
 
 
 def run_step(manager: Any, ids: list, news: list[list[int]], model: dict) -> None:
@@ -178,12 +187,12 @@ def run_step(manager: Any, ids: list, news: list[list[int]], model: dict) -> Non
 
     import torch_paged_kv as pk
 
-    p = manager.collection.params
+    p, (held, total) = manager.collection.params, heads(manager)
     step = manager.prepare_step(ids, [len(t) for t in news], news)
     kv = torch.cat(
-        [kv_rows(p, model[i] + t, len(model[i]), len(model[i]) + len(t)) for i, t in zip(ids, news, strict=True)]
+        [kv_rows(p, model[i] + t, len(model[i]), len(model[i]) + len(t), total) for i, t in zip(ids, news, strict=True)]
     )
-    kv = kv[:, :, :, p.kv_head_start : p.kv_head_start + p.num_kv_heads]
+    kv = kv[:, :, :, held.start : held.stop]
     for layer in range(p.num_layers):
         k, v = kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous()
         pk.store_kv(k, v, manager.collection.blocks, *step, layer, manager.collection.scales)
@@ -200,12 +209,13 @@ def check_contents(manager: Any, model: dict, ids: list) -> None:
     import torch_paged_kv as pk
 
     c, p = manager.collection, manager.collection.params
+    held, total = heads(manager)
     for i in ids:
         pages, length = manager.pages(i), len(model[i])
         assert manager.cache_length(i) == length, (i, manager.cache_length(i), length)
         table = torch.full((1, c.lookup_table.shape[1]), pk.NULL_PAGE, dtype=torch.int32)
         table[0, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        want = kv_rows(p, model[i], 0, length)[:, :, :, p.kv_head_start : p.kv_head_start + p.num_kv_heads]
+        want = kv_rows(p, model[i], 0, length, total)[:, :, :, held.start : held.stop]
         for layer in range(p.num_layers):
             k, v = pk.gather_kv(
                 c.blocks,

@@ -7,6 +7,7 @@ import torch
 
 import torch_paged_kv as pk
 from torch_paged_kv import huge_pages, layout
+from torch_paged_kv.params import normalized_shard, params_from_dict, params_to_dict
 
 
 def test_params_round_trip_and_equality():
@@ -39,25 +40,32 @@ def test_params_from_dict_rejects_unknown():
         )
 
 
-def test_params_tensor_parallel_fields_round_trip_and_default_away():
+def test_a_tp_shard_travels_beside_the_params_in_the_dicts_of_before():
+    """Checkpoints and transfers carry a shard in the params dict, with the fields KVCacheParams had
+    before TPShard was separate: an unsharded cache's dict is exactly the plain params dict."""
     full = pk.KVCacheParams(torch.float16, num_layers=2, num_kv_heads=8, head_dim=16, page_size=4)
-    assert full.total_kv_heads == 8 and full.kv_head_range == range(8)
-    # an unsharded cache's dict is exactly the pre-TP one, and a pre-TP dict loads with the defaults
     old = dict(dtype="float16", num_layers=2, num_kv_heads=8, head_dim=16, page_size=4, is_mla=False)
-    assert full.to_dict() == old and pk.KVCacheParams.from_dict(old) == full
-    assert pk.KVCacheParams(torch.float16, 2, 8, 16, 4, total_kv_heads=8) == full
-    shard = pk.KVCacheParams(torch.float16, 2, 2, 16, 4, tp_size=4, tp_rank=3, kv_head_start=6, total_kv_heads=8)
-    assert shard.kv_head_range == range(6, 8)
-    assert shard.to_dict() == {
+    assert full.to_dict() == old and params_to_dict(full) == old and params_from_dict(old) == (full, None)
+    assert params_to_dict(full, pk.TPShard(1, 0, 0, 8)) == old  # rank 0 of 1, every head: no shard
+    assert normalized_shard(full, pk.TPShard(1, 0, 0, 8)) is None
+    params = dataclasses.replace(full, num_kv_heads=2)
+    shard = pk.TPShard(tp_size=4, tp_rank=3, kv_head_start=6, total_kv_heads=8)
+    assert shard.kv_head_range(params.num_kv_heads) == range(6, 8)
+    written = {**old, "num_kv_heads": 2, "tp_size": 4, "tp_rank": 3, "kv_head_start": 6, "total_kv_heads": 8}
+    assert params_to_dict(params, shard) == written
+    assert params_from_dict(written) == (params, shard)
+    replicated = pk.TPShard(tp_size=4, tp_rank=1, kv_head_start=0, total_kv_heads=2)  # fields at defaults left out
+    one = dataclasses.replace(full, num_kv_heads=1)
+    assert params_to_dict(one, replicated) == {
         **old,
-        "num_kv_heads": 2,
+        "num_kv_heads": 1,
         "tp_size": 4,
-        "tp_rank": 3,
-        "kv_head_start": 6,
-        "total_kv_heads": 8,
+        "tp_rank": 1,
+        "total_kv_heads": 2,
     }
-    assert pk.KVCacheParams.from_dict(shard.to_dict()) == shard and shard != full
-    assert shard.bytes_per_token == 2 * 2 * 2 * 16 * 2  # the heads it holds
+    assert params_from_dict(params_to_dict(one, replicated)) == (one, replicated)
+    with pytest.raises(ValueError, match="unknown keys"):
+        pk.KVCacheParams.from_dict(written)  # the params alone take no shard fields
 
 
 @pytest.mark.parametrize(
@@ -70,11 +78,17 @@ def test_params_tensor_parallel_fields_round_trip_and_default_away():
         (dict(kv_head_start=8, total_kv_heads=8), "kv_head_start"),
         (dict(total_kv_heads=1), "num_kv_heads"),
         (dict(total_kv_heads=2.0), "total_kv_heads"),
+        (dict(tp_size=True), "tp_size"),
     ],
 )
-def test_params_reject_bad_tensor_parallel_fields(fields, name):
+def test_tp_shards_reject_bad_fields(fields, name):
+    params = pk.KVCacheParams(torch.float16, num_layers=1, num_kv_heads=2, head_dim=8, page_size=4)
     with pytest.raises(ValueError, match=f"^{name}"):
-        pk.KVCacheParams(torch.float16, num_layers=1, num_kv_heads=2, head_dim=8, page_size=4, **fields)
+        params_from_dict({**params.to_dict(), **fields})
+    with pytest.raises(ValueError, match=f"^{name}"):
+        normalized_shard(
+            params, pk.TPShard(**{**dict(tp_size=1, tp_rank=0, kv_head_start=0, total_kv_heads=2), **fields})
+        )
 
 
 def test_paged_collection_layout():

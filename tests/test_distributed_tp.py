@@ -20,6 +20,7 @@ from torch_paged_kv.distributed.tensor_parallel import (
     head_shard,
     kv_head_range,
     shard_params,
+    tp_shard,
     unshard_params,
 )
 
@@ -35,24 +36,23 @@ def test_head_ranges_split_evenly_or_replicate():
     with pytest.raises(ValueError, match="num_q_heads"):
         head_shard(6, 2, 4, 0)
     full = pk.KVCacheParams(torch.float16, 2, 8, HEAD_DIM, PAGE)
-    shard = shard_params(full, 4, 2)
-    assert (shard.num_kv_heads, shard.kv_head_start, shard.total_kv_heads, shard.tp_rank) == (2, 4, 8, 2)
-    assert unshard_params(shard) == full
-    with pytest.raises(ValueError, match="unsharded"):
-        shard_params(shard, 2, 0)
+    params, shard = shard_params(full, 4, 2), tp_shard(full, 4, 2)
+    assert params.num_kv_heads == 2 and shard == pk.TPShard(tp_size=4, tp_rank=2, kv_head_start=4, total_kv_heads=8)
+    assert unshard_params(params, shard) == full and unshard_params(full, None) == full
     mla = pk.KVCacheParams(torch.float16, 2, 1, 64, PAGE, is_mla=True)
-    assert shard_params(mla, 4, 3).kv_head_range == range(0, 1)  # the latent head is replicated
+    assert shard_params(mla, 4, 3) == mla  # the latent head is replicated
+    assert tp_shard(mla, 4, 3).kv_head_range(1) == range(0, 1)
 
 
 # -- attention across ranks ----------------------------------------------------------------------------
 
 
-def _attention_steps(params: pk.KVCacheParams, manager: pk.KVCacheManager, num_q_heads: int, heads) -> list:
-    """A few steps (ragged prefill, decode, a late arrival) with global q/k/v from a fixed seed; each
-    cache gets its KV heads and attends with its query heads `heads = (q_range, kv_range)`."""
+def _attention_steps(full_kv: int, manager: pk.KVCacheManager, num_q_heads: int, heads) -> list:
+    """A few steps (ragged prefill, decode, a late arrival) with global q/k/v (`full_kv` KV heads) from
+    a fixed seed; each cache gets its KV heads and attends with its query heads `heads = (q_range, kv_range)`."""
     gen = torch.Generator().manual_seed(0)
     q_heads, kv_heads = heads
-    full_kv = params.total_kv_heads
+    params = manager.collection.params
     schedule = [(["a", "b", "c"], [5, 12, 1]), (["a", "b", "c"], [1, 1, 1]), (["b", "c", "d"], [1, 2, 9])]
     schedule += [(["a", "b", "c", "d"], [1, 1, 1, 1])] * 2
     outs = []
@@ -76,9 +76,9 @@ def _attention_steps(params: pk.KVCacheParams, manager: pk.KVCacheManager, num_q
 
 def _tp_attention(rank: int, world: int, num_q_heads: int, num_kv_heads: int) -> list:
     full = pk.KVCacheParams(torch.float32, 2, num_kv_heads, HEAD_DIM, PAGE)
-    params = shard_params(full, world, rank)
-    manager = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 48, 8, 64))
-    outs = _attention_steps(params, manager, num_q_heads, head_shard(num_q_heads, num_kv_heads, world, rank))
+    cache = pk.PagedKVCacheCollection(shard_params(full, world, rank), 48, 8, 64)
+    manager = TensorParallelKVCacheManager(cache, tp_shard=tp_shard(full, world, rank))
+    outs = _attention_steps(num_kv_heads, manager, num_q_heads, head_shard(num_q_heads, num_kv_heads, world, rank))
     manager.verify(full=True)
     return outs
 
@@ -88,7 +88,7 @@ def test_tensor_parallel_attention_equals_the_single_rank_result(rank_groups, wo
     per_rank = rank_groups.get(world).run(_tp_attention, num_q_heads, num_kv_heads)
     full = pk.KVCacheParams(torch.float32, 2, num_kv_heads, HEAD_DIM, PAGE)
     single = pk.KVCacheManager(pk.PagedKVCacheCollection(full, 48, 8, 64))
-    expected = _attention_steps(full, single, num_q_heads, (range(num_q_heads), range(num_kv_heads)))
+    expected = _attention_steps(num_kv_heads, single, num_q_heads, (range(num_q_heads), range(num_kv_heads)))
     for step, want in enumerate(expected):
         got = torch.cat([outs[step] for outs in per_rank], dim=2)  # [layers, tokens, heads, dim]
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=f"step {step}")
@@ -99,10 +99,13 @@ def test_tensor_parallel_attention_equals_the_single_rank_result(rank_groups, wo
 
 def _divergence(rank: int, world: int) -> str:
     full = pk.KVCacheParams(torch.float32, 2, 4, HEAD_DIM, PAGE)
-    params = shard_params(full, world, rank)
-    with pytest.raises(ValueError, match="^collection: its params are rank"):
-        TensorParallelKVCacheManager(pk.PagedKVCacheCollection(shard_params(full, world, 1 - rank), 8, 2, 32))
-    m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64))
+    params, shard = shard_params(full, world, rank), tp_shard(full, world, rank)
+    other = tp_shard(full, world, 1 - rank)
+    with pytest.raises(ValueError, match=f"^tp_shard: rank {1 - rank} of 2, this process is rank {rank}"):
+        TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 8, 2, 32), tp_shard=other)
+    with pytest.raises(ValueError, match="^tp_shard: rank 0 of 1"):
+        TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 8, 2, 32))
+    m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64), tp_shard=shard)
     model = {"a": []}
     m.claim("a")
     run_step(m, ["a"], [[1, 2, 3, 4, 5, 6]], model)  # verified
@@ -114,7 +117,7 @@ def _divergence(rank: int, world: int) -> str:
     with pytest.raises(TensorParallelDivergenceError, match="differ at step 3") as info:
         m.commit_step()
     assert m.cache_length("a") == 7  # nothing was committed
-    waiting = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64), overlap=False)
+    waiting = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64), tp_shard=shard, overlap=False)
     waiting.claim("a" if rank == 0 else "b")  # a different id: the same pages, but not the same sequences
     waiting.claim("x")
     if rank == 1:
@@ -233,7 +236,9 @@ def _tp_compiled_decode(rank: int, world: int) -> dict:
 
     group = dist.group.WORLD
     params = shard_params(full, world, rank)
-    manager = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 16, 2, 32))
+    manager = TensorParallelKVCacheManager(
+        pk.PagedKVCacheCollection(params, 16, 2, 32), tp_shard=tp_shard(full, world, rank)
+    )
 
     def all_reduce(t):
         return fcol.all_reduce(t, "sum", group)
@@ -282,24 +287,27 @@ def _build(manager: pk.KVCacheManager) -> dict:
     return model
 
 
+def _tp_manager(world: int, rank: int, params: pk.KVCacheParams = FULL) -> TensorParallelKVCacheManager:
+    cache = pk.PagedKVCacheCollection(shard_params(params, world, rank), 32, 4, 64)
+    return TensorParallelKVCacheManager(cache, tp_shard=tp_shard(params, world, rank))
+
+
 def _save_tp(rank: int, world: int, directory: str) -> tuple[dict, str]:
-    params = shard_params(FULL, world, rank)
-    manager = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64))
+    manager = _tp_manager(world, rank)
     model = _build(manager)
-    path = shard_path(f"{directory}/kv.safetensors", params)
+    path = shard_path(f"{directory}/kv.safetensors", manager.tp_shard)
     manager.save(path, ["c", "a", "b"])
     return model, str(path)
 
 
 def _load_tp(rank: int, world: int, files: list[str], model: dict, directory: str) -> str:
-    params = shard_params(FULL, world, rank)
-    manager = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64))
+    manager = _tp_manager(world, rank)
     ids = load_sharded(manager, files, ["c", "a", "b"])
     check_contents(manager, model, ids)
     manager.verify(full=True)
     assert manager.claim("d", [*range(8), 0]) == 8  # token ids came along: the prefix is cached
     manager.release("d")
-    path = shard_path(f"{directory}/kv.safetensors", params)
+    path = shard_path(f"{directory}/kv.safetensors", manager.tp_shard)
     manager.save(path, ids)
     return str(path)
 
@@ -321,6 +329,7 @@ def test_checkpoints_reshard_between_tp_sizes(rank_groups, tmp_path):
         again = load_cache_sharded(files4, tp_size=2, tp_rank=r)
         original = load_cache_sharded(files2, tp_size=2, tp_rank=r)
         assert again.params == original.params == shard_params(FULL, 2, r)
+        assert pk.checkpoint.read_info(files2[r]).tp_shard == tp_shard(FULL, 2, r)
         assert torch.equal(again.blocks.view(torch.int16), original.blocks.view(torch.int16))
         assert torch.equal(again.lookup_table, original.lookup_table)
     whole = load_cache_sharded(files4)  # TP=4 -> TP=1, as a new collection
@@ -332,7 +341,8 @@ def test_an_unsharded_checkpoint_loads_at_any_tp_size(tmp_path):
     model = _build(m)
     m.save(tmp_path / "kv.safetensors", ["a", "b", "c"])
     for r in range(4):
-        shard = pk.KVCacheManager(pk.PagedKVCacheCollection(shard_params(FULL, 4, r), 32, 4, 64))
+        cache = pk.PagedKVCacheCollection(shard_params(FULL, 4, r), 32, 4, 64)
+        shard = pk.KVCacheManager(cache, tp_shard=tp_shard(FULL, 4, r))
         ids = load_sharded(shard, [tmp_path / "kv.safetensors"], ["a", "b", "c"])
         check_contents(shard, model, ids)
 
@@ -340,10 +350,11 @@ def test_an_unsharded_checkpoint_loads_at_any_tp_size(tmp_path):
 def _shard_files(tmp_path, build=_build) -> list:
     files = []
     for r in range(2):
-        params = shard_params(FULL, 2, r)
-        m = pk.KVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64))
+        m = pk.KVCacheManager(
+            pk.PagedKVCacheCollection(shard_params(FULL, 2, r), 32, 4, 64), tp_shard=tp_shard(FULL, 2, r)
+        )
         build(m)
-        files.append(shard_path(tmp_path / "kv.safetensors", params))
+        files.append(shard_path(tmp_path / "kv.safetensors", m.tp_shard))
         m.save(files[-1], ["a", "b", "c"])
     return files
 
@@ -369,7 +380,10 @@ def test_mismatched_shards_are_refused_with_a_clear_error(tmp_path):
         plan_shards(files, wider)
     more_heads = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=8, head_dim=8, page_size=4)
     with pytest.raises(pk.CheckpointError, match="does not fit the target"):
-        plan_shards(files, shard_params(more_heads, 2, 0))
+        plan_shards(files, shard_params(more_heads, 2, 0), tp_shard(more_heads, 2, 0))
+    same_count = pk.KVCacheManager(pk.PagedKVCacheCollection(shard_params(FULL, 2, 1), 32, 4, 64))
+    with pytest.raises(pk.CheckpointError, match="a shard of other KV heads"):
+        same_count.load(files[0])  # two heads, but not heads 0..1 of 4 (no tp_shard: the whole cache)
     assert target.sequences == [] and target.num_free_pages() == 32  # nothing was allocated
 
 
@@ -381,15 +395,17 @@ def test_fp8_checkpoints_reshard_blocks_and_scales(tmp_path):
     _build(whole)
     files = []
     for r in range(2):
-        params = shard_params(fp8, 2, r)
-        m = pk.KVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64))
+        m = pk.KVCacheManager(
+            pk.PagedKVCacheCollection(shard_params(fp8, 2, r), 32, 4, 64), tp_shard=tp_shard(fp8, 2, r)
+        )
         _build(m)
-        files.append(shard_path(tmp_path / "kv.safetensors", params))
+        files.append(shard_path(tmp_path / "kv.safetensors", m.tp_shard))
         m.save(files[-1], ["a", "b", "c"])
     as_bytes = [lambda t: t.view(torch.uint8), lambda t: t]
     for tp_size in (1, 2, 4):
         for r in range(tp_size):
-            target = pk.KVCacheManager(pk.PagedKVCacheCollection(shard_params(fp8, tp_size, r), 32, 4, 64))
+            cache = pk.PagedKVCacheCollection(shard_params(fp8, tp_size, r), 32, 4, 64)
+            target = pk.KVCacheManager(cache, tp_shard=tp_shard(fp8, tp_size, r))
             ids = load_sharded(target, files, ["a", "b", "c"])
             heads = kv_head_range(4, tp_size, r)
             for i in ids:

@@ -21,8 +21,16 @@ import torch.distributed as dist
 from distributed_ranks import Ranks, assert_same, check_contents, kv_rows, run_step, snapshot
 
 import torch_paged_kv as pk
-from torch_paged_kv.distributed import TransferError, TransferRejected, pipes, receive_sequences, send_sequences, wire
-from torch_paged_kv.distributed import transfer as transfer_module
+from torch_paged_kv.distributed import (
+    TransferError,
+    TransferRejected,
+    channel,
+    pipes,
+    receive_sequences,
+    send_sequences,
+    wire,
+)
+from torch_paged_kv.distributed import receiver as receiver_module
 from torch_paged_kv.manager import OutOfPagesError
 
 PARAMS = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
@@ -150,8 +158,8 @@ def direct_counted(force: bool = True) -> Iterator[list[int]]:
         count[0] += 1
         return message(self, first_page, n)
 
-    minimum = 0 if force else transfer_module.DIRECT_MIN_MESSAGE_BYTES
-    with patched(transfer_module, "DIRECT_MIN_MESSAGE_BYTES", minimum), patched(pipes.DirectPipe, "message", counting):
+    minimum = 0 if force else receiver_module.DIRECT_MIN_MESSAGE_BYTES
+    with patched(receiver_module, "DIRECT_MIN_MESSAGE_BYTES", minimum), patched(pipes.DirectPipe, "message", counting):
         yield count
 
 
@@ -176,11 +184,12 @@ def _rejections(rank: int, world: int) -> list[str]:
     messages = []
     cases = [
         ("params", lambda: make(params=other), None),
+        ("heads", lambda: make(tp_shard=pk.TPShard(2, 1, 2, 4)), None),  # heads 2..3 of 4, the sender all 2
         ("pages", lambda: make(num_pages=2), None),
         ("clash", lambda: _with_sequence(ids[0]), None),
         ("foreign ids", lambda: make(), None),
     ]
-    for name, receiver, seq_ids in cases:
+    for name, make_receiver, seq_ids in cases:
         if rank == 0:
             send_ids = ids if name != "foreign ids" else [frozenset({1}), ids[1]]
             if name == "foreign ids":
@@ -191,7 +200,7 @@ def _rejections(rank: int, world: int) -> list[str]:
             if name == "foreign ids":
                 src.release(frozenset({1}))
         else:
-            dst = receiver()
+            dst = make_receiver()
             before = snapshot(dst)
             with pytest.raises(TransferRejected) as info:
                 receive_sequences(dst, 0, seq_ids=seq_ids)
@@ -223,9 +232,10 @@ def _with_sequence(seq_id) -> pk.KVCacheManager:
 def test_refusals_leave_both_sides_unchanged_and_say_why(rank_groups):
     messages = rank_groups.get(2).run(_rejections)[0]
     assert "the sender's cache is" in messages[0] and "page_size=4" in messages[0]
-    assert "OutOfPagesError: out of KV pages" in messages[1]
-    assert "already exists" in messages[2]
-    assert "pass seq_ids" in messages[3]
+    assert "the sender's cache holds every KV head (2), this one KV heads 2..3 of 4 (tensor-parallel" in messages[1]
+    assert "OutOfPagesError: out of KV pages" in messages[2]
+    assert "already exists" in messages[3]
+    assert "pass seq_ids" in messages[4]
 
 
 # -- a sender that dies or goes silent mid-transfer ---------------------------------------------------
@@ -294,22 +304,22 @@ def _consensus(rank: int, world: int) -> str:
     then rank 3 has too few pages and rank 2, whose own transfer went through, must give it up too."""
     full = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=4, head_dim=8, page_size=4)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    from torch_paged_kv.distributed.tensor_parallel import shard_params
+    from torch_paged_kv.distributed.tensor_parallel import shard_params, tp_shard
 
-    params = shard_params(full, 2, rank % 2)
+    params, shard = shard_params(full, 2, rank % 2), tp_shard(full, 2, rank % 2)
     tokens = list(range(23))
     if rank < 2:
-        src, model = make(params=params), {"a": []}
+        src, model = make(params=params, tp_shard=shard), {"a": []}
         src.claim("a", tokens)
         run_step(src, ["a"], [tokens], model)
         send_sequences(src, ["a"], rank + 2)
         with pytest.raises(TransferError) as info:
             send_sequences(src, ["a"], rank + 2)
         return str(info.value)
-    dst, model = make(params=params), {"a": tokens}
+    dst, model = make(params=params, tp_shard=shard), {"a": tokens}
     receive_sequences(dst, rank - 2, consensus_group=groups[1])
     check_contents(dst, model, ["a"])
-    small = make(num_pages=3 if rank == 3 else 96, params=params)
+    small = make(num_pages=3 if rank == 3 else 96, params=params, tp_shard=shard)
     before = snapshot(small)
     with pytest.raises(TransferError) as info:
         receive_sequences(small, rank - 2, seq_ids=["b"], consensus_group=groups[1])
@@ -494,6 +504,42 @@ def test_a_corrupted_chunk_in_evicted_cached_pages_drops_their_cache_entries(ran
     rank_groups.get(2).run(_corrupted_into_cached_pages, direct)
 
 
+def _confirmation_lost_after_evicting(rank: int, world: int) -> int:
+    """The receiver fills its 4 free pages and 2 cached pages it evicts, then its confirmation fails:
+    the sequences are not registered and the cached pages it overwrote lose their cache entries."""
+    one_page, prompt = PS * PARAMS.bytes_per_token, list(range(100, 132))
+    if rank == 0:
+        src, model = make(), {"s": []}
+        src.claim("s")
+        run_step(src, ["s"], [list(range(24))], model)
+        send_sequences(src, ["s"], 1, chunk_bytes=one_page)  # (its confirmation went out)
+        return 0
+    dst, model = make(num_pages=12), {"c": []}
+    dst.claim("c", prompt)
+    run_step(dst, ["c"], [prompt], model)
+    dst.release("c")
+    pool, blocks = dst.page_pool, dst.collection.blocks
+    cached = {page: blocks[page].clone() for page in pool.key_of}
+    post = channel.post
+
+    def lost(op, tensor, peer, group, what, *args):
+        work = post(op, tensor, peer, group, what, *args)
+        if what == "confirming":
+            work.wait()
+            raise TransferError("confirmation lost")
+        return work
+
+    with patched(channel, "post", lost), pytest.raises(TransferError, match="confirmation lost"):
+        receive_sequences(dst, 0)
+    assert len(cached) - len(pool.key_of) == 2 and not dst.sequences
+    assert all(torch.equal(blocks[page], cached[page]) for page in pool.key_of)
+    return len(pool.free)
+
+
+def test_a_failed_confirmation_drops_the_cache_entries_of_the_pages_it_wrote(rank_groups):
+    assert rank_groups.get(2).run(_confirmation_lost_after_evicting) == [0, 6]
+
+
 WIDE = pk.KVCacheParams(torch.bfloat16, num_layers=2, num_kv_heads=3, head_dim=40, page_size=16)
 """15 KiB pages: not whole 4 KiB rows; a chunk of 12 crosses the fused copy's 128 KiB slabs."""
 
@@ -636,13 +682,13 @@ def _receiver_fails_mid_direct_transfer(rank: int, world: int) -> str:
     one_page = PS * PARAMS.bytes_per_token
     with direct_counted():
         if rank == 0:
-            post = transfer_module._post
+            post = channel.post
 
             def slow(*args):
                 time.sleep(0.02)
                 return post(*args)
 
-            with patched(transfer_module, "_post", slow), pytest.raises(TransferError) as info:
+            with patched(channel, "post", slow), pytest.raises(TransferError) as info:
                 send_sequences(src, ids, 1, chunk_bytes=one_page)
             send_sequences(src, ids, 1, chunk_bytes=one_page)
             return str(info.value)
@@ -677,7 +723,7 @@ def _killed_direct_sender(rank: int, world: int) -> str:
     with direct_counted():
         if rank == 0:
             src, _, _, _ = sender_state(3)
-            post = transfer_module._post
+            post = channel.post
 
             def dying(op, tensor, peer, group, what, *args):
                 if what == "sending chunk 3":
@@ -685,7 +731,7 @@ def _killed_direct_sender(rank: int, world: int) -> str:
                     os.kill(os.getpid(), signal.SIGKILL)
                 return post(op, tensor, peer, group, what, *args)
 
-            with patched(transfer_module, "_post", dying):
+            with patched(channel, "post", dying):
                 send_sequences(src, src.sequences, 1, chunk_bytes=PS * PARAMS.bytes_per_token)
             return "not killed"
         dst, model = receiver_state(3, [1, 2, 3, 4])
@@ -717,7 +763,7 @@ def test_transfers_go_direct_only_where_runs_of_pages_are_long_enough():
     meta, cpu = {"source_pages": list(range(10, 42))}, torch.device("cpu")
 
     def choose(meta: dict, dest: list[int]) -> list[int] | None:
-        return transfer_module._direct_flags(manager, meta, preamble, list(range(len(dest))), dest, cpu)
+        return receiver_module._direct_flags(manager, meta, preamble, list(range(len(dest))), dest, cpu)
 
     flags = choose(meta, list(range(1, 33)))
     assert flags is not None and wire.direct_messages(flags) == [(0, 16), (16, 16)]  # chunk_pages caps a run

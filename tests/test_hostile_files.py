@@ -22,7 +22,7 @@ import torch_paged_kv as tpk
 from torch_paged_kv import __main__ as cli
 from torch_paged_kv import checkpoint
 from torch_paged_kv.checkpoint import CheckpointError, load_cache, read_info, save_cache, verify
-from torch_paged_kv.manager import METADATA_KEY
+from torch_paged_kv.sequence_checkpoint import METADATA_KEY
 
 # -- saving over a crafted file (issue 40, item 1) ------------------------------------------------
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_paged_kv as tpk
-from torch_paged_kv.manager import KVCacheManager, OutOfPagesError
+from torch_paged_kv.manager import KVCacheManager, OutOfPagesError, Reservation
 from torch_paged_kv.page_pool import page_key, root_key
 
 PARAMS = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
@@ -514,6 +514,21 @@ def test_counts_equal_to_the_last_steps_must_still_be_ints():
     m.prepare_step(["a", "b"], [1, 1])
 
 
+def test_a_counts_list_changed_in_place_between_steps_is_read_again():
+    """The step's counts are compared with a copy of the last ones, never with the caller's list."""
+    m = make()
+    m.claim("a")
+    m.claim("b")
+    counts = [1, 1]
+    for k in range(3):
+        step = m.prepare_step(["a", "b"], counts)
+        assert step.input_row_offsets.tolist() == [0, counts[0], sum(counts)]
+        m.commit_step()
+        if k == 1:  # after a step that repeated the counts
+            counts[0] = 3  # the caller reuses its list
+    assert (m.cache_length("a"), m.cache_length("b")) == (5, 3)
+
+
 def test_abandoned_and_released_steps():
     m = make()
     model = {"a": [], "b": []}
@@ -671,7 +686,7 @@ def test_fp8_scales_move_with_their_pages_through_fork_offload_restore_and_save_
     assert torch.equal(attention(loaded), c_a)
 
 
-# -- adopt: sequences whose pages were filled from elsewhere --------------------------------------
+# -- reserve: sequences whose pages were filled from elsewhere -----------------------------------
 
 
 def export(m: KVCacheManager, ids: list) -> tuple[list[int], list[list[int]], list, list, list[int]]:
@@ -685,14 +700,10 @@ def export(m: KVCacheManager, ids: list) -> tuple[list[int], list[list[int]], li
     return lengths, rows, [m.token_ids(i) for i in ids], [m.prefix_keys(i) for i in ids], list(source)
 
 
-def copier(src: KVCacheManager, source_pages: list[int], dst: KVCacheManager, calls: list | None = None):
-    def fill(incoming: list[int], pages: list[int]) -> None:
-        if calls is not None:
-            calls.append((list(incoming), list(pages)))
-        from_pages = torch.tensor([source_pages[i] for i in incoming], dtype=torch.long)
-        dst.collection.blocks[torch.tensor(pages, dtype=torch.long)] = src.collection.blocks[from_pages]
-
-    return fill
+def fill(src: KVCacheManager, source_pages: list[int], dst: KVCacheManager, reservation: Reservation) -> None:
+    """Write the reserved pages: incoming page i is the sender's page `source_pages[i]`."""
+    from_pages = torch.tensor([source_pages[i] for i in reservation.incoming], dtype=torch.long)
+    dst.collection.blocks[torch.tensor(reservation.pages, dtype=torch.long)] = src.collection.blocks[from_pages]
 
 
 def forked_source() -> tuple[KVCacheManager, dict]:
@@ -707,7 +718,7 @@ def forked_source() -> tuple[KVCacheManager, dict]:
     return src, model
 
 
-def test_adopt_registers_filled_sequences_with_sharing_and_prefix_keys():
+def test_reserve_then_commit_registers_filled_sequences_with_sharing_and_prefix_keys():
     src, model = forked_source()
     dst = make(num_pages=20)
     live = {"x": []}
@@ -715,22 +726,23 @@ def test_adopt_registers_filled_sequences_with_sharing_and_prefix_keys():
     run_step(dst, ["x"], [[9] * 5], live)
     lengths, rows, tokens, keys, source_pages = export(src, ["c", "b", "a"])
     assert len(source_pages) == 5 and rows[0][:2] == rows[2][:2]  # a and c share two pages
-    calls: list = []
-    filled = dst.adopt(
-        ["C", "B", "A"], lengths, rows, copier(src, source_pages, dst, calls), token_ids=tokens, prefix_keys=keys
-    )
-    assert filled == [0, 1, 2, 3, 4] and len(calls) == 1
-    assert calls[0][1] == sorted(calls[0][1]) and not set(calls[0][1]) & set(dst.pages("x"))
+    before = snapshot(dst)
+    reservation = dst.reserve(["C", "B", "A"], lengths, rows, token_ids=tokens, prefix_keys=keys)
+    assert_same(before, snapshot(dst))  # reserving takes nothing
+    assert reservation.incoming == [0, 1, 2, 3, 4]
+    assert reservation.pages == sorted(reservation.pages) and not set(reservation.pages) & set(dst.pages("x"))
+    fill(src, source_pages, dst, reservation)
+    reservation.commit()
     adopted = {"C": model["c"], "B": model["b"], "A": model["a"], **live}
     check_contents(dst, adopted, list(adopted))
     check_ownership(dst, adopted, set(adopted))
     assert dst.prefix_keys("A") == src.prefix_keys("a")
-    assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8  # the adopted prefix is in the cache
+    assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8  # the reserved prefix is in the cache
     run_step(dst, ["A", "C"], [[5], [6, 7]], adopted)  # and the sequences go on
     check_contents(dst, adopted, ["A", "C", "B"])
 
 
-def test_adopt_shares_pages_already_cached_instead_of_filling_them():
+def test_reserve_shares_pages_already_cached_instead_of_filling_them():
     src, model = forked_source()
     dst = make(num_pages=20)
     dst.claim("p", [1, 2, 3, 4, 5, 6, 7, 8, 9])
@@ -738,26 +750,61 @@ def test_adopt_shares_pages_already_cached_instead_of_filling_them():
     dst.release("p")  # its two full pages stay cached, evictable
     cached = dst.page_pool.page_of.copy()
     lengths, rows, tokens, keys, source_pages = export(src, ["a", "c"])
-    calls: list = []
-    filled = dst.adopt(
-        ["A", "C"], lengths, rows, copier(src, source_pages, dst, calls), token_ids=tokens, prefix_keys=keys
-    )
-    assert filled == [2, 3]  # the two shared prompt pages came from the cache
+    with dst.reserve(["A", "C"], lengths, rows, token_ids=tokens, prefix_keys=keys) as reservation:
+        assert reservation.incoming == [2, 3]  # the two shared prompt pages come from the cache
+        fill(src, source_pages, dst, reservation)
+        reservation.commit()
     assert dst.pages("A")[:2] == [cached[k] for k in keys[0]] == dst.pages("C")[:2]
     adopted = {"A": model["a"], "C": model["c"]}
     check_contents(dst, adopted, ["A", "C"])
     check_ownership(dst, adopted, {"A", "C"})
     # without keys (or with prefix caching off) nothing is shared, and nothing is cached
     other = make(num_pages=20, enable_prefix_caching=False)
-    assert other.adopt(["A"], lengths[:1], rows[:1], copier(src, source_pages, other), prefix_keys=keys[:1]) == [
-        0,
-        1,
-        2,
-    ]
+    reservation = other.reserve(["A"], lengths[:1], rows[:1], prefix_keys=keys[:1])
+    assert reservation.incoming == [0, 1, 2]
+    fill(src, source_pages, other, reservation)
+    reservation.commit()
     assert other.prefix_keys("A") == [] and other.num_cached_pages() == 0
+    check_contents(other, {"A": model["a"]}, ["A"])
 
 
-def test_failed_adopt_leaves_the_manager_unchanged():
+def test_an_open_reservation_locks_the_manager_until_commit_or_abort():
+    src, model = forked_source()
+    lengths, rows, tokens, keys, source_pages = export(src, ["a"])
+    dst = make(num_pages=20)
+    live = {"x": []}
+    dst.claim("x")
+    run_step(dst, ["x"], [[9] * 5], live)
+    reservation = dst.reserve(["A"], lengths, rows, token_ids=tokens, prefix_keys=keys)
+    before = snapshot(dst)
+    for call in (
+        lambda: dst.claim("y"),
+        lambda: dst.release("x"),
+        lambda: dst.fork("x", "y"),
+        lambda: dst.prepare_step(["x"], [1]),
+        lambda: dst.offload(["x"]),
+        lambda: dst.reserve(["B"], lengths, rows),
+    ):
+        with pytest.raises(RuntimeError, match="reservation is open"):
+            call()
+        assert_same(before, snapshot(dst))
+    assert dst.pages("x") and dst.cache_length("x") == 5  # queries still answer
+    fill(src, source_pages, dst, reservation)
+    reservation.commit()
+    for again in (reservation.commit, reservation.abort):
+        with pytest.raises(RuntimeError, match="already committed or aborted"):
+            again()
+    run_step(dst, ["x", "A"], [[1], [2]], {**live, "A": model["a"]})  # unlocked
+    with dst.reserve(["B"], lengths, rows) as reservation:  # a block left without commit aborts
+        pass
+    assert not reservation.open and "B" not in dst.sequences
+    dst.claim("y")
+    with pytest.raises(ValueError, match="^page_rows:"):
+        dst.reserve(["B"], lengths, [[0]])  # a refused reservation leaves nothing open
+    dst.claim("z")
+
+
+def test_aborted_reservations_leave_the_manager_unchanged():
     src, _ = forked_source()
     lengths, rows, tokens, keys, source_pages = export(src, ["c", "b", "a"])
     dst = make(num_pages=8)
@@ -766,20 +813,18 @@ def test_failed_adopt_leaves_the_manager_unchanged():
     run_step(dst, ["x"], [[7] * 9], live)  # 3 pages, 2 cached
     held = dst.pages("x")
 
-    def fail_after_writing(incoming, pages):
-        copier(src, source_pages, dst)(incoming, pages)
-        raise RuntimeError("connection lost")
-
     def failed(state):  # pages nobody holds or caches may have been written: compare the rest
         c_lengths, c_table, c_offsets, blocks = state["device"]
         return {**state, "device": [c_lengths, c_table, c_offsets, blocks[held]]}
 
     before = snapshot(dst)
-    with pytest.raises(RuntimeError, match="connection lost"):
-        dst.adopt(["C", "B", "A"], lengths, rows, fail_after_writing, token_ids=tokens, prefix_keys=keys)
+    reservation = dst.reserve(["C", "B", "A"], lengths, rows, token_ids=tokens, prefix_keys=keys)
+    with pytest.raises(RuntimeError, match="connection lost"), reservation:
+        fill(src, source_pages, dst, reservation)
+        raise RuntimeError("connection lost")
     assert_same(failed(before), failed(snapshot(dst)))
     with pytest.raises(OutOfPagesError, match="6 needed, 5 free, 0 evictable"):
-        dst.adopt(["C", "B", "A", "D"], [*lengths, 1], [*rows, [5]], fail_after_writing)
+        dst.reserve(["C", "B", "A", "D"], [*lengths, 1], [*rows, [5]])
     for bad, name in [
         (dict(seq_ids=["x", "B", "A"]), "seq_ids"),
         (dict(seq_ids=["C", "C", "A"]), "seq_ids"),
@@ -794,11 +839,11 @@ def test_failed_adopt_leaves_the_manager_unchanged():
     ]:
         args = dict(seq_ids=["C", "B", "A"], cache_lengths=lengths, page_rows=rows, token_ids=tokens, prefix_keys=keys)
         with pytest.raises(ValueError, match=f"^{name}:"):
-            dst.adopt(fill=fail_after_writing, **{**args, **bad})
+            dst.reserve(**{**args, **bad})
     assert_same(failed(before), failed(snapshot(dst)))
 
 
-def test_failed_adopt_that_had_to_evict_drops_only_the_cache_entries_it_overwrote():
+def test_an_abort_that_had_to_evict_drops_only_the_cache_entries_it_overwrote():
     src, model = forked_source()
     lengths, rows, tokens, keys, source_pages = export(src, ["a"])  # 3 pages
     dst = make(num_pages=5)
@@ -808,26 +853,17 @@ def test_failed_adopt_that_had_to_evict_drops_only_the_cache_entries_it_overwrot
     dst.claim("y")
     run_step(dst, ["y"], [[5] * 8], {"y": []})  # takes 2 free pages: 1 free, 2 evictable left
 
-    class Lost(RuntimeError):
-        pages_written = 0  # nothing written yet: every cache entry survives
-
-    def fail(incoming, pages):
-        raise Lost("sender gone")
-
     before = snapshot(dst)
-    with pytest.raises(Lost):
-        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    dst.reserve(["A"], lengths, rows, token_ids=tokens, prefix_keys=keys).abort(0)  # nothing written yet
     assert_same(before, snapshot(dst))
     oldest = next(iter(dst.page_pool.evictable))
-    Lost.pages_written = 2  # the free page and the least recently used cached one
-    with pytest.raises(Lost):
-        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    dst.reserve(["A"], lengths, rows, token_ids=tokens, prefix_keys=keys).abort(2)  # the free page, the oldest cached
     assert oldest not in dst.page_pool.key_of and oldest in dst.page_pool.free
     assert dst.num_cached_pages() == 3 and dst.num_free_pages() == 3  # y holds two cached pages
     check_ownership(dst, {"y": [5] * 8}, {"y"})
-    del Lost.pages_written  # unknown progress: every page it was going to evict is dropped
-    with pytest.raises(Lost):
-        dst.adopt(["A"], lengths, rows, fail, token_ids=tokens, prefix_keys=keys)
+    dst.reserve(["A"], lengths, rows, token_ids=tokens, prefix_keys=keys).abort()  # unknown: all it would evict
     assert dst.num_cached_pages() == 2 and dst.num_free_pages() == 3
-    dst.adopt(["A"], lengths, rows, copier(src, source_pages, dst), token_ids=tokens, prefix_keys=keys)
+    reservation = dst.reserve(["A"], lengths, rows, token_ids=tokens, prefix_keys=keys)
+    fill(src, source_pages, dst, reservation)
+    reservation.commit()
     check_contents(dst, {"A": model["a"], "y": [5] * 8}, ["A", "y"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import numpy as np
@@ -121,13 +122,33 @@ def test_trailer_round_trips_a_uint64():
     assert wire.get_trailer(buf) == 2**64 - 3 and buf[:12].eq(0).all()
 
 
-def test_sum64_is_the_same_in_numpy_and_in_torch():
-    gen = torch.Generator().manual_seed(1)
-    for n in (0, 1, 4095, 4096, 4097, 3 * 4096 + 17):
-        payload = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-        on_device = wire.sum64_tensor(payload)  # the device route, here on the CPU
-        assert on_device.dtype == torch.int64 and on_device.dim() == 0
-        assert wire._sum64_numpy(payload) == int(on_device) & (1 << 64) - 1 == wire.sum64(payload), n
+def sum64_by_definition(data: bytes) -> int:
+    """sum64 from its definition (wire.sum64's docstring), in Python ints: the oracle of both routes."""
+    n = len(data)
+    words = struct.unpack(f"<{(n + 4095) // 4096 * 512}Q", data + bytes(-n % 4096))
+    rows = [sum(words[r : r + 512]) for r in range(0, len(words), 512)]
+    cols = [sum(words[c::512]) for c in range(512)]
+    weighted_rows = sum(s * (2 * r + 1) for r, s in enumerate(rows))
+    weighted_cols = sum(t * (2 * c + 1) for c, t in enumerate(cols))
+    return (weighted_rows + 0x9E3779B97F4A7C15 * weighted_cols + n) % (1 << 64)
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 4095, 4096, 4097, 3 * 4096 + 17, 1 << 20])
+def test_sum64_of_host_bytes_and_of_device_bytes_is_its_definition(size, monkeypatch):
+    """Host bytes (C++ where the library builds) and device bytes (torch reductions, here run on CPU
+    tensors) give the value of the definition; so do host bytes without the library (torch route).
+    tests/gpu/test_distributed_gpu.py compares a GPU tensor's sum with the C++ one."""
+    gen = torch.Generator().manual_seed(size)
+    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
+    want = sum64_by_definition(bytes(payload.numpy()))
+    on_device = wire.sum64_tensor(payload)  # the device route
+    assert on_device.dtype == torch.int64 and on_device.dim() == 0
+    assert int(on_device) & (1 << 64) - 1 == want
+    assert wire.sum64(payload) == want  # the host route: C++ where it builds
+    monkeypatch.setattr(wire, "has_copy_sum64", lambda: False)
+    assert wire.sum64(payload) == want  # without the library: the torch route
+    with pytest.raises(ValueError, match="contiguous"):
+        wire.sum64(torch.zeros(64, dtype=torch.uint8)[::2])
 
 
 def test_checksums_tensor_keeps_device_sums_and_packs_host_sums_as_uint64_bits():
@@ -223,14 +244,3 @@ def test_direct_messages_break_where_either_side_stops_being_consecutive():
     assert wire.direct_flags([], [], 4) == [] and wire.direct_messages([]) == []
     with pytest.raises(ValueError, match="first wanted page"):
         wire.direct_messages([wire.SEND, wire.STARTS])
-
-
-@pytest.mark.parametrize("size", [0, 1, 7, 4096, 4097, 3 * 4096 + 100, 1 << 20])
-def test_sum64_in_cpp_is_the_numpy_value(size):
-    if not wire.has_copy_sum64():
-        pytest.skip("no C++ compiler: sum64 runs in numpy only")
-    gen = torch.Generator().manual_seed(size)
-    payload = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
-    assert wire.sum64(payload) == wire._sum64_numpy(payload) == int(wire.sum64_tensor(payload)) & (1 << 64) - 1
-    with pytest.raises(ValueError, match="contiguous"):
-        wire.sum64(torch.zeros(64, dtype=torch.uint8)[::2])

@@ -19,7 +19,7 @@ from .ops import (
     store_kv,
     store_latent,
 )
-from .params import KVCacheParams
+from .params import KVCacheParams, TPShard
 from .step import StepPlan
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "PagedKVCacheCollection",
     "StepPlan",
     "StepTensors",
+    "TPShard",
     "__version__",
     "backend_info",
     "copy_pages",

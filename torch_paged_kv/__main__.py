@@ -14,7 +14,7 @@ from .checkpoint import (
     read_info,
     verify,
 )
-from .params import KVCacheParams
+from .params import KVCacheParams, TPShard
 
 
 def _size(num_bytes: int) -> str:
@@ -62,13 +62,13 @@ def _mla(params: KVCacheParams) -> str:
     )
 
 
-def _heads(params: KVCacheParams) -> str:
-    heads = params.kv_head_range
-    if len(heads) == params.total_kv_heads:
-        return f"all {params.total_kv_heads}"
+def _heads(params: KVCacheParams, shard: TPShard | None) -> str:
+    if shard is None or params.num_kv_heads == shard.total_kv_heads:
+        return f"all {params.num_kv_heads}"
+    heads = shard.kv_head_range(params.num_kv_heads)
     return (
-        f"{heads.start}..{heads.stop - 1} of {params.total_kv_heads} (tensor-parallel rank {params.tp_rank} of "
-        f"{params.tp_size}: one shard; torch_paged_kv.distributed.reshard loads the shards at any size)"
+        f"{heads.start}..{heads.stop - 1} of {shard.total_kv_heads} (tensor-parallel rank {shard.tp_rank} of "
+        f"{shard.tp_size}: one shard; torch_paged_kv.distributed.reshard loads the shards at any size)"
     )
 
 
@@ -95,7 +95,7 @@ def _describe(info: CheckpointInfo) -> str:
         f"params:     {', '.join(f'{k}={v}' for k, v in p.to_dict().items())}",
         f"quantized:  {_quantization(p)}",
         *([f"mla:        {_mla(p)}"] if p.is_mla else []),
-        f"kv heads:   {_heads(p)}",
+        f"kv heads:   {_heads(p, info.tp_shard)}",
         f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
         f"({info.page_tokens} tokens each, {_size(info.num_pages * page_bytes)})",
     ]

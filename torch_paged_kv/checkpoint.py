@@ -28,7 +28,7 @@ from . import layout
 from ._version import __version__
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
 from .page_stream import PageStream
-from .params import KVCacheParams
+from .params import KVCacheParams, TPShard, params_from_dict, params_to_dict
 from .safetensors_stream import (
     CHECKSUM_KEY,
     DTYPE_NAMES,
@@ -238,6 +238,7 @@ def save_cache(
     metadata: dict[str, str] | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool | None = None,
+    tp_shard: TPShard | None = None,
 ) -> None:
     """Save rows `batch_indices` (default: every row, in order) of `collection` to `path`.
 
@@ -246,7 +247,8 @@ def save_cache(
     collection's step tensors), whose tables name pages of `collection.blocks` (what
     `KVCacheManager.save` passes: its sequences are not rows of the collection). `metadata` (str -> str) is
     stored as user metadata. Page data beyond `shard_bytes` per file goes to shard files next to
-    `path`, listed in `path`'s header. A failed save leaves any checkpoint at `path` intact.
+    `path`, listed in `path`'s header. `tp_shard` records which KV heads of the model the collection
+    holds (a tensor-parallel rank's; None: all). A failed save leaves any checkpoint at `path` intact.
     """
     if not isinstance(collection, (PagedKVCacheCollection, ContinuousBatchingKVCacheCollection)):
         raise CheckpointError(f"collection: expected a KV cache collection, got {type(collection).__name__}")
@@ -254,6 +256,10 @@ def save_cache(
         raise CheckpointError("metadata: expected a dict of str to str")
     if shard_bytes <= 0:
         raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
+    try:
+        params_json = json.dumps(params_to_dict(collection.params, tp_shard))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     plan = _plan(collection, *_selected_rows(collection, batch_indices, rows))
     params = collection.params
     paged = _paged_tensors(params)
@@ -309,7 +315,7 @@ def save_cache(
         main_metadata = {
             **common,
             "collection": plan.kind,
-            "params": json.dumps(params.to_dict()),
+            "params": params_json,
             "max_seq_len": str(collection.max_seq_len),
             "num_pages": str(n),
             "page_tokens": str(plan.page_tokens),
@@ -350,6 +356,7 @@ class CheckpointInfo:
     tensor_files: dict[str, Path]  # tensor name -> file holding it
     tensor_offsets: dict[str, tuple[int, int]]  # tensor name -> byte range in its file
     metadata: dict[str, str]  # the main file's raw header metadata
+    tp_shard: TPShard | None = None  # the KV heads of the model the file holds (None: all)
 
     @property
     def user_metadata(self) -> dict[str, str]:
@@ -402,8 +409,8 @@ def _json(text: str, kind: type) -> Any:
     return value
 
 
-def _params(text: str) -> KVCacheParams:
-    return KVCacheParams.from_dict(_json(text, dict))
+def _params(text: str) -> tuple[KVCacheParams, TPShard | None]:
+    return params_from_dict(_json(text, dict))
 
 
 def _checksums(value: Any) -> dict[str, str]:
@@ -456,7 +463,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     path = Path(path)
     metadata, tensors = _header(path, "checkpoint file")
     version = _check_format(path, metadata)
-    params = _field(path, metadata, "params", _params)
+    params, tp_shard = _field(path, metadata, "params", _params)
     kind = _field(path, metadata, "collection", lambda text: text)
     if kind not in (PAGED, CONTINUOUS):
         raise CheckpointError(f"{path}: metadata field 'collection': unknown collection kind {kind!r:.80}")
@@ -512,6 +519,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         tensor_files,
         offsets,
         metadata,
+        tp_shard,
     )
     _check_tables(info)
     if version < VERIFIED_METADATA_VERSION:
@@ -748,7 +756,9 @@ def load_cache(
     Row i is the i-th saved row; pages are `1..num_pages` (at least one page is allocated);
     `input_row_offsets` are zeros. `expected_params` makes a mismatch a `CheckpointError`, before
     anything is allocated: without it the file's params (and, for continuous batching, its
-    `max_seq_len`) size the collection, refused only when it exceeds the device's memory.
+    `max_seq_len`) size the collection, refused only when it exceeds the device's memory. A
+    tensor-parallel rank's file loads as a cache of the heads it holds (`read_info(path).tp_shard`
+    says which; `distributed.reshard` loads shards at any size).
     """
     info = read_info(path)
     if expected_params is not None and info.params != expected_params:

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 
 from .layout import NULL_PAGE
+
+
+class OutOfPagesError(RuntimeError):
+    """Not enough free or evictable pages; the manager was left unchanged."""
+
+    def __init__(self, needed: int, free: int, evictable: int) -> None:
+        super().__init__(f"out of KV pages: {needed} needed, {free} free, {evictable} evictable")
+        self.needed, self.free, self.evictable = needed, free, evictable
 
 
 def root_key(salt: bytes | None) -> bytes:
@@ -26,6 +35,14 @@ def root_key(salt: bytes | None) -> bytes:
 
 TOKEN_DTYPE = np.dtype("<i8")
 """How token ids enter keys: little-endian int64."""
+
+
+def token_array(name: str, tokens: Iterable[int]) -> np.ndarray:
+    """`tokens` as an int64 array; anything but ints (floats, strings) raises ValueError naming `name`."""
+    try:
+        return np.frombuffer(array("q", tokens), dtype=np.int64)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"{name}: expected a sequence of int token ids ({exc})") from None
 
 
 def page_key(parent: bytes, tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -51,6 +68,19 @@ class PagePool:
     def available(self) -> int:
         """Pages an allocation may take now: free plus evictable."""
         return len(self.free) + len(self.evictable)
+
+    def require(self, needed: int) -> None:
+        """`OutOfPagesError` unless an allocation of `needed` pages can succeed now."""
+        if needed > len(self.free) + len(self.evictable):
+            raise OutOfPagesError(needed, len(self.free), len(self.evictable))
+
+    def free_pages(self) -> list[int]:
+        """The free pages, in the order allocations take them."""
+        return self.free[::-1]
+
+    def counts(self) -> tuple[int, int, int]:
+        """(free, evictable, cached) page counts: cached includes the referenced cached pages."""
+        return len(self.free), len(self.evictable), len(self.key_of)
 
     def allocate(self, count: int) -> list[int]:
         """`count` pages with refcount 1, free ones first, then evicting LRU cached pages.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,11 +48,9 @@ class KVCacheParams:
 
     Instances are immutable, hashable, comparable and round-trip through `to_dict`/`from_dict`.
 
-    Tensor parallelism: a cache may hold a slice of the model's KV heads. `num_kv_heads` is what
-    this cache holds, the global heads `kv_head_start .. kv_head_start + num_kv_heads - 1` of
-    `total_kv_heads` (None: `num_kv_heads`, the whole model), as rank `tp_rank` of a group of
-    `tp_size` (see `torch_paged_kv.distributed.tensor_parallel.shard_params`). The defaults describe
-    an unsharded cache, and `to_dict` leaves out fields at their defaults.
+    `num_kv_heads` is what the cache holds: a tensor-parallel rank's cache holds some of the model's
+    KV heads, and which ones is a `TPShard` kept next to the params (by its manager, in checkpoints
+    and transfers), not part of them.
     """
 
     dtype: torch.dtype
@@ -64,10 +62,6 @@ class KVCacheParams:
     quantization_granularity: int | None = None
     scale_dtype: torch.dtype | None = None
     static_scales: tuple[float, ...] | None = None
-    tp_size: int = 1
-    tp_rank: int = 0
-    kv_head_start: int = 0
-    total_kv_heads: int | None = None
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
 
@@ -111,7 +105,6 @@ class KVCacheParams:
             raise ValueError(f"num_kv_heads: an MLA cache has one latent head, got {self.num_kv_heads}")
         self._check_mla()
         self._check_quantization()
-        self._check_tensor_parallel()
 
     def _check_mla(self) -> None:
         given = {k: getattr(self, k) for k in ("kv_lora_rank", "rope_dim")}
@@ -174,28 +167,6 @@ class KVCacheParams:
         object.__setattr__(self, "quantization_granularity", granularity)  # normalised: equal params compare equal
         object.__setattr__(self, "scale_dtype", scale_dtype)
 
-    def _check_tensor_parallel(self) -> None:
-        if self.total_kv_heads is None:
-            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)  # normalised: equal params compare equal
-        for name in ("tp_size", "total_kv_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        for name, bound in (("tp_rank", self.tp_size), ("kv_head_start", self.total_kv_heads)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < bound:
-                raise ValueError(f"{name}: expected an int in 0..{bound - 1}, got {value!r}")
-        if self.kv_head_start + self.num_kv_heads > self.total_kv_heads:
-            raise ValueError(
-                f"num_kv_heads: heads {self.kv_head_start}..{self.kv_head_start + self.num_kv_heads - 1} "
-                f"do not fit total_kv_heads={self.total_kv_heads}"
-            )
-
-    @property
-    def kv_head_range(self) -> range:
-        """The global KV heads this cache holds, in order."""
-        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
-
     @property
     def num_planes(self) -> int:
         """2 (K and V) for MHA caches, 1 for MLA latent caches."""
@@ -250,7 +221,7 @@ class KVCacheParams:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe description (dtypes by name; the quantization fields only for FP8 caches, the
-        tensor-parallel fields only where they differ from their defaults)."""
+        MLA fields only for MLA caches)."""
         out = dataclasses.asdict(self)
         out["dtype"] = _dtype_name(self.dtype)
         for name in ("quantization_granularity", "scale_dtype", "static_scales", "kv_lora_rank", "rope_dim"):
@@ -260,10 +231,6 @@ class KVCacheParams:
             out["scale_dtype"] = _dtype_name(self.scale_dtype)
         if self.static_scales is not None:
             out["static_scales"] = list(self.static_scales)
-        defaults = {"tp_size": 1, "tp_rank": 0, "kv_head_start": 0, "total_kv_heads": self.num_kv_heads}
-        for name, default in defaults.items():  # an unsharded cache's dict is what it was before these fields
-            if out[name] == default:
-                del out[name]
         return out
 
     @classmethod
@@ -283,3 +250,93 @@ class KVCacheParams:
                 raise ValueError(f"scale_dtype: expected one of {list(SCALE_DTYPES)}, got {values['scale_dtype']!r}")
             values["scale_dtype"] = SCALE_DTYPES[values["scale_dtype"]]
         return cls(**values)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value >= high):
+        bounds = f"an int in {low}..{high - 1}" if high is not None else f"an int >= {low}"
+        raise ValueError(f"{name}: expected {bounds}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    """Which of the model's KV heads a tensor-parallel rank's cache holds, next to its `KVCacheParams`.
+
+    The cache's `num_kv_heads` heads are the global heads `kv_head_start ..` of `total_kv_heads`,
+    held by rank `tp_rank` of a group of `tp_size` (`torch_paged_kv.distributed.tensor_parallel`
+    computes them). None where a shard is optional means the cache holds every head. Immutable,
+    hashable, comparable.
+    """
+
+    tp_size: int
+    tp_rank: int
+    kv_head_start: int
+    total_kv_heads: int
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("tp_size", "tp_rank", "kv_head_start", "total_kv_heads")
+    """The dict keys of a shard, the same as in checkpoints and transfers written before it was separate."""
+
+    def __post_init__(self) -> None:
+        _check_int("tp_size", self.tp_size, 1)
+        _check_int("total_kv_heads", self.total_kv_heads, 1)
+        _check_int("tp_rank", self.tp_rank, 0, self.tp_size)
+        _check_int("kv_head_start", self.kv_head_start, 0, self.total_kv_heads)
+
+    def kv_head_range(self, num_kv_heads: int) -> range:
+        """The global KV heads a cache of `num_kv_heads` heads holds, in order."""
+        return range(self.kv_head_start, self.kv_head_start + num_kv_heads)
+
+    def check(self, params: KVCacheParams) -> None:
+        """ValueError naming `num_kv_heads` unless the heads of a cache of `params` fit `total_kv_heads`."""
+        if self.kv_head_start + params.num_kv_heads > self.total_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: heads {self.kv_head_start}..{self.kv_head_start + params.num_kv_heads - 1} "
+                f"do not fit total_kv_heads={self.total_kv_heads}"
+            )
+
+
+def describe_heads(params: KVCacheParams, shard: TPShard | None) -> str:
+    """Which KV heads a cache of `params` holding `shard` has, in words."""
+    if shard is None:
+        return f"every KV head ({params.num_kv_heads})"
+    heads = shard.kv_head_range(params.num_kv_heads)
+    return (
+        f"KV heads {heads.start}..{heads.stop - 1} of {shard.total_kv_heads} "
+        f"(tensor-parallel rank {shard.tp_rank} of {shard.tp_size})"
+    )
+
+
+def normalized_shard(params: KVCacheParams, shard: TPShard | None) -> TPShard | None:
+    """`shard` after checking it fits `params`, or None where it describes an unsharded cache (rank 0
+    of 1 holding every head): the form managers keep and compare."""
+    if shard is None:
+        return None
+    if not isinstance(shard, TPShard):
+        raise ValueError(f"tp_shard: expected a TPShard or None, got {type(shard).__name__}")
+    shard.check(params)
+    return None if shard == TPShard(1, 0, 0, params.num_kv_heads) else shard
+
+
+def params_to_dict(params: KVCacheParams, shard: TPShard | None = None) -> dict[str, Any]:
+    """`params.to_dict()` plus the shard's fields that differ from an unsharded cache's (tp_size 1,
+    tp_rank 0, kv_head_start 0, total_kv_heads = num_kv_heads): the dict checkpoints and transfers
+    carry (an unsharded cache's is `params.to_dict()`)."""
+    out = params.to_dict()
+    if normalized_shard(params, shard) is not None:
+        defaults = (1, 0, 0, params.num_kv_heads)
+        for name, default in zip(TPShard.FIELDS, defaults, strict=True):
+            if getattr(shard, name) != default:
+                out[name] = getattr(shard, name)
+    return out
+
+
+def params_from_dict(data: dict[str, Any]) -> tuple[KVCacheParams, TPShard | None]:
+    """Inverse of `params_to_dict` (ValueError for anything `KVCacheParams.from_dict` or `TPShard`
+    refuses, and for heads that do not fit); the shard is `normalized_shard`'s (None: unsharded)."""
+    values = dict(data)
+    given = {name: values.pop(name) for name in TPShard.FIELDS if name in values}
+    params = KVCacheParams.from_dict(values)
+    if not given:
+        return params, None
+    defaults = dict(zip(TPShard.FIELDS, (1, 0, 0, params.num_kv_heads), strict=True))
+    return params, normalized_shard(params, TPShard(**{**defaults, **given}))

@@ -24,7 +24,7 @@ from fuzz_mutations import damage_bytes, mutate_json
 from test_distributed_transfer import PARAMS, check_refcounts, patched, receiver_state, sender_state
 
 from torch_paged_kv.distributed import TransferError, TransferRejected, receive_sequences, send_sequences, wire
-from torch_paged_kv.distributed import transfer as transfer_module
+from torch_paged_kv.distributed import receiver as receiver_module
 
 TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -64,7 +64,7 @@ def _raw_preamble(rng: random.Random, meta: bytes, num_pages: int, page_bytes: i
 def _fuzz(rank: int, world: int, cases: list[int]) -> Counter:
     outcomes: Counter = Counter()
     src, _, ids, shared = sender_state(5, b"salt")
-    with patched(transfer_module, "_direct_flags", lambda *args: None):
+    with patched(receiver_module, "_direct_flags", lambda *args: None):
         for case in cases:
             rng = random.Random(case)
             strategy = rng.choice(["json", "json", "bytes", "preamble"])

@@ -1,6 +1,6 @@
 """Scale-out on `torch.distributed`: tensor-parallel caches and page transfer between processes.
 
-- `tensor_parallel`: KV heads sharded over the ranks of a group (`shard_params`, `head_shard`) and
+- `tensor_parallel`: KV heads sharded over the ranks of a group (`shard_params`, `tp_shard`, `head_shard`) and
   `TensorParallelKVCacheManager`, identical page decisions on every rank, checked each step.
 - `transfer`: `send_sequences` / `receive_sequences`, the pages of whole sequences from one
   process's pool to another's (disaggregated prefill and decode), all or nothing.
@@ -19,6 +19,7 @@ from .tensor_parallel import (
     head_shard,
     kv_head_range,
     shard_params,
+    tp_shard,
     unshard_params,
 )
 from .transfer import (
@@ -43,5 +44,6 @@ __all__ = [
     "send_sequences",
     "shard_params",
     "shard_path",
+    "tp_shard",
     "unshard_params",
 ]

@@ -1,8 +1,8 @@
 """KV-state checkpoints across tensor-parallel sizes: each rank saves its heads, any size loads them.
 
-Rank r of a tensor-parallel group saves its own file (`manager.save(shard_path(path, params), ids)`):
-an ordinary checkpoint whose `params` metadata carries the head range (`tp_size`, `tp_rank`,
-`kv_head_start`, `total_kv_heads`). Every rank's file holds the same lengths, tables and token ids
+Rank r of a tensor-parallel group saves its own file (`manager.save(shard_path(path, manager.tp_shard),
+ids)`): an ordinary checkpoint whose `params` metadata carries the manager's `TPShard` (`tp_size`,
+`tp_rank`, `kv_head_start`, `total_kv_heads`). Every rank's file holds the same lengths, tables and token ids
 (the ranks' page decisions are identical) and its own heads of each page. Loading at another size
 reads, for the heads the target holds, the files that hold them, and copies those head columns of
 every stored page into the target's pages (each file is read whole: its checksums cover whole
@@ -23,27 +23,36 @@ import torch
 
 from ..checkpoint import CONTINUOUS, PAGED, CheckpointError, CheckpointInfo, check_allocation, read_info
 from ..collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
-from ..manager import KVCacheManager, saved_token_ids
+from ..manager import KVCacheManager
 from ..ops.quant import indexable
 from ..page_stream import CHUNK_BYTES
-from ..params import KVCacheParams
+from ..params import KVCacheParams, TPShard
 from ..safetensors_stream import SafetensorsFormatError, format_crc, read_into
+from ..sequence_checkpoint import saved_token_ids
+from .tensor_parallel import shard_params, tp_shard, unshard_params
 
 PathLike = str | os.PathLike[str]
 
 
-def shard_path(path: PathLike, params: KVCacheParams) -> Path:
-    """Where rank `params.tp_rank` saves its shard of a checkpoint named `path`:
-    `kv.safetensors` -> `kv.tp1-of-4.safetensors` (an unsharded cache: `path` itself)."""
+def shard_path(path: PathLike, tp_shard: TPShard | None) -> Path:
+    """Where rank `tp_shard.tp_rank` saves its shard of a checkpoint named `path`:
+    `kv.safetensors` -> `kv.tp1-of-4.safetensors` (no shard, every head: `path` itself)."""
     path = Path(path)
-    if params.num_kv_heads == params.total_kv_heads and params.tp_size == 1:
+    if tp_shard is None:
         return path
-    return path.with_name(f"{path.stem}.tp{params.tp_rank}-of-{params.tp_size}{path.suffix or '.safetensors'}")
+    return path.with_name(f"{path.stem}.tp{tp_shard.tp_rank}-of-{tp_shard.tp_size}{path.suffix or '.safetensors'}")
 
 
 def _base(params: KVCacheParams) -> KVCacheParams:
-    """`params` without its head range (what every shard of one cache shares)."""
-    return dataclasses.replace(params, num_kv_heads=1, tp_size=1, tp_rank=0, kv_head_start=0, total_kv_heads=1)
+    """`params` without its head count (what every shard of one cache shares)."""
+    return dataclasses.replace(params, num_kv_heads=1)
+
+
+def _heads(params: KVCacheParams, tp_shard: TPShard | None) -> tuple[range, int]:
+    """The global KV heads a cache of `params` holding `tp_shard` has, and how many the model has."""
+    if tp_shard is None:
+        return range(params.num_kv_heads), params.num_kv_heads
+    return tp_shard.kv_head_range(params.num_kv_heads), tp_shard.total_kv_heads
 
 
 @dataclasses.dataclass
@@ -53,20 +62,24 @@ class _Source:
     target_heads: slice  # where they go in the target's pages
 
 
-def plan_shards(paths: Sequence[PathLike], target: KVCacheParams) -> tuple[CheckpointInfo, list[_Source]]:
-    """Check that `paths` are shards of one KV state covering `target`'s heads; returns the first
-    file's info (lengths, tables, metadata) and, per file to read, which head columns go where."""
+def plan_shards(
+    paths: Sequence[PathLike], target: KVCacheParams, target_shard: TPShard | None = None
+) -> tuple[CheckpointInfo, list[_Source]]:
+    """Check that `paths` are shards of one KV state covering the heads of a cache of `target`
+    holding `target_shard`; returns the first file's info (lengths, tables, metadata) and, per file
+    to read, which head columns go where."""
     paths = [Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
     if not paths:
         raise CheckpointError("paths: no checkpoint files given")
     infos = [read_info(p) for p in paths]
     first = infos[0]
+    target_heads, total = _heads(target, target_shard)
     for info in infos:
         p = info.params
-        if _base(p) != _base(target) or p.total_kv_heads != target.total_kv_heads:
+        if _base(p) != _base(target) or _heads(p, info.tp_shard)[1] != total:
             raise CheckpointError(
-                f"{info.path}: a cache of {p} does not fit the target {target} "
-                "(only the KV heads a file holds may differ)"
+                f"{info.path}: a cache of {p} ({_describe(*_heads(p, info.tp_shard))}) does not fit the target "
+                f"{target} ({_describe(target_heads, total)}) (only the KV heads a file holds may differ)"
             )
         if info.kind != first.kind:
             raise CheckpointError(f"{info.path}: a {info.kind} cache, {first.path} is {first.kind}")
@@ -84,9 +97,9 @@ def plan_shards(paths: Sequence[PathLike], target: KVCacheParams) -> tuple[Check
                 "(their lengths, lookup tables or token ids differ)"
             )
     sources: list[_Source] = []
-    needed = set(target.kv_head_range)
+    needed = set(target_heads)
     for info in infos:
-        heads = info.params.kv_head_range
+        heads = _heads(info.params, info.tp_shard)[0]
         take = [h for h in heads if h in needed]
         if not take:
             continue
@@ -99,20 +112,20 @@ def plan_shards(paths: Sequence[PathLike], target: KVCacheParams) -> tuple[Check
             _Source(
                 info,
                 slice(lo - heads.start, hi - heads.start),
-                slice(lo - target.kv_head_start, hi - target.kv_head_start),
+                slice(lo - target_heads.start, hi - target_heads.start),
             )
         )
     if needed:
-        held = ", ".join(f"{i.path.name}: {_describe(i.params.kv_head_range)}" for i in infos)
+        held = ", ".join(f"{i.path.name}: {_describe(*_heads(i.params, i.tp_shard))}" for i in infos)
         raise CheckpointError(
-            f"KV heads {sorted(needed)} of the target ({_describe(target.kv_head_range)} of "
-            f"{target.total_kv_heads}) are in none of the files ({held})"
+            f"KV heads {sorted(needed)} of the target ({_describe(target_heads, total)}) are in none of the files "
+            f"({held})"
         )
     return first, sources
 
 
-def _describe(heads: range) -> str:
-    return f"heads {heads.start}..{heads.stop - 1}"
+def _describe(heads: range, total: int) -> str:
+    return f"heads {heads.start}..{heads.stop - 1} of {total}"
 
 
 def _paged_tensors(params: KVCacheParams) -> list[tuple[str, torch.dtype, int]]:
@@ -170,42 +183,35 @@ def _fill(sources: list[_Source], pools: list[torch.Tensor], pages: torch.Tensor
 
 def load_sharded(manager: KVCacheManager, paths: Sequence[PathLike], seq_ids: Sequence | None = None) -> list:
     """Add the sequences of a checkpoint saved as shards (any tensor-parallel size) to `manager`,
-    reading the KV heads its cache holds; returns their ids (`seq_ids`, else `("loaded", n)`).
+    reading the KV heads its cache holds (`manager.tp_shard`); returns their ids (`seq_ids`, else `("loaded", n)`).
 
-    All or nothing, through `KVCacheManager.adopt`: mismatched or incomplete files raise
+    All or nothing, through `KVCacheManager.reserve`: mismatched or incomplete files raise
     `CheckpointError` before anything is allocated, too few pages `OutOfPagesError`, a checksum
     error while streaming `CheckpointError` with the manager as before."""
     c = manager.collection
-    info, sources = plan_shards(paths, c.params)
+    info, sources = plan_shards(paths, c.params, manager.tp_shard)
     if info.kind != PAGED:
         raise CheckpointError(f"{info.path}: a {info.kind} cache does not load into a paged manager")
     if max(info.cache_lengths) > c.max_seq_len:
         raise CheckpointError(f"{info.path}: a sequence of {max(info.cache_lengths)} tokens exceeds {c.max_seq_len}")
     batch = len(info.cache_lengths)
-    if seq_ids is None:
-        ids, n = [], 0
-        while len(ids) < batch:
-            if ("loaded", n) not in manager.sequences:
-                ids.append(("loaded", n))
-            n += 1
-    else:
-        ids = list(seq_ids)
+    ids = manager.fresh_ids(batch) if seq_ids is None else list(seq_ids)
+    if len(ids) != batch:
+        raise ValueError(f"seq_ids: the checkpoint holds {batch} sequences, got {len(ids)} ids")
+    manager.check_new_ids(ids)
     tokens = saved_token_ids(info.path, info, c.max_seq_len)
     rows = [[j - 1 for j in info.lookup_table[b, :per_row].tolist()] for b, per_row in enumerate(info.pages_per_row())]
-
-    def fill(incoming: list[int], pages: list[int]) -> None:
-        order = torch.empty(info.num_pages, dtype=torch.long)
-        order[torch.tensor(incoming, dtype=torch.long)] = torch.tensor(pages, dtype=torch.long)
-        _fill(sources, c.page_tensors(), order)
-
     try:
-        manager.adopt(ids, info.cache_lengths, rows, fill, token_ids=tokens)
+        reservation = manager.reserve(ids, info.cache_lengths, rows, token_ids=tokens)
     except CheckpointError:
         raise
-    except ValueError as exc:
-        if str(exc).startswith("seq_ids:"):  # the caller's ids
-            raise
-        raise CheckpointError(f"{info.path}: {exc}") from None  # the rest adopt refuses is the files'
+    except ValueError as exc:  # the ids were checked above: what reserve refuses is the files'
+        raise CheckpointError(f"{info.path}: {exc}") from None
+    with reservation:
+        order = torch.empty(info.num_pages, dtype=torch.long)  # stored page j + 1 -> order[j]
+        order[torch.tensor(reservation.incoming, dtype=torch.long)] = torch.tensor(reservation.pages, dtype=torch.long)
+        _fill(sources, c.page_tensors(), order)
+        reservation.commit()
     return ids
 
 
@@ -217,12 +223,12 @@ def load_cache_sharded(
     device: torch.device | str | None = None,
 ) -> PagedKVCacheCollection | ContinuousBatchingKVCacheCollection:
     """`checkpoint.load_cache` for shards: a new collection holding rank `tp_rank`'s heads of a
-    group of `tp_size` (default: every head), read from the shard files `paths`."""
-    from .tensor_parallel import shard_params, unshard_params
-
-    params = read_info(Path(paths[0]) if not isinstance(paths, (str, os.PathLike)) else Path(paths)).params
-    target = shard_params(unshard_params(params), tp_size, tp_rank)
-    info, sources = plan_shards(paths, target)
+    group of `tp_size` (default: every head; `tensor_parallel.tp_shard` says which they are), read
+    from the shard files `paths`."""
+    first = read_info(Path(paths[0]) if not isinstance(paths, (str, os.PathLike)) else Path(paths))
+    full = unshard_params(first.params, first.tp_shard)
+    target = shard_params(full, tp_size, tp_rank)
+    info, sources = plan_shards(paths, target, tp_shard(full, tp_size, tp_rank))
     check_allocation(info, target, device)
     batch = len(info.cache_lengths)
     if info.kind == CONTINUOUS:

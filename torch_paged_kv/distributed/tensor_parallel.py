@@ -1,9 +1,10 @@
 """Tensor parallelism: KV heads sharded over the ranks of a group, one page manager per rank in lockstep.
 
-Rank r of a group of `tp_size` holds a slice of the KV heads (`shard_params`) in its own pool, with
-the same page layout as every other rank; attention is each rank running the ordinary ops on its
-query heads and their KV heads (`head_shard`; GQA groups never straddle ranks), and the model's
-output projection sums over ranks (a row-parallel linear and an all-reduce, as in Megatron).
+Rank r of a group of `tp_size` holds a slice of the KV heads in its own pool (`shard_params` gives
+its params, `tp_shard` which heads they are: a `TPShard` its manager keeps), with the same page
+layout as every other rank; attention is each rank running the ordinary ops on its query heads and
+their KV heads (`head_shard`; GQA groups never straddle ranks), and the model's output projection
+sums over ranks (a row-parallel linear and an all-reduce, as in Megatron).
 
 Every rank must make the same page decisions: the lookup tables of rank 0 are those of every rank.
 `TensorParallelKVCacheManager` gets there by determinism: every rank runs the same manager calls
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from ..collection import PagedKVCacheCollection, StepTensors
 from ..manager import KVCacheManager
-from ..params import KVCacheParams
+from ..params import KVCacheParams, TPShard
 
 
 def kv_head_range(total_kv_heads: int, tp_size: int, tp_rank: int) -> range:
@@ -58,26 +59,22 @@ def head_shard(num_q_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) 
     return q, kv
 
 
-def shard_params(params: KVCacheParams, tp_size: int, tp_rank: int) -> KVCacheParams:
-    """The params of rank `tp_rank`'s cache, for the unsharded cache `params` (an MLA latent cache is
-    replicated: every rank holds the one latent head)."""
-    if params.num_kv_heads != params.total_kv_heads:
-        held, total = params.kv_head_range, params.total_kv_heads
-        raise ValueError(f"params: expected an unsharded cache, got heads {held.start}..{held.stop - 1} of {total}")
+def tp_shard(params: KVCacheParams, tp_size: int, tp_rank: int) -> TPShard:
+    """Which KV heads rank `tp_rank` of `tp_size` holds of the model's cache `params` (every head):
+    the `TPShard` its manager gets next to `shard_params`' params."""
     heads = kv_head_range(params.num_kv_heads, tp_size, tp_rank)
-    return dataclasses.replace(
-        params,
-        num_kv_heads=len(heads),
-        tp_size=tp_size,
-        tp_rank=tp_rank,
-        kv_head_start=heads.start,
-        total_kv_heads=params.num_kv_heads,
-    )
+    return TPShard(tp_size, tp_rank, heads.start, params.num_kv_heads)
 
 
-def unshard_params(params: KVCacheParams) -> KVCacheParams:
-    """The params of the whole cache (every head, one rank) that `params` is a shard of."""
-    return dataclasses.replace(params, num_kv_heads=params.total_kv_heads, tp_size=1, tp_rank=0, kv_head_start=0)
+def shard_params(params: KVCacheParams, tp_size: int, tp_rank: int) -> KVCacheParams:
+    """The params of rank `tp_rank`'s cache: the model's cache `params` (every head) with the heads
+    that rank holds (an MLA latent cache is replicated: every rank holds the one latent head)."""
+    return dataclasses.replace(params, num_kv_heads=len(kv_head_range(params.num_kv_heads, tp_size, tp_rank)))
+
+
+def unshard_params(params: KVCacheParams, tp_shard: TPShard | None) -> KVCacheParams:
+    """The params of the model's whole cache (every head) that a cache of `params` holding `tp_shard` is part of."""
+    return params if tp_shard is None else dataclasses.replace(params, num_kv_heads=tp_shard.total_kv_heads)
 
 
 class TensorParallelDivergenceError(RuntimeError):
@@ -87,9 +84,10 @@ class TensorParallelDivergenceError(RuntimeError):
 class TensorParallelKVCacheManager(KVCacheManager):
     """A `KVCacheManager` for rank `tp_rank` of a tensor-parallel group, checked against the others.
 
-    `collection` holds this rank's heads (`shard_params`); its `tp_size`/`tp_rank` must be this
-    process's size/rank in `group`. Call it exactly as every other rank does. Every `verify_every`-th
-    `prepare_step` (default: each) all-reduces a digest of the step (lengths, page counts, the last
+    `collection` holds this rank's heads (`shard_params`), `tp_shard` says which (`tp_shard`); its
+    `tp_size`/`tp_rank` must be this process's size/rank in `group` (no shard: a group of one).
+    Call it exactly as every other rank does. Every `verify_every`-th `prepare_step` (default: each)
+    all-reduces a digest of the step (lengths, page counts, the last
     page of each row, the pool's counters) over `cpu_group` (default `group`, which must then be a
     gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
     all-reduce runs while the model does and `commit_step` checks it; without, `prepare_step` waits
@@ -103,19 +101,18 @@ class TensorParallelKVCacheManager(KVCacheManager):
         collection: PagedKVCacheCollection,
         group: dist.ProcessGroup | None = None,
         *,
+        tp_shard: TPShard | None = None,
         cpu_group: dist.ProcessGroup | None = None,
         verify_every: int = 1,
         overlap: bool = True,
         enable_prefix_caching: bool = True,
         hash_salt: bytes | None = None,
     ) -> None:
-        super().__init__(collection, enable_prefix_caching, hash_salt)
-        p = collection.params
+        super().__init__(collection, enable_prefix_caching, hash_salt, tp_shard=tp_shard)
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if (p.tp_size, p.tp_rank) != (size, rank):
-            raise ValueError(
-                f"collection: its params are rank {p.tp_rank} of {p.tp_size}, this process is rank {rank} of {size}"
-            )
+        held = (1, 0) if self.tp_shard is None else (self.tp_shard.tp_size, self.tp_shard.tp_rank)
+        if held != (size, rank):
+            raise ValueError(f"tp_shard: rank {held[1]} of {held[0]}, this process is rank {rank} of {size}")
         if cpu_group is None:
             if "gloo" not in str(dist.get_backend(group)):
                 raise ValueError("cpu_group: the digests go over a CPU (gloo) group; pass one for these ranks")
@@ -152,20 +149,21 @@ class TensorParallelKVCacheManager(KVCacheManager):
     def digest(self, full: bool = False) -> int:
         """A 56-bit digest of the page decisions so far (see the class docs); equal on every rank."""
         h = hashlib.blake2b(digest_size=7)
-        table, pool = self.page_table, self.page_pool
-        pending = self._pending
-        if pending is not None:
-            slots = pending.slots
-            counts = table.num_pages[slots]
-            last = table.rows[slots, np.maximum(counts - 1, 0)]
-            for array in (pending.new_lengths, pending.num_new, counts, last):
+        table = self.page_table
+        rows = self.prepared_rows
+        if rows is not None:
+            counts = table.num_pages[rows.slots]
+            last = table.rows[rows.slots, np.maximum(counts - 1, 0)]
+            for array in (rows.new_lengths, rows.num_new, counts, last):
                 h.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
-        counters = (len(pool.free), len(pool.evictable), len(pool.key_of), len(self._seqs), self.steps_prepared)
+        sequences = self.sequences
+        counters = (*self.page_pool.counts(), len(sequences), self.steps_prepared)
         h.update(np.array(counters, dtype=np.int64).tobytes())
         if full:
-            slots = np.array([self._seqs[i].slot for i in self._seqs], dtype=np.int64)
-            h.update(table.lengths[slots].tobytes() + table.num_pages[slots].tobytes())
-            h.update(table.rows[slots].tobytes() + np.array(pool.free, dtype=np.int64).tobytes())
+            for seq_id in sequences:
+                pages = self.pages(seq_id)
+                h.update(np.array([self.cache_length(seq_id), len(pages), *pages], dtype=np.int64).tobytes())
+            h.update(np.array(self.page_pool.free_pages(), dtype=np.int64).tobytes())
         return int.from_bytes(h.digest(), "little")
 
     def _start(self, digest: int) -> tuple[int, torch.Tensor, object]:

@@ -33,11 +33,13 @@ order (S: sender, R: receiver); every message is one tensor, sizes known to both
 5. R->S done, uint8 `[REPLY_BYTES]`: status 0 once every message arrived and checked out (the
    receiver registers the sequences right after), else the reason it gave up.
 
-Checksums: `SUM64` (`sum64`, a position-weighted 64-bit sum: numpy on the CPU, torch reductions on
-a GPU, no device-to-host copy; the default) or `CRC32` (zlib's CRC-32 of the bytes, on the host:
-stronger against reordered bytes, several times slower). On the CPU `copy_sum64` moves pages into
-or out of a message and takes its sum64 in the same pass (C++), the same value as `sum64`, which
-runs in C++ there too where the library builds (numpy otherwise).
+Checksums: `SUM64` (`sum64`, a position-weighted 64-bit sum; the default) or `CRC32` (zlib's CRC-32
+of the bytes, on the host: stronger against reordered bytes, several times slower). SUM64 has two
+implementations, one per place the bytes are: host bytes in C++ (`ops/cpu/wire_copy.cpp`: `sum64`
+of bytes in place, and `copy_sum64`, which moves pages into or out of a message and sums it in the
+same pass), device bytes in torch reductions (`sum64_tensor`: no copy to the host, no wait). Where
+the C++ library cannot be built, host bytes take the torch route too. Both give the same value
+(tests/test_wire.py checks them against each other and against the definition).
 """
 
 from __future__ import annotations
@@ -301,66 +303,43 @@ def direct_messages(flags: list[int]) -> list[tuple[int, int]]:
 
 _ROW_BYTES = 4096
 _ROW_WORDS = _ROW_BYTES // 8
-_K = 0x9E37_79B9_7F4A_7C15
-_K_INT64 = _K - (1 << 64)  # the same bits as a (negative) int64
+_K_INT64 = 0x9E37_79B9_7F4A_7C15 - (1 << 64)  # K, the column factor, as the int64 of the same bits
 _MASK = (1 << 64) - 1
 
 
 def sum64(payload: torch.Tensor) -> int:
-    """Position-weighted 64-bit checksum of a contiguous uint8 tensor, on its device.
+    """Position-weighted 64-bit checksum of a contiguous uint8 tensor.
 
     The bytes, zero-padded to whole 4 KiB rows, are read as little-endian 64-bit words `w[r, c]`
     (512 per row); with row sums `s_r` and column sums `t_c` (mod 2**64) the checksum is
     `sum_r s_r (2r + 1) + K sum_c t_c (2c + 1) + n` mod 2**64, `n` the length in bytes. A changed
     bit, a truncation or a moved word changes it (not a cryptographic hash: it guards against
-    transport faults and bugs). Two passes of sums: several times faster than zlib's CRC-32 on a
-    CPU (numpy, one thread) and a few torch reductions on a GPU (no copy to the host)."""
-    if payload.device.type != "cpu":
-        return int(sum64_tensor(payload).item()) & _MASK
-    if has_copy_sum64():
-        if payload.dtype != torch.uint8 or not payload.is_contiguous():
-            raise ValueError(f"payload: expected a contiguous uint8 tensor, got {payload.dtype}")
+    transport faults and bugs). Host bytes are summed in C++ in one pass (several times faster than
+    zlib's CRC-32), device bytes with `sum64_tensor` (read back here)."""
+    if payload.dtype != torch.uint8 or not payload.is_contiguous():
+        raise ValueError(f"payload: expected a contiguous uint8 tensor, got {payload.dtype}")
+    if payload.device.type == "cpu" and has_copy_sum64():
         return build.library().pkv_wire_sum(payload.data_ptr(), payload.numel())
-    return _sum64_numpy(payload)
-
-
-def _rows(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The whole 4 KiB rows of `payload`, and its zero-padded last row if it has a partial one."""
-    n = payload.numel()
-    full = n // _ROW_BYTES * _ROW_BYTES
-    if n == full:
-        return payload, None
-    tail = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=payload.device)
-    tail[: n - full] = payload[full:]
-    return payload[:full], tail
-
-
-def _sum64_numpy(payload: torch.Tensor) -> int:
-    body, tail = _rows(payload)
-    words = body.numpy().view(np.uint64).reshape(-1, _ROW_WORDS)
-    rows, cols = words.sum(axis=1), words.sum(axis=0)
-    if tail is not None:
-        last = tail.numpy().view(np.uint64)
-        rows, cols = np.append(rows, last.sum(dtype=np.uint64)), cols + last
-    weights = np.arange(1, 2 * len(rows) + 1, 2, dtype=np.uint64)
-    a, b = int((rows * weights).sum(dtype=np.uint64)), int((cols * _COLUMN_WEIGHTS).sum(dtype=np.uint64))
-    return (a + _K * b + payload.numel()) & _MASK
+    return int(sum64_tensor(payload).item()) & _MASK
 
 
 def sum64_tensor(payload: torch.Tensor) -> torch.Tensor:
     """`sum64` of a contiguous uint8 tensor as a 0-d int64 tensor (its uint64 bits) on the payload's
     device: torch reductions whose int64 arithmetic wraps mod 2**64, nothing copied to the host (on a
     GPU, no wait for the stream)."""
-    body, tail = _rows(payload)
-    words = body.view(torch.int64).view(-1, _ROW_WORDS)
+    n = payload.numel()
+    full = n // _ROW_BYTES * _ROW_BYTES
+    words = payload[:full].view(torch.int64).view(-1, _ROW_WORDS)
     rows, cols = words.sum(1), words.sum(0)
-    if tail is not None:
+    if n > full:  # the last row, zero-padded
+        tail = torch.zeros(_ROW_BYTES, dtype=torch.uint8, device=payload.device)
+        tail[: n - full] = payload[full:]
         last = tail.view(torch.int64)
         rows, cols = torch.cat([rows, last.sum().view(1)]), cols + last
     weights = torch.arange(1, 2 * rows.numel() + 1, 2, dtype=torch.int64, device=payload.device)
-    column_weights = torch.from_numpy(_COLUMN_WEIGHTS.view(np.int64)).to(payload.device)
+    column_weights = torch.arange(1, 2 * _ROW_WORDS + 1, 2, dtype=torch.int64, device=payload.device)
     a, b = (rows * weights).sum(), (cols * column_weights).sum()
-    return a + _K_INT64 * b + payload.numel()
+    return a + _K_INT64 * b + n
 
 
 def sums_stay_on(device: torch.device) -> bool:
@@ -384,12 +363,9 @@ def checksums_tensor(sums: list[int | torch.Tensor], device: torch.device) -> to
     return torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(device)
 
 
-_COLUMN_WEIGHTS = np.arange(1, 2 * _ROW_WORDS + 1, 2, dtype=np.uint64)
-
-
 def has_copy_sum64() -> bool:
-    """Whether `copy_sum64` (and `sum64` of CPU bytes in C++) runs here: the CPU library builds (the
-    answer is kept for the process)."""
+    """Whether `copy_sum64` and `sum64` of host bytes run in C++ here: the CPU library builds (the
+    answer is kept for the process; else host bytes take the torch route)."""
     try:
         build.library()
     except build.BuildError:
