@@ -25,6 +25,7 @@ cached layer). Nothing per token lives in Python ints, so a compiled decode step
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,6 +37,7 @@ from ..collection import PagedKVCacheCollection
 from ..ops import copy_pages
 from ..params import KVCacheParams
 from ..step import StepPlan
+from .hf_checkpoint import load_paged_cache, save_paged_cache
 
 ATTN_IMPLEMENTATION = "paged_kv"
 NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
@@ -373,6 +375,21 @@ class PagedCache(Cache):
         lengths.zero_()
         lengths[:batch] = new_lengths
         self.rows = batch
+
+    # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], **options: Any) -> None:
+        """Save the rows in use to a KV checkpoint at `path` (between `generate` calls, not inside
+        a step); `PagedCache.load` resumes from it in any process. `options`: `metadata` (str -> str),
+        `shard_bytes`, `progress`, as for `torch_paged_kv.save_cache`."""
+        save_paged_cache(self, path, **options)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], config: PreTrainedConfig, **options: Any) -> PagedCache:
+        """A new cache for the model of `config` holding what `save` wrote at `path`, on `device`
+        (default CPU). Constructor arguments default to the saved cache's; pass a larger
+        `max_cache_len` to generate further. Then `generate(all tokens so far, ..., cache=cache)`
+        goes on as if never interrupted. See docs/transformers.md."""
+        return load_paged_cache(cls, path, config, **options)
 
     def __repr__(self) -> str:
         if self.collection is None:
