@@ -96,6 +96,8 @@ int pkv_openmp() {
 #endif
 }
 
+int64_t pkv_parallel_losses() { return fan_out.losses.load(); }  // parallel.h: loops slower than one thread
+
 int pkv_flash_attention(const unsigned char* packed) {
   const Packed a{packed};
   return run_flash_attention(static_cast<int>(a.i(0)), a.ptr<const void>(1), a.i(2), a.i(3), a.ptr<const void>(4), a.i(5),
