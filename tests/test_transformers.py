@@ -237,6 +237,9 @@ def test_overflow_is_rejected(model):
         forward(model, cache, torch.ones(1, 25, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="max_batch_size"):
         forward(model, cache, torch.ones(5, 3, dtype=torch.long), 0)
+    ids = torch.ones(2, 3, dtype=torch.long)  # 2 prompts x 3 beams: 6 rows for a cache of 4
+    with pytest.raises(ValueError, match=r"^batch: 6 rows, more than max_batch_size=4 \(rows are batch x num_beams"):
+        model.generate(ids, **{cache_kwarg(model): paged(model, "paged_kv")}, num_beams=3, **GREEDY)
 
 
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])

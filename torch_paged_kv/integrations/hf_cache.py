@@ -318,7 +318,10 @@ class PagedCache(Cache):
 
     def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:
         if batch > self.max_batch_size:
-            raise ValueError(f"batch: {batch} rows, more than max_batch_size={self.max_batch_size}")
+            raise ValueError(
+                f"batch: {batch} rows, more than max_batch_size={self.max_batch_size} "
+                "(rows are batch x num_beams under beam search)"
+            )
         longest = int((self.collection.cache_lengths[:batch] + new_tokens).max())
         if longest > self.max_cache_len:
             raise ValueError(f"max_cache_len: a row would hold {longest} tokens, more than {self.max_cache_len}")
@@ -359,7 +362,10 @@ class PagedCache(Cache):
         """Row i := old row `rows[i]`: copy the used pages of moved rows onto row i's own pages."""
         batch = rows.numel()
         if batch > self.max_batch_size:
-            raise ValueError(f"rows: {batch} rows, more than max_batch_size={self.max_batch_size}")
+            raise ValueError(
+                f"rows: {batch} rows, more than max_batch_size={self.max_batch_size} "
+                "(rows are batch x num_beams under beam search)"
+            )
         if self.collection is None:  # nothing stored yet
             self.rows = batch
             return
