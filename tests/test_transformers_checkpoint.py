@@ -136,6 +136,8 @@ def test_what_cannot_be_saved_or_resumed_is_refused(model, tmp_path):
         PagedCache.load(path, model.config, max_cache_len=10)
     with pytest.raises(ValueError, match="^max_batch_size: the file holds 4 rows, more than 2"):
         PagedCache.load(path, model.config, max_batch_size=2)
+    with pytest.raises(ValueError, match="^device, dtype: loading allocates the pool now"):
+        PagedCache.load(path, model.config, device=None)
     with pytest.raises(CheckpointError, match="page_size=8"):
         PagedCache.load(path, model.config, page_size=8)
     model.set_attn_implementation("sdpa")  # left padding was never stored: columns cannot be rebuilt

@@ -85,6 +85,8 @@ def load_paged_cache(
         quantization_granularity=p.quantization_granularity,
         static_scales=p.static_scales,
     )
+    if device is None or options.get("dtype", defaults["dtype"]) is None:
+        raise ValueError("device, dtype: loading allocates the pool now, which needs both (None given)")
     cache = cache_type(config, device=device, **{**defaults, **options})
     collection = cache.collection
     if collection.params != p:
