@@ -17,6 +17,7 @@ import pytest
 from torch_paged_kv.ops.cpu import build
 
 HERE = pathlib.Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow  # a library build and a test_cpu.py run per case
 
 
 # flags appended, the /proc/cpuinfo flags the host needs for the case to be narrower than the

@@ -4,6 +4,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # a fresh process each, most compiling a model
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 

@@ -34,7 +34,7 @@ def _check(out, ref):
     torch.testing.assert_close(out.double(), ref, **ATTENTION_TOLERANCE[out.dtype])
 
 
-@pytest.mark.parametrize("page_size, dtype", itertools.product([1, 7, 16, 128], DTYPES))
+@pytest.mark.parametrize("page_size, dtype", list(itertools.product([1, 7, 16, 128], DTYPES)))
 def test_attention_matches_fp64(page_size, dtype):
     batch = make_paged_batch(
         CACHED, NEW, page_size=page_size, num_kv_heads=2, head_dim=64, group=4, dtype=dtype, seed=page_size

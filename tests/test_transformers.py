@@ -237,6 +237,9 @@ def test_overflow_is_rejected(model):
         forward(model, cache, torch.ones(1, 25, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="max_batch_size"):
         forward(model, cache, torch.ones(5, 3, dtype=torch.long), 0)
+    ids = torch.ones(2, 3, dtype=torch.long)  # 2 prompts x 3 beams: 6 rows for a cache of 4
+    with pytest.raises(ValueError, match=r"^batch: 6 rows, more than max_batch_size=4 \(rows are batch x num_beams"):
+        model.generate(ids, **{cache_kwarg(model): paged(model, "paged_kv")}, num_beams=3, **GREEDY)
 
 
 @pytest.mark.parametrize("attn", ["paged_kv", "sdpa"])
@@ -363,13 +366,19 @@ def test_forward_without_cache(model, prompts):
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a fresh process each
 @pytest.mark.parametrize(
-    "script, args", [("hf_generate.py", ["--new-tokens", "8", "--batch", "2"]), ("quickstart.py", [])]
+    "script, args, says",
+    [
+        ("hf_generate.py", ["--new-tokens", "8", "--batch", "2", "--repeats", "1"], "identical to DynamicCache: yes"),
+        ("quickstart.py", [], "matches SDPA"),
+    ],
+    ids=["hf_generate", "quickstart"],
 )
-def test_example_runs(script, args):
+def test_example_runs(script, args, says):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert "tokens/s" in done.stdout or "matches SDPA" in done.stdout
+    assert says in done.stdout

@@ -35,6 +35,7 @@ def compiled(tmp_path_factory) -> tuple[dict[tuple[int, str], tuple[int, int, st
     return rows, keep
 
 
+@pytest.mark.slow  # the AOT compile (the `compiled` fixture)
 def test_every_kernel_compiles_for_both_targets(compiled):
     rows, _ = compiled
     for arch in (80, 90):
@@ -51,6 +52,7 @@ def test_every_kernel_compiles_for_both_targets(compiled):
         }, arch
 
 
+@pytest.mark.slow  # the AOT compile (the `compiled` fixture)
 def test_no_variant_spills_more_than_a_few_registers(compiled):
     """ptxas sometimes spills a word or two to keep occupancy (16-24 bytes in a few full-set variants);
     tiles too large for the register file spill kilobytes (fp32 attention did, before its tiles shrank)."""
@@ -59,6 +61,7 @@ def test_no_variant_spills_more_than_a_few_registers(compiled):
     assert not spilling, spilling
 
 
+@pytest.mark.slow  # the AOT compile (the `compiled` fixture)
 def test_16_bit_attention_uses_tensor_cores(compiled):
     """sm_80 and decode tiles (16 rows) emit mma.sync; sm_90 prefill tiles (64 rows) emit wgmma."""
     rows, keep = compiled
@@ -76,6 +79,7 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
 
 
+@pytest.mark.slow  # the AOT compile (the `compiled` fixture)
 def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
     """Triton passes ints below 2**31 as i32: `layer_idx * stride_layer` wrapped at layer 16 of a
     128k-slot continuous-batching pool. `aot` fails a variant with such a multiply (the run above

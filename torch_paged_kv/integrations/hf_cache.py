@@ -28,6 +28,7 @@ cached layer). Nothing per token lives in Python ints, so a compiled decode step
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,6 +41,7 @@ from ..ops import copy_pages
 from ..params import KVCacheParams
 from ..step import StepPlan
 from . import hf_mla
+from .hf_checkpoint import load_paged_cache, save_paged_cache
 from .hf_support import NO_CACHE_LAYER_TYPES, cache_shape, check_config
 
 ATTN_IMPLEMENTATION = "paged_kv"
@@ -360,7 +362,10 @@ class PagedCache(Cache):
 
     def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:
         if batch > self.max_batch_size:
-            raise ValueError(f"batch: {batch} rows, more than max_batch_size={self.max_batch_size}")
+            raise ValueError(
+                f"batch: {batch} rows, more than max_batch_size={self.max_batch_size} "
+                "(rows are batch x num_beams under beam search)"
+            )
         longest = int((self.collection.cache_lengths[:batch] + new_tokens).max())
         if longest > self.max_cache_len:
             raise ValueError(f"max_cache_len: a row would hold {longest} tokens, more than {self.max_cache_len}")
@@ -401,7 +406,10 @@ class PagedCache(Cache):
         """Row i := old row `rows[i]`: copy the used pages of moved rows onto row i's own pages."""
         batch = rows.numel()
         if batch > self.max_batch_size:
-            raise ValueError(f"rows: {batch} rows, more than max_batch_size={self.max_batch_size}")
+            raise ValueError(
+                f"rows: {batch} rows, more than max_batch_size={self.max_batch_size} "
+                "(rows are batch x num_beams under beam search)"
+            )
         if self.collection is None:  # nothing stored yet
             self.rows = batch
             return
@@ -417,6 +425,21 @@ class PagedCache(Cache):
         lengths.zero_()
         lengths[:batch] = new_lengths
         self.rows = batch
+
+    # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], **options: Any) -> None:
+        """Save the rows in use to a KV checkpoint at `path` (between `generate` calls, not inside
+        a step); `PagedCache.load` resumes from it in any process. `options`: `metadata` (str -> str),
+        `shard_bytes`, `progress`, as for `torch_paged_kv.save_cache`."""
+        save_paged_cache(self, path, **options)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], config: PreTrainedConfig, **options: Any) -> PagedCache:
+        """A new cache for the model of `config` holding what `save` wrote at `path`, on `device`
+        (default CPU). Constructor arguments default to the saved cache's; pass a larger
+        `max_cache_len` to generate further. Then `generate(all tokens so far, ..., cache=cache)`
+        goes on as if never interrupted. See docs/transformers.md."""
+        return load_paged_cache(cls, path, config, **options)
 
     def __repr__(self) -> str:
         if self.collection is None:

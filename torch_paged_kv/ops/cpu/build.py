@@ -185,6 +185,7 @@ def _write_atomically(target: pathlib.Path, text: str) -> None:
 SIGNATURES = {  # name -> (argument types, result type); an op entry takes its packed argument struct (args.py)
     "pkv_vector_width": ([], ctypes.c_int),
     "pkv_openmp": ([], ctypes.c_int),
+    "pkv_parallel_losses": ([], ctypes.c_int64),
     "pkv_bf16_dot": ([], ctypes.c_int),
     "pkv_fp8_byte_tables": ([], ctypes.c_int),
     "pkv_args_layout": ([], ctypes.c_char_p),

@@ -73,6 +73,8 @@ int pkv_openmp() {
 #endif
 }
 
+int64_t pkv_parallel_losses() { return fan_out.losses.load(); }  // parallel.h: loops slower than one thread
+
 // The calling convention: each op entry takes its argument struct (args.h) as the bytes kernels.py
 // packed; pkv_args_layout() describes those structs, for kernels.py to check its side against.
 const char* pkv_args_layout() {

@@ -1,0 +1,140 @@
+"""`PagedCache.save` / `PagedCache.load`: a transformers cache in a KV checkpoint, to resume `generate`.
+
+The file is an ordinary checkpoint (docs/checkpoints.md; `python -m torch_paged_kv inspect` reads
+it): the rows in use, only the pages they fill, checksums. What the pool does not say goes under
+the user-metadata key `METADATA_KEY`: the column counter (`get_seq_length`, which `generate` turns
+into the next positions), the model's dtype (an FP8 pool does not tell it), and whether the pages
+hold real tokens only (filled under `attn_implementation="paged_kv"`) or every column, padding
+included (any other attention).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import PreTrainedConfig
+
+from ..checkpoint import DEFAULT_SHARD_BYTES, PAGED, CheckpointError, load_pages, read_info, save_cache
+from ..params import SUPPORTED_DTYPES
+
+if TYPE_CHECKING:
+    from .hf_cache import PagedCache
+
+METADATA_KEY = "torch_paged_kv.transformers"
+
+
+def save_paged_cache(
+    cache: PagedCache,
+    path: str | os.PathLike[str],
+    *,
+    metadata: dict[str, str] | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: bool | None = None,
+) -> None:
+    """Write the rows `cache` holds (row i of the file is row i of the batch) to `path`."""
+    if cache.collection is None or cache.rows == 0:
+        raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
+    if metadata is not None and METADATA_KEY in metadata:
+        raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
+    state = {
+        "columns": int(cache.columns),
+        "dtype": str(cache.dtype).removeprefix("torch."),
+        "real_tokens_only": cache.attends_from_pages,
+    }
+    save_cache(
+        cache.collection,
+        path,
+        batch_indices=list(range(cache.rows)),
+        metadata={**(metadata or {}), METADATA_KEY: json.dumps(state)},
+        shard_bytes=shard_bytes,
+        progress=progress,
+    )
+
+
+def load_paged_cache(
+    cache_type: type[PagedCache],
+    path: str | os.PathLike[str],
+    config: PreTrainedConfig,
+    *,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+    **options: Any,
+) -> PagedCache:
+    """A new `cache_type(config, device=device, **options)` holding the rows saved at `path`.
+
+    Every other constructor argument defaults to the saved cache's (`max_batch_size` to the rows
+    saved); a larger `max_cache_len` or `max_batch_size` leaves room to go on. Raises
+    `CheckpointError` for a file that is not a saved `PagedCache` or whose pool (layers, heads,
+    page size, dtypes) differs from the one `config` and `options` make, and `ValueError` naming
+    the argument when the rows do not fit (`max_batch_size`, `max_cache_len`) or `config` attends
+    differently from the run that filled the cache with padding (`config`).
+    """
+    info = read_info(path)
+    state = _saved_state(info.path, info.user_metadata, info.kind)
+    p = info.params
+    rows, lengths = len(info.cache_lengths), torch.tensor(info.cache_lengths, dtype=torch.int32)
+    defaults = dict(
+        max_batch_size=rows,
+        max_cache_len=info.max_seq_len,
+        page_size=p.page_size,
+        dtype=SUPPORTED_DTYPES[state["dtype"]],
+        kv_dtype=p.dtype,
+        quantization_granularity=p.quantization_granularity,
+        static_scales=p.static_scales,
+    )
+    if device is None or options.get("dtype", defaults["dtype"]) is None:
+        raise ValueError("device, dtype: loading allocates the pool now, which needs both (None given)")
+    cache = cache_type(config, device=device, **{**defaults, **options})
+    collection = cache.collection
+    if collection.params != p:
+        raise CheckpointError(
+            f"{info.path}: the file holds a cache of {p}, but this config and these options make {collection.params}"
+        )
+    if rows > cache.max_batch_size:
+        raise ValueError(f"max_batch_size: the file holds {rows} rows, more than {cache.max_batch_size}")
+    longest = max(state["columns"], *info.cache_lengths)
+    if longest > cache.max_cache_len:
+        raise ValueError(f"max_cache_len: the file holds rows of {longest} columns, more than {cache.max_cache_len}")
+    # Pages of real tokens only read as columns when no row was padded; pages with padding in them
+    # never read as real tokens only (the padding cannot be told apart).
+    padded = bool((lengths != state["columns"]).any())
+    if state["real_tokens_only"] != cache.attends_from_pages and (padded or cache.attends_from_pages):
+        saved = "paged_kv" if state["real_tokens_only"] else "an attention other than paged_kv"
+        raise ValueError(
+            f"config: the cache was filled under {saved}, which stores "
+            f"{'real tokens only' if state['real_tokens_only'] else 'padding too'}; "
+            f"this config uses attn_implementation={cache.config._attn_implementation!r}"
+        )
+    per_row = info.pages_per_row()
+    if sum(per_row) != info.num_pages:
+        raise CheckpointError(f"{info.path}: rows share pages, which a PagedCache never does")
+    pages = torch.empty(info.num_pages, dtype=torch.int64)  # stored page j + 1 -> its row's own page
+    own = collection.lookup_table.cpu()
+    for b, n in enumerate(per_row):
+        pages[info.lookup_table[b, :n].long() - 1] = own[b, :n].long()
+    load_pages(info.path, collection.blocks, pages, scales=collection.scales, progress=progress)
+    collection.cache_lengths[:rows] = lengths.to(collection.device)
+    cache.columns.fill_(state["columns"])
+    cache.rows = rows
+    return cache
+
+
+def _saved_state(path: os.PathLike[str], user_metadata: dict[str, str], kind: str) -> dict[str, Any]:
+    """The cache's own metadata, checked; `CheckpointError` for a file `save_paged_cache` did not write."""
+    try:
+        state = json.loads(user_metadata[METADATA_KEY])
+        ok = (
+            kind == PAGED
+            and isinstance(state["columns"], int)
+            and state["columns"] >= 0
+            and state["dtype"] in SUPPORTED_DTYPES
+            and isinstance(state["real_tokens_only"], bool)
+        )
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{path}: not a saved PagedCache (PagedCache.save writes one; see {METADATA_KEY!r})")
+    return state
