@@ -7,6 +7,7 @@ reused from the prefix cache must hold exactly what recomputing would write.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import random
 import struct
@@ -21,98 +22,140 @@ from torch_paged_kv.page_pool import page_key, root_key
 
 PARAMS = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
 PS = PARAMS.page_size
+SLIDING = tpk.KVCacheParams(torch.float32, num_layers=1, num_kv_heads=1, head_dim=8, page_size=PS, sliding_window=6)
+GROUPS = {  # layer groups of the randomized workload: params and model layers of each
+    "one group": ([PARAMS], [[0, 1]]),
+    "full + sliding": ([PARAMS, SLIDING], [[0, 2], [1]]),
+    "sliding, another window": ([dataclasses.replace(PARAMS, sliding_window=9)], [[0, 1]]),
+    "two sliding + full": (
+        [SLIDING, dataclasses.replace(SLIDING, sliding_window=13, head_dim=4), PARAMS],
+        [[3], [1], [0, 2]],
+    ),
+}
 
 
 def make(num_pages: int = 32, max_batch: int = 8, max_seq_len: int = 64, **kw) -> KVCacheManager:
     return KVCacheManager(tpk.PagedKVCacheCollection(PARAMS, num_pages, max_batch, max_seq_len), **kw)
 
 
-def kv_rows(tokens: list[int], start: int, stop: int) -> torch.Tensor:
-    """K/V of positions start..stop-1: `[n, 2, layers, heads, head_dim]`, a function of the prefix."""
-    h, hashes = 7, []
+def make_groups(groups: str, num_pages: int, max_batch: int, max_seq_len: int, **kw) -> KVCacheManager:
+    params, layers = GROUPS[groups]
+    counts = [num_pages if p.sliding_window is None else num_pages * 2 // 3 for p in params]
+    return KVCacheManager(tpk.LayerGroups.allocate(params, layers, counts, max_batch, max_seq_len), **kw)
+
+
+def kv_rows(
+    tokens: list[int], start: int, stop: int, params: tpk.KVCacheParams = PARAMS, group: int = 0
+) -> torch.Tensor:
+    """K/V of positions start..stop-1: `[n, 2, layers, heads, head_dim]`, a function of the prefix (and group)."""
+    h, hashes = 7 + group, []
     for tok in tokens[:stop]:
         h = (h * 1_000_003 + tok + 1) % 2_147_483_647
         hashes.append(h)
-    n_vals = 2 * PARAMS.num_layers * PARAMS.num_kv_heads * PARAMS.head_dim
+    n_vals = 2 * params.num_layers * params.num_kv_heads * params.head_dim
     mult = torch.arange(1, n_vals + 1, dtype=torch.int64) * 7919
     vals = (torch.tensor(hashes[start:], dtype=torch.int64)[:, None] * mult[None]) % 997
-    return (vals.float() / 997).view(-1, 2, PARAMS.num_layers, PARAMS.num_kv_heads, PARAMS.head_dim)
+    return (vals.float() / 997).view(-1, 2, params.num_layers, params.num_kv_heads, params.head_dim)
 
 
 def run_step(
     m: KVCacheManager, ids: list, news: list[list[int]], model: dict, pass_tokens: bool = True
-) -> tpk.StepTensors:
-    """One step: prepare, store each row's K/V (a function of its model tokens), commit."""
-    step = m.prepare_step(ids, [len(t) for t in news], news if pass_tokens else None)
-    rows = [kv_rows(model[i] + t, len(model[i]), len(model[i]) + len(t)) for i, t in zip(ids, news, strict=True)]
-    kv = torch.cat(rows)
-    for layer in range(PARAMS.num_layers):
-        tpk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), m.collection.blocks, *step, layer)
+) -> tpk.StepTensors | tuple[tpk.StepTensors, ...]:
+    """One step: prepare, store each row's K/V in every group (a function of its model tokens), commit."""
+    steps = m.prepare_step(ids, [len(t) for t in news], news if pass_tokens else None)
+    for g, (c, step) in enumerate(
+        zip(m.collections, [steps] if isinstance(steps, tpk.StepTensors) else steps, strict=True)
+    ):
+        rows = [
+            kv_rows(model[i] + t, len(model[i]), len(model[i]) + len(t), c.params, g)
+            for i, t in zip(ids, news, strict=True)
+        ]
+        kv = torch.cat(rows)
+        for layer in range(c.params.num_layers):
+            tpk.store_kv(kv[:, 0, layer].contiguous(), kv[:, 1, layer].contiguous(), c.blocks, *step, layer)
     m.commit_step()
     for i, t in zip(ids, news, strict=True):
         model[i] = model[i] + t
-    return step
+    return steps
 
 
 def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
-    """gather_kv over each sequence's pages equals K/V recomputed from its tokens."""
-    c = m.collection
-    for i in ids:
-        pages = m.pages(i)
-        table = torch.full((1, c.lookup_table.shape[1]), tpk.NULL_PAGE, dtype=torch.int32)
-        table[0, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        length = len(model[i])
-        assert m.cache_length(i) == length
-        lengths = torch.tensor([length], dtype=torch.int32)
-        offsets = torch.zeros(2, dtype=torch.int32)
-        want = kv_rows(model[i], 0, length)
-        for layer in range(PARAMS.num_layers):
-            k, v = tpk.gather_kv(c.blocks, lengths, table, offsets, layer, max(length, 1))
-            assert torch.equal(k[0, :length], want[:, 0, layer]), (i, layer)
-            assert torch.equal(v[0, :length], want[:, 1, layer]), (i, layer)
+    """Every page a sequence holds, read straight from each group's pool, equals K/V recomputed from its
+    tokens (a sliding-window group: the pages from the first one it must hold)."""
+    for g, c in enumerate(m.collections):
+        p = c.params
+        for i in ids:
+            length = len(model[i])
+            assert m.cache_length(i) == length
+            first = p.first_held_page(length)
+            pages = m.pages(i, g)[first : -(-length // PS)]
+            if not pages:
+                continue
+            held = c.blocks[torch.tensor(pages)]  # [n, 2, layers, page_size, heads, head_dim]
+            got = held.permute(0, 3, 1, 2, 4, 5).reshape(-1, 2, p.num_layers, p.num_kv_heads, p.head_dim)
+            want = kv_rows(model[i], first * PS, length, p, g)
+            assert torch.equal(got[: len(want)], want), (i, g)
 
 
 def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
-    """Refcounts equal holders; free/evictable/held partition the pages; shared pages are full;
-    the host table holds exactly the sequences' pages."""
-    pool, n = m.page_pool, m.collection.num_pages
-    holders: dict[int, list[tuple]] = {}
-    for i in model:
-        pages = m.pages(i)
-        assert m.is_offloaded(i) == (i not in on_device)
-        if i not in on_device:
-            assert pages == []
-            continue
-        assert len(pages) == -(-len(model[i]) // PS)
-        assert len(set(pages)) == len(pages) and tpk.NULL_PAGE not in pages
-        for idx, page in enumerate(pages):
-            holders.setdefault(page, []).append((i, idx))
-    rows = m.page_table.rows
-    assert (rows != tpk.NULL_PAGE).sum() == sum(len(h) for h in holders.values())  # no stale table entries
-    for page in range(1, n + 1):
-        assert pool.refcounts[page] == len(holders.get(page, [])), page
-        shared_or_cached = len(holders.get(page, [])) > 1 or page in pool.key_of
-        for i, idx in holders.get(page, []):
-            if shared_or_cached:  # never written again: full and behind the sequence's length
-                assert (idx + 1) * PS <= len(model[i]), (page, i, idx)
-    free, evictable = set(pool.free), set(pool.evictable)
-    assert len(free) == len(pool.free) and not free & evictable and not free & set(holders)
-    assert evictable == {p for p in pool.key_of if p not in holders}
-    assert len(free) + len(evictable) + len(holders) == n
-    assert {pool.page_of[k]: k for k in pool.page_of} == pool.key_of
+    """Per group: refcounts equal holders; free/evictable/held partition the pages; shared pages are
+    full; the host table holds exactly the sequences' pages; a sliding-window group holds exactly the
+    pages from `first_held_page` of each length on (the null page before: O(window) per sequence)."""
+    for g, (c, pool) in enumerate(zip(m.collections, m.page_pools, strict=True)):
+        n = c.num_pages
+        holders: dict[int, list[tuple]] = {}
+        for i in model:
+            pages = m.pages(i, g)
+            assert m.is_offloaded(i) == (i not in on_device)
+            if i not in on_device:
+                assert pages == []
+                continue
+            first = c.params.first_held_page(len(model[i]))
+            assert len(pages) == -(-len(model[i]) // PS)
+            assert pages[:first] == [tpk.NULL_PAGE] * first, (g, i)
+            held = pages[first:]
+            assert len(set(held)) == len(held) and tpk.NULL_PAGE not in held
+            for idx, page in enumerate(held, first):
+                holders.setdefault(page, []).append((i, idx))
+        rows = m.page_table.groups[g].rows
+        assert (rows != tpk.NULL_PAGE).sum() == sum(len(h) for h in holders.values())  # no stale table entries
+        for page in range(1, n + 1):
+            assert pool.refcounts[page] == len(holders.get(page, [])), page
+            shared_or_cached = len(holders.get(page, [])) > 1 or page in pool.key_of
+            for i, idx in holders.get(page, []):
+                if shared_or_cached:  # never written again: full and behind the sequence's length
+                    assert (idx + 1) * PS <= len(model[i]), (page, i, idx)
+        free, evictable = set(pool.free), set(pool.evictable)
+        assert len(free) == len(pool.free) and not free & evictable and not free & set(holders)
+        assert evictable == {p for p in pool.key_of if p not in holders}
+        assert len(free) + len(evictable) + len(holders) == n
+        assert {pool.page_of[k]: k for k in pool.page_of} == pool.key_of
+    in_use = sum(
+        len({p for i in model for p in m.pages(i, g) if p != tpk.NULL_PAGE}) * c.params.page_bytes
+        for g, c in enumerate(m.collections)
+    )
+    assert m.kv_bytes_in_use() == in_use
 
 
 def snapshot(m: KVCacheManager) -> dict:
     """Everything an all-or-nothing operation must leave unchanged, as the public surface shows it."""
-    c, table = m.collection, m.page_table
-    state = {name: getattr(table, name).copy() for name in ("lengths", "num_pages", "known", "tokens", "rows")}
-    state["pool"] = copy.deepcopy(vars(m.page_pool))
-    state["counters"] = (m.prefix_cache_hits, m.prefix_cache_misses, m.num_free_pages(), m.num_cached_pages())
+    table = m.page_table
+    state = {name: getattr(table, name).copy() for name in ("lengths", "known", "tokens")}
+    for g, group in enumerate(table.groups):
+        state[f"rows{g}"], state[f"num_pages{g}"] = group.rows.copy(), group.num_pages.copy()
+    state["pools"] = [copy.deepcopy(vars(pool)) for pool in m.page_pools]
+    groups = range(len(m.collections))
+    state["counters"] = (
+        m.prefix_cache_hits, m.prefix_cache_misses, [(m.num_free_pages(g), m.num_cached_pages(g)) for g in groups]
+    )  # fmt: skip
     state["seqs"] = {
-        i: (m.cache_length(i), m.pages(i), m.token_ids(i), m.prefix_keys(i), m.is_offloaded(i)) for i in m.sequences
+        i: (m.cache_length(i), [m.pages(i, g) for g in groups], m.token_ids(i), m.prefix_keys(i), m.is_offloaded(i))
+        for i in m.sequences
     }
     state["prepared"] = m.prepared_sequences
-    state["device"] = [t.clone() for t in (c.cache_lengths, c.lookup_table, c.input_row_offsets, c.blocks)]
+    state["device"] = [
+        t.clone() for c in m.collections for t in (c.cache_lengths, c.lookup_table, c.input_row_offsets, c.blocks)
+    ]
     return state
 
 
@@ -129,16 +172,24 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def pages_needed(model: dict, ids: list, counts: list[int]) -> int:
+    """New pages a step takes in each group (the same count in every group: table entries grow alike)."""
     return sum(-(-(len(model[i]) + n) // PS) - -(-len(model[i]) // PS) for i, n in zip(ids, counts, strict=True))
+
+
+def restore_needed(m: KVCacheManager, model: dict, ids: list, g: int) -> int:
+    """Pages restoring `ids` takes in group g when nothing is shared."""
+    p = m.collections[g].params
+    return sum(-(-len(model[i]) // PS) - p.first_held_page(len(model[i])) for i in ids)
 
 
 # -- randomized workload ------------------------------------------------------------------------
 
 
-def test_random_workload_against_model():
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_random_workload_against_model(groups):
     rng = random.Random(1234)
-    m = make(num_pages=40, max_batch=6, max_seq_len=40)
-    c = m.collection
+    m = make_groups(groups, num_pages=40, max_batch=6, max_seq_len=40)
+    groups_range = range(len(m.collections))
     model: dict = {}  # seq id -> committed token ids
     prompt_left: dict = {}  # seq id -> prompt tokens still to compute
     on_device: set = set()
@@ -158,37 +209,42 @@ def test_random_workload_against_model():
             on_device.add(next_id)
             next_id += 1
         elif op == "step" and live:
-            ids = rng.sample(live, rng.randint(1, min(len(live), c.max_batch_size)))
+            ids = rng.sample(live, rng.randint(1, min(len(live), m.groups.max_batch_size)))
             if last_ids and rng.random() < 0.4 and set(last_ids) <= on_device:  # same rows again: the fast path
                 ids = last_ids
             news = []
             for i in ids:
-                room = c.max_seq_len - len(model[i])
+                room = m.max_seq_len - len(model[i])
                 n = min(room, 1 if rng.random() < 0.5 else rng.randint(1, 3), len(prompt_left[i]) or 3)
                 news.append(prompt_left[i][:n] if prompt_left[i] else [rng.randrange(3) for _ in range(n)])
             if not all(news):
                 continue
             last_ids = ids
             pass_tokens = not all(prompt_left[i] for i in ids) or rng.random() < 0.5
-            if pages_needed(model, ids, [len(t) for t in news]) > m.num_free_pages():
+            needed = pages_needed(model, ids, [len(t) for t in news])
+            if any(needed > m.num_free_pages(g) for g in groups_range):
                 before = snapshot(m)
                 with pytest.raises(OutOfPagesError):
                     m.prepare_step(ids, [len(t) for t in news], news)
                 assert_same(before, snapshot(m))
                 op = "oom"
             else:
-                step = run_step(m, ids, news, model, pass_tokens)
-                for b, i in enumerate(ids):  # the step tensors the model saw
-                    pages = m.pages(i)
-                    assert step.cache_lengths[b] == len(model[i]) - len(news[b])
-                    assert step.lookup_table[b, : len(pages)].tolist() == pages
-                    assert (step.lookup_table[b, len(pages) :] == tpk.NULL_PAGE).all()
-                assert step.input_row_offsets.tolist() == [0, *np.cumsum([len(t) for t in news])]
+                steps = run_step(m, ids, news, model, pass_tokens)
+                for g, step in enumerate([steps] if isinstance(steps, tpk.StepTensors) else steps):
+                    for b, i in enumerate(ids):  # the step tensors the model saw (before window drops)
+                        pages = m.pages(i, g)
+                        assert step.cache_lengths[b] == len(model[i]) - len(news[b])
+                        seen = step.lookup_table[b, : len(pages)].tolist()
+                        assert all(p in (q, tpk.NULL_PAGE) for p, q in zip(pages, seen, strict=True))
+                        first = m.collections[g].params.first_held_page(len(model[i]) - len(news[b]))
+                        assert tpk.NULL_PAGE not in seen[first:] and set(seen[:first]) <= {tpk.NULL_PAGE}
+                        assert (step.lookup_table[b, len(pages) :] == tpk.NULL_PAGE).all()
+                    assert step.input_row_offsets.tolist() == [0, *np.cumsum([len(t) for t in news])]
                 for i, t in zip(ids, news, strict=True):
                     prompt_left[i] = prompt_left[i][len(t) :] if prompt_left[i][: len(t)] == t else []
         elif op == "fork" and live and len(model) < 10:
             parent = rng.choice(live)
-            if len(model[parent]) % PS and m.num_free_pages() == 0:
+            if len(model[parent]) % PS and any(m.num_free_pages(g) == 0 for g in groups_range):
                 before = snapshot(m)
                 with pytest.raises(OutOfPagesError):
                     m.fork(parent, next_id)
@@ -213,7 +269,7 @@ def test_random_workload_against_model():
             try:
                 m.restore(ids)  # full pages still cached are shared again: it may fit where copies would not
             except OutOfPagesError:
-                assert sum(-(-len(model[i]) // PS) for i in ids) > m.num_free_pages()
+                assert any(restore_needed(m, model, ids, g) > m.num_free_pages(g) for g in groups_range)
                 assert_same(before, snapshot(m))
                 op = "oom"
             else:

@@ -7,6 +7,7 @@ from .checkpoint import CheckpointError, load_cache, save_cache
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .compile import mark_step_dynamic
 from .kv_cache_views import ContinuousBatchingKVCache, PagedKVCache
+from .layer_groups import LayerGroups
 from .layout import NULL_PAGE
 from .manager import KVCacheManager, OutOfPagesError
 from .ops import (
@@ -20,7 +21,7 @@ from .ops import (
     store_latent,
 )
 from .params import KVCacheParams, TPShard
-from .step import StepPlan
+from .step import GroupStepPlan, StepPlan
 
 __all__ = [
     "NULL_PAGE",
@@ -28,8 +29,10 @@ __all__ = [
     "CheckpointError",
     "ContinuousBatchingKVCache",
     "ContinuousBatchingKVCacheCollection",
+    "GroupStepPlan",
     "KVCacheManager",
     "KVCacheParams",
+    "LayerGroups",
     "OutOfPagesError",
     "PagedKVCache",
     "PagedKVCacheCollection",

@@ -35,18 +35,25 @@ def write_pages(collection: PagedKVCacheCollection, pages: list[int], contents: 
         data.index_copy_(0, torch.tensor(pages, dtype=torch.long, device=data.device), host.to(data.device))
 
 
+def restore_need(pool: PagePool, copies: list[tuple[HostCopy, list[bytes]]]) -> int:
+    """Free or evictable pages `restore_pages(pool, ..., copies)` needs: a fresh page per page not
+    cached any more, and one per cached page that nobody holds (it leaves the evictable ones)."""
+    cached = [[pool.lookup(key) for key in keys] for _, keys in copies]
+    missing = sum(
+        host[0].shape[0] - len(hits) + hits.count(None) for (host, _), hits in zip(copies, cached, strict=True)
+    )
+    revived = {page for hits in cached for page in hits if page is not None and pool.refcounts[page] == 0}
+    return missing + len(revived)
+
+
 def restore_pages(
     pool: PagePool, collection: PagedKVCacheCollection, copies: list[tuple[HostCopy, list[bytes]]]
 ) -> list[list[int]]:
     """Pages holding each `(host copy, prefix keys of its leading full pages)` again, all or nothing
     (`OutOfPagesError` before anything changed): a full page whose key is still cached is shared
     (one more reference), the others are written into fresh pages and keyed again."""
+    pool.require(restore_need(pool, copies))
     cached = [[pool.lookup(key) for key in keys] for _, keys in copies]
-    missing = sum(
-        host[0].shape[0] - len(hits) + hits.count(None) for (host, _), hits in zip(copies, cached, strict=True)
-    )
-    revived = {page for hits in cached for page in hits if page is not None and pool.refcounts[page] == 0}
-    pool.require(missing + len(revived))  # a revived cached page leaves the evictable ones
     for hits in cached:
         for page in hits:
             if page is not None:

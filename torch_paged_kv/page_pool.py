@@ -21,11 +21,13 @@ from .layout import NULL_PAGE
 
 
 class OutOfPagesError(RuntimeError):
-    """Not enough free or evictable pages; the manager was left unchanged."""
+    """Not enough free or evictable pages (in layer group `group` of a cache of several); the manager
+    was left unchanged."""
 
-    def __init__(self, needed: int, free: int, evictable: int) -> None:
-        super().__init__(f"out of KV pages: {needed} needed, {free} free, {evictable} evictable")
-        self.needed, self.free, self.evictable = needed, free, evictable
+    def __init__(self, needed: int, free: int, evictable: int, group: int | None = None) -> None:
+        where = "" if group is None else f" in layer group {group}"
+        super().__init__(f"out of KV pages{where}: {needed} needed, {free} free, {evictable} evictable")
+        self.needed, self.free, self.evictable, self.group = needed, free, evictable, group
 
 
 def root_key(salt: bytes | None) -> bytes:
@@ -56,9 +58,11 @@ def page_key_of_bytes(parent: bytes, token_bytes: bytes) -> bytes:
 
 
 class PagePool:
-    """Pages `1..num_pages`: each is free, referenced (refcount > 0), or cached and evictable."""
+    """Pages `1..num_pages`: each is free, referenced (refcount > 0), or cached and evictable.
+    `group`: the layer group whose pool it is, named by `OutOfPagesError` (None: a cache of one group)."""
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, group: int | None = None) -> None:
+        self.group = group
         self.refcounts = [0] * (num_pages + 1)
         self.free = list(range(num_pages, NULL_PAGE, -1))  # pop() hands out low ids first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
@@ -72,7 +76,11 @@ class PagePool:
     def require(self, needed: int) -> None:
         """`OutOfPagesError` unless an allocation of `needed` pages can succeed now."""
         if needed > len(self.free) + len(self.evictable):
-            raise OutOfPagesError(needed, len(self.free), len(self.evictable))
+            raise OutOfPagesError(needed, len(self.free), len(self.evictable), self.group)
+
+    def in_use(self) -> int:
+        """Pages some sequence holds (refcount > 0)."""
+        return len(self.refcounts) - 1 - len(self.free) - len(self.evictable)
 
     def free_pages(self) -> list[int]:
         """The free pages, in the order allocations take them."""

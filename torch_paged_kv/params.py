@@ -21,6 +21,17 @@ ROPE_DTYPE = torch.bfloat16
 """The rope part of an FP8 MLA row stays in this dtype (MAX's rope-aware row)."""
 
 
+_OPTIONAL_FIELDS = (
+    "quantization_granularity",
+    "scale_dtype",
+    "static_scales",
+    "kv_lora_rank",
+    "rope_dim",
+    "sliding_window",
+)
+"""Fields `to_dict` leaves out when None (a dict written before they existed reads the same)."""
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -46,6 +57,12 @@ class KVCacheParams:
       scale = amax of the granule / the dtype's max.
     - per tensor: `static_scales=(k_scale, v_scale)` (one value for MLA), fixed, no `scales` tensor.
 
+    `sliding_window=W` says that every query reads only the keys of its last W positions (itself
+    included), as `flash_attention(..., sliding_window=W)` does: a `KVCacheManager` then frees a
+    sequence's pages once every token in them has left the window of every later query, so the cache
+    holds O(W + page_size) tokens per sequence between steps. None (the default): every layer keeps
+    every token.
+
     Instances are immutable, hashable, comparable and round-trip through `to_dict`/`from_dict`.
 
     `num_kv_heads` is what the cache holds: a tensor-parallel rank's cache holds some of the model's
@@ -64,6 +81,7 @@ class KVCacheParams:
     static_scales: tuple[float, ...] | None = None
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
+    sliding_window: int | None = None
 
     @classmethod
     def mla(
@@ -103,6 +121,9 @@ class KVCacheParams:
             raise ValueError(f"is_mla: expected a bool, got {self.is_mla!r}")
         if self.is_mla and self.num_kv_heads != 1:
             raise ValueError(f"num_kv_heads: an MLA cache has one latent head, got {self.num_kv_heads}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ValueError(f"sliding_window: expected a positive int or None, got {window!r}")
         self._check_mla()
         self._check_quantization()
 
@@ -205,6 +226,19 @@ class KVCacheParams:
         0 without a scales tensor)."""
         return self.quantized_width // self.quantization_granularity if self.has_scales_tensor else 0
 
+    def first_held_page(self, length: int) -> int:
+        """The first page a sequence of `length` tokens still needs: the one holding position
+        `length - sliding_window + 1`, the oldest key the next query (at position `length`) sees;
+        0 without a window. Pages before it hold no key any later query reads."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, length - self.sliding_window + 1) // self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page holds in `blocks` and (per-granule FP8) `scales`, every layer, K and V."""
+        return self.page_size * (self.bytes_per_token + self.scale_bytes_per_token)
+
     @property
     def bytes_per_token(self) -> int:
         """Bytes of `blocks` one token occupies across all layers, K and V."""
@@ -221,12 +255,12 @@ class KVCacheParams:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe description (dtypes by name; the quantization fields only for FP8 caches, the
-        MLA fields only for MLA caches)."""
+        MLA fields only for MLA caches, `sliding_window` only when set)."""
         out = dataclasses.asdict(self)
         out["dtype"] = _dtype_name(self.dtype)
-        for name in ("quantization_granularity", "scale_dtype", "static_scales", "kv_lora_rank", "rope_dim"):
+        for name in _OPTIONAL_FIELDS:
             if out[name] is None:
-                del out[name]  # unquantized (MHA) params keep the format they always had
+                del out[name]  # unquantized (MHA) params without a window keep the format they always had
         if self.scale_dtype is not None:
             out["scale_dtype"] = _dtype_name(self.scale_dtype)
         if self.static_scales is not None:

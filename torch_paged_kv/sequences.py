@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Hashable, Iterator, Sequence
 
+from .layout import NULL_PAGE
 from .offload import HostCopy
-from .page_pool import PagePool
+from .page_pool import PagePool, page_key_of_bytes
 from .page_table import PageTable
 
 
@@ -19,7 +20,7 @@ class SequenceState:
     seq_id: Hashable
     slot: int
     keys: list[bytes]  # prefix-cache keys of the leading full pages
-    host_pages: HostCopy | None = None  # while offloaded
+    host_pages: list[HostCopy] | None = None  # while offloaded: one per layer group
 
 
 def check_unique(ids: list, name: str) -> None:
@@ -113,16 +114,21 @@ class Sequences:
 
 
 def cache_full_pages(
-    pool: PagePool, table: PageTable, root: bytes, seqs: list[SequenceState], num_full: Sequence[int]
+    pools: Sequence[PagePool], table: PageTable, root: bytes, seqs: list[SequenceState], num_full: Sequence[int]
 ) -> None:
-    """Cache the pages of `seqs[i]` below page `num_full[i]` not yet keyed (their token ids are known)."""
+    """Key the pages of `seqs[i]` below page `num_full[i]` not yet keyed (their token ids are known)
+    and cache them in every layer group that holds them (a key names the tokens, the same in every group)."""
     todo = [(seq, i) for seq, n in zip(seqs, num_full, strict=True) for i in range(len(seq.keys), n)]
     if not todo:
         return
     slots, index = [seq.slot for seq, _ in todo], [i for _, i in todo]
     data = table.page_tokens(slots, index)  # one page of token ids after another
     width = len(data) // len(todo)
-    pages = table.rows[slots, index].tolist()
-    for (seq, _), page, start in zip(todo, pages, range(0, len(data), width), strict=True):
+    for (seq, _), start in zip(todo, range(0, len(data), width), strict=True):
         keys = seq.keys  # a sequence's pages come in order: each chains over the one before
-        keys.append(pool.cache_full_page(keys[-1] if keys else root, page, data[start : start + width]))
+        keys.append(page_key_of_bytes(keys[-1] if keys else root, data[start : start + width]))
+    keyed = [seq.keys[i] for seq, i in todo]
+    for pool, group in zip(pools, table.groups, strict=True):
+        for page, key in zip(group.rows[slots, index].tolist(), keyed, strict=True):
+            if page != NULL_PAGE:  # (a sliding-window group may hold no page there)
+                pool.register(page, key)

@@ -6,6 +6,8 @@ cached layer the plan calls the checked ops, at every later layer the `.unchecke
 checks still run). This is the one place that rule lives; model code, the transformers integration
 and the examples all go through a plan (as FlashInfer's wrappers plan once and run per layer).
 The choice is made from `layer_idx`, a Python constant per layer, so it holds in a compiled graph.
+A cache of several layer groups (layer_groups.py) plans a step with `GroupStepPlan`: one `StepPlan`
+per group over that group's pool and step tensors, each checking at the group's first layer.
 
 Eager calls skip the dispatcher: the first layer runs the op's own full checks and kernel choice
 (`library.checked_kernel`, what the registered op would do) and keeps the kernel; the later layers
@@ -21,13 +23,14 @@ profiler; anything else (a compiled graph, FakeTensor, a `TorchDispatchMode`) ge
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
+from .layer_groups import LayerGroups
 from .ops import library, validate
 from .ops.records import FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 
@@ -166,3 +169,55 @@ class StepPlan:
         if out_dtype is not None:  # kernels are kept for the plan's own dtype only
             return getattr(_OPS.gather_kv, self._checked(layer_idx))(*a)
         return self._call(("gather_kv",), layer_idx, a)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupStepPlan:
+    """The paged-cache ops of one step over a cache of layer groups: model layer `layer_idx` runs in
+    `plans[g]` at pool layer j, where `(g, j) = layer_map[layer_idx]` (`LayerGroups.layer_map`). Each
+    group's plan checks the step at its first layer (pool layer 0, the group's first model layer), so a
+    step is checked once per group; every other call costs a `StepPlan` call and a tuple lookup."""
+
+    plans: tuple[StepPlan, ...]
+    layer_map: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, groups: LayerGroups, steps: Sequence[StepTensors]) -> GroupStepPlan:
+        """The plan over each group's pool, with `steps[g]` (what `KVCacheManager.prepare_step` returns)."""
+        if len(steps) != len(groups):
+            raise ValueError(f"steps: expected {len(groups)} step tensors (one per layer group), got {len(steps)}")
+        plans = tuple(StepPlan.of(c, step) for c, step in zip(groups.collections, steps, strict=True))
+        return cls(plans, groups.layer_map)
+
+    def _at(self, layer_idx: int) -> tuple[StepPlan, int]:
+        if type(layer_idx) is not int or not 0 <= layer_idx < len(self.layer_map):
+            raise ValueError(f"layer_idx: expected a model layer 0..{len(self.layer_map) - 1}, got {layer_idx!r}")
+        g, j = self.layer_map[layer_idx]
+        return self.plans[g], j
+
+    def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
+        """`StepPlan.store_kv` at model layer `layer_idx`."""
+        plan, j = self._at(layer_idx)
+        plan.store_kv(key, value, j)
+
+    def flash_attention(self, q: Tensor, layer_idx: int, softmax_scale: float, *args: Any, **kwargs: Any) -> Tensor:
+        """`StepPlan.flash_attention` at model layer `layer_idx` (the same further arguments)."""
+        plan, j = self._at(layer_idx)
+        return plan.flash_attention(q, j, softmax_scale, *args, **kwargs)
+
+    def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
+        """`StepPlan.store_latent` at model layer `layer_idx`."""
+        plan, j = self._at(layer_idx)
+        plan.store_latent(latent, k_rope, j)
+
+    def mla_attention(
+        self, q_nope: Tensor, q_rope: Tensor, layer_idx: int, softmax_scale: float, causal: bool = True
+    ) -> Tensor:
+        """`StepPlan.mla_attention` at model layer `layer_idx`."""
+        plan, j = self._at(layer_idx)
+        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal)
+
+    def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """`StepPlan.gather_kv` at model layer `layer_idx`."""
+        plan, j = self._at(layer_idx)
+        return plan.gather_kv(j, max_kv_len, out_dtype)
