@@ -19,6 +19,7 @@ import torch
 import torch_paged_kv as tpk
 from torch_paged_kv.manager import KVCacheManager, OutOfPagesError, Reservation
 from torch_paged_kv.page_pool import page_key, root_key
+from torch_paged_kv.testing import attention_fp64
 
 PARAMS = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4)
 PS = PARAMS.page_size
@@ -440,6 +441,82 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
         for new, old in zip(ids, ["a", "b"], strict=True):
             assert dst.token_ids(new) == (model[old] if caching else None)
             assert dst.prefix_keys(new) == (chained_keys(model[old]) if caching else [])
+
+
+# -- layer groups -------------------------------------------------------------------------------
+
+
+def test_group_step_plan_attends_like_fp64_while_the_sliding_group_holds_only_its_window():
+    """Model layers 0 and 2 in a full group, 1 in a sliding-window group of another geometry: every
+    step's attention through a `GroupStepPlan` equals fp64 attention on the sequences' contiguous K/V
+    (the window's for layer 1), while the sliding group holds at most ceil((W - 1) / page) + 1 pages
+    per sequence after each step and the dropped pages go back to its pool."""
+    window = SLIDING.sliding_window
+    m = make_groups("full + sliding", num_pages=40, max_batch=3, max_seq_len=40)
+    full, sliding = m.collections
+    gen = torch.Generator().manual_seed(0)
+    kv = {i: [[[], []] for _ in range(3)] for i in "abc"}  # seq -> model layer -> [keys, values]
+    for i in "abc":
+        m.claim(i)
+    counts_per_step = [[7, 1, 12], [1, 1, 1], [5, 3, 1]] + [[1, 1, 1]] * 10
+    for step_counts in counts_per_step:
+        steps = m.prepare_step(list("abc"), step_counts)
+        plan = tpk.GroupStepPlan.of(m.groups, steps)
+        for layer, params in ((0, PARAMS), (1, SLIDING), (2, PARAMS)):
+            new = [torch.randn(n, 2, params.num_kv_heads, params.head_dim, generator=gen) for n in step_counts]
+            for i, rows in zip("abc", new, strict=True):
+                kv[i][layer][0].append(rows[:, 0])
+                kv[i][layer][1].append(rows[:, 1])
+            rows = torch.cat(new)
+            plan.store_kv(rows[:, 0].contiguous(), rows[:, 1].contiguous(), layer)
+            q = torch.randn(rows.shape[0], 2 * params.num_kv_heads, params.head_dim, generator=gen)
+            w = window if layer == 1 else -1
+            out = plan.flash_attention(q, layer, 0.5, sliding_window=w)
+            keys = [torch.cat(kv[i][layer][0]) for i in "abc"]
+            values = [torch.cat(kv[i][layer][1]) for i in "abc"]
+            cached = [k.shape[0] - n for k, n in zip(keys, step_counts, strict=True)]
+            want = attention_fp64(q, keys, values, cached, 0.5, sliding_window=w)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        m.commit_step()
+        for i in "abc":
+            held = [p for p in m.pages(i, 1) if p != tpk.NULL_PAGE]
+            assert len(held) <= -(-(window - 1) // PS) + 1, (i, m.pages(i, 1))
+            assert len(m.pages(i, 0)) == -(-m.cache_length(i) // PS)  # the full group holds everything
+    lengths = [m.cache_length(i) for i in "abc"]
+    assert lengths == [23, 15, 24]
+    assert m.page_pools[1].in_use() <= 3 * 3 < m.page_pools[0].in_use() == sum(-(-n // PS) for n in lengths)
+    assert m.kv_bytes_in_use() == sum(
+        pool.in_use() * c.params.page_bytes for pool, c in zip(m.page_pools, (full, sliding), strict=True)
+    )
+    plan = tpk.GroupStepPlan.of(m.groups, m.prepare_step(list("abc"), [1, 1, 1]))
+    q = torch.randn(3, 2, SLIDING.head_dim, generator=gen)
+    with pytest.raises(ValueError, match="^lookup_table: .* null page"):  # full attention over the window group
+        plan.flash_attention(q, 1, 0.5)
+    plan.flash_attention(q, 1, 0.5, sliding_window=window)
+
+
+def test_a_group_that_runs_out_changes_no_group():
+    """A step (or fork) that one group cannot serve takes pages in no group; the error names it."""
+    groups = tpk.LayerGroups.allocate([PARAMS, SLIDING], [[0, 2], [1]], [30, 6], 2, 40)
+    m = KVCacheManager(groups)
+    model = {"a": [], "b": []}
+    m.claim("a")
+    m.claim("b")
+    run_step(m, ["a"], [[1] * 24], model)  # 6 pages in each group; the sliding group drops 4 (cached: evictable)
+    assert (m.num_free_pages(0), m.num_free_pages(1)) == (24, 4)
+    before = snapshot(m)
+    with pytest.raises(OutOfPagesError, match="^out of KV pages in layer group 1: 6 needed, 0 free, 4 evictable"):
+        m.prepare_step(["b", "a"], [20, 1])  # room in group 0, not in group 1
+    assert_same(before, snapshot(m))
+    run_step(m, ["b"], [[2] * 16], model)  # 4 pages; 16 - 6 + 1 = 11: pages 0 and 1 go at once
+    assert (m.num_free_pages(0), m.num_free_pages(1)) == (20, 2)
+    run_step(m, ["a", "b"], [[3, 3], [4, 4, 4]], model)  # b crosses into its fifth page
+    check_contents(m, model, ["a", "b"])
+    check_ownership(m, model, {"a", "b"})
+    with pytest.raises(ValueError, match="^collection: this cache has 2 layer groups"):
+        m.collection  # noqa: B018
+    with pytest.raises(ValueError, match="^group: expected a layer group 0..1"):
+        m.pages("a", 2)
 
 
 # -- fork / copy-on-write -----------------------------------------------------------------------

@@ -133,7 +133,9 @@ def _check_store_kv(a: StoreKVArgs, value_checks: bool) -> torch.device:
 def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.device:
     validate.check_flash_attention_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
-        validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0])
+        validate.check_read_data(
+            a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0], None, a.sliding_window
+        )
     return a.blocks.device
 
 

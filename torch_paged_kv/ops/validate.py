@@ -428,7 +428,8 @@ def _check_pages(blocks: Tensor, lookup_table: Tensor, first_tok: np.ndarray, en
 def _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len=None):
     """The CPU kernels' one-pass version of the value checks (about 1 us where numpy takes tens): a
     yes settles it; on a no, or off the CPU, or before the kernels are loaded, the checks below run
-    and say what is wrong."""
+    and say what is wrong. `reads_all`: 0 (False) for a store (the new tokens' pages), 1 (True) for a
+    read of every cached token, `W + 1` for a read within a sliding window of W (cache_ops.h's step_ok)."""
     return (
         blocks.device.type == "cpu"
         and cpu_kernels.loaded()
@@ -454,15 +455,21 @@ def check_read_data(
     input_row_offsets: Tensor,
     total_rows: int | None,
     max_kv_len: int | None = None,
+    sliding_window: int = -1,
 ) -> None:
-    """Checks for the ops that read every cached token (flash_attention, gather_kv)."""
-    if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, True, max_kv_len):
+    """Checks for the ops that read the cached tokens (flash_attention, gather_kv, mla_attention): every
+    one below each sequence's kv_len, or with `sliding_window` W > 0 those its queries may see, from
+    position `cache_length - W + 1` (the first query's oldest key) on. Pages before that may be the null
+    page: a sliding-window layer group's manager gives them back once no later query can see them."""
+    reads = sliding_window + 1 if sliding_window > 0 else 1
+    if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads, max_kv_len):
         return
-    _, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
+    lengths, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
     if max_kv_len is not None and kv_len.size and kv_len.max() > max_kv_len:
         b = kv_len.argmax()
         _fail("max_kv_len", f"sequence {b} holds {kv_len[b]} tokens, more than max_kv_len={max_kv_len}")
-    _check_pages(blocks, lookup_table, np.zeros_like(kv_len), kv_len)
+    first = np.maximum(lengths - (sliding_window - 1), 0) if sliding_window > 0 else np.zeros_like(kv_len)
+    _check_pages(blocks, lookup_table, first, kv_len)
 
 
 def check_copy_pages_data(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:

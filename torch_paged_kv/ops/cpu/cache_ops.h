@@ -232,7 +232,8 @@ int step_bounds(const int32_t* cache_lengths, const int32_t* offsets, int64_t ba
 }
 
 // Whether a step's index tensors pass every value check of validate.py (`check_store_kv_data` with
-// `reads_all` = 0, `check_read_data` with 1): offsets start at 0 and never decrease, lengths are
+// `reads_all` = 0, `check_read_data` with 1, or W + 1 for a sliding window of W: the pages from
+// position cache_length - W + 1 on): offsets start at 0 and never decrease, lengths are
 // >= 0, every sequence fits its table row, the offsets end at `total_rows` (if >= 0), no sequence
 // is longer than `max_kv_len` (if >= 0), and every page holding a token the call touches is a real
 // page (1 .. num_pages - 1). A fast yes for the common case; on a no, validate.py runs its own
@@ -248,7 +249,9 @@ int run_step_ok(const PkvStepOkArgs& a) {
     const int64_t kv_len = cached + added;
     if (added < 0 || cached < 0 || kv_len > capacity) return 0;
     if (a.max_kv_len >= 0 && kv_len > a.max_kv_len) return 0;
-    const int64_t first = a.reads_all ? 0 : cached;
+    // reads_all: 0, the stored tokens; 1, every token; W + 1, the keys a sliding window of W shows
+    const int64_t window = a.reads_all - 1;
+    const int64_t first = a.reads_all == 0 ? cached : window > 0 ? std::max<int64_t>(0, cached - window + 1) : 0;
     if (kv_len <= first) continue;
     const int32_t* row = a.table + b * a.table_stride;
     const int64_t c0 = a.table_2d ? first / page_size : 0, c1 = a.table_2d ? (kv_len + page_size - 1) / page_size : 1;
