@@ -519,6 +519,63 @@ def test_a_group_that_runs_out_changes_no_group():
         m.pages("a", 2)
 
 
+def test_a_prefix_hit_needs_only_the_window_of_a_sliding_group():
+    """vLLM's hybrid rule: a hit of h pages needs pages 0..h-1 in a full group, but only the pages from
+    `first_held_page(h * page_size)` on in a sliding-window group (window 6, page 4: the last two, then
+    the window of a shorter hit). Dropped pages stay cached (evictable), oldest first in LRU order."""
+    groups = tpk.LayerGroups.allocate([PARAMS, SLIDING], [[0, 2], [1]], [30, 8], 4, 40)
+    m = KVCacheManager(groups)
+    prompt = list(range(1, 25))  # 24 tokens: 6 pages
+    model = {"a": []}
+    m.claim("a", prompt)
+    run_step(m, ["a"], [prompt], model)
+    a_sliding = m.pages("a", 1)
+    assert a_sliding[:4] == [tpk.NULL_PAGE] * 4 and m.num_cached_pages(1) == 6  # dropped, still cached
+    m.release("a")
+    del model["a"]
+    assert m.claim("e", prompt[:17]) == 16  # 4 pages: the sliding group needs pages 2 and 3 (tokens 11..15)
+    assert m.pages("e", 1) == [tpk.NULL_PAGE, tpk.NULL_PAGE, *a_sliding_of(m, prompt, [2, 3])]
+    m.release("e")  # the sliding group's LRU order: pages 0, 1, 5, 4, 3, 2 of the prompt
+    model["c"] = []
+    m.claim("c")
+    run_step(m, ["c"], [[7] * 20], model)  # 5 sliding pages: the 2 free ones, then prompt pages 0, 1 and 5
+    assert a_sliding_of(m, prompt, [0, 1, 5]) == [None] * 3
+    model["b"] = prompt[:20]
+    assert m.claim("b", [*prompt, 9]) == 20  # page 5 is gone: 20 tokens, whose window is in pages 3 and 4
+    assert m.pages("b", 0)[:5] == a_full_of(m, prompt, range(5))
+    assert (m.prefix_cache_hits, m.pages("b", 1)[:3]) == (16 + 20, [tpk.NULL_PAGE] * 3)
+    run_step(m, ["b"], [[*prompt[20:], 9]], model)
+    check_contents(m, model, ["b", "c"])
+    check_ownership(m, model, {"b", "c"})
+
+
+def a_sliding_of(m: KVCacheManager, prompt: list[int], pages: list[int]) -> list[int | None]:
+    """The pages the sliding group (1) caches for pages `pages` of `prompt` (None: not cached)."""
+    keys = chained_keys(prompt)
+    return [m.page_pools[1].lookup(keys[i]) for i in pages]
+
+
+def a_full_of(m: KVCacheManager, prompt: list[int], pages) -> list[int | None]:
+    keys = chained_keys(prompt)
+    return [m.page_pools[0].lookup(keys[i]) for i in pages]
+
+
+def test_a_sliding_only_cache_hits_with_its_early_pages_evicted():
+    m = make_groups("sliding, another window", num_pages=12, max_batch=2, max_seq_len=40)  # window 9, 8 pages
+    prompt, model = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], {"a": [], "x": []}
+    m.claim("a", prompt)
+    run_step(m, ["a"], [prompt], model)  # 5 pages; 20 - 9 + 1 = 12: pages 0..2 dropped (cached)
+    m.release("a")
+    del model["a"]
+    m.claim("x")
+    run_step(m, ["x"], [[0] * 16], model)  # 4 pages: 3 free, then the oldest cached (prompt page 0)
+    assert m.claim("b", [*prompt, 1]) == 20  # the window of 20 tokens (12..19) is still cached
+    model["b"] = list(prompt)
+    run_step(m, ["b"], [[1, 2]], model)
+    check_contents(m, model, ["b", "x"])
+    check_ownership(m, model, {"b", "x"})
+
+
 # -- fork / copy-on-write -----------------------------------------------------------------------
 
 
