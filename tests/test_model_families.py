@@ -96,7 +96,8 @@ def test_gemma4_trimmed_shared_layers_attend_as_the_last_positions(monkeypatch):
     )
     assert torch.equal(generate(model, "paged_kv", cache), expected)
     assert trailing == [[1, 1, 1], [1, 1, 1]]  # the two sharing layers of the prefill, one query per row
-    assert cache.collection.params.num_layers == 4  # only the layers that keep K/V have pool layers
+    assert [c.params.num_layers for c in cache.groups.collections] == [2, 2]  # only the layers that keep K/V
+    assert [c.params.sliding_window for c in cache.groups.collections] == [8, None]
 
 
 # -- MLA ------------------------------------------------------------------------------------------

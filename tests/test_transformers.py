@@ -296,7 +296,12 @@ def test_shared_kv_layers_match_dynamic_cache(attn):
         ids, attention_mask=torch.ones_like(ids), **{cache_kwarg(model): cache}, max_new_tokens=10, do_sample=False
     )
     assert torch.equal(out, expected)
-    assert cache.collection.params.num_layers == 4 and cache.collection.cache_lengths.tolist() == [20, 20]
+    sliding, full = cache.groups.collections  # layer types alternate: two groups of two pool layers
+    assert (sliding.params.num_layers, full.params.num_layers, sliding.params.sliding_window) == (2, 2, 8)
+    assert sliding.cache_lengths.tolist() == [20, 20] and full.cache_lengths is sliding.cache_lengths
+    held = (sliding.lookup_table != 0).sum(1).tolist()  # 20 tokens: the window (13..19) spans pages 3 and 4
+    assert held == [2, 2] and (full.lookup_table != 0).sum(1).tolist() == [5, 5]
+    assert cache.kv_bytes_in_use() == 4 * sliding.params.page_bytes + 10 * full.params.page_bytes
 
 
 def test_mask_of_new_tokens_is_contiguous_and_4d():

@@ -196,9 +196,8 @@ FAMILIES: tuple[Family, ...] = (
             vocab_size_per_layer_input=VOCAB,
             hidden_size_per_layer_input=8,
         ),
-        default=Refused("config.head_dim"),
-        paged_kv=Refused("config.head_dim"),
-        notes="per-layer head dims (Gemma4's `global_head_dim` for full-attention layers): one pool has one head_dim",
+        notes="per-layer head dims (Gemma4's `global_head_dim` for full-attention layers): a layer group each, "
+        + WINDOW,
     ),
     Family(
         "GPT-OSS",
@@ -459,7 +458,7 @@ def _refusal(error: ValueError, caches: list) -> str:
     """`str(Refused(field))` for a refusal naming `field:` before the first token (no step of the cache
     began); else what it was."""
     message = str(error)
-    stored = [c for c in caches if c.collection is not None and _touched(c)]
+    stored = [c for c in caches if c.groups is not None and _touched(c)]
     if stored:
         return f"ValueError after tokens were stored: {message}"[:300]
     field = message.split(":", 1)[0]
@@ -470,8 +469,8 @@ def _refusal(error: ValueError, caches: list) -> str:
 
 def _touched(cache) -> bool:
     """Whether a step of `cache` began (offsets written) or ended (lengths, column count advanced)."""
-    c = cache.collection
-    return bool(c.cache_lengths.any() or c.input_row_offsets.any() or int(cache.get_seq_length()))
+    touched = [bool(c.cache_lengths.any() or c.input_row_offsets.any()) for c in cache.groups.collections]
+    return any(touched) or bool(int(cache.get_seq_length()))
 
 
 # -- selections ------------------------------------------------------------------------------------

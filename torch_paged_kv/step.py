@@ -189,7 +189,9 @@ class GroupStepPlan:
         plans = tuple(StepPlan.of(c, step) for c, step in zip(groups.collections, steps, strict=True))
         return cls(plans, groups.layer_map)
 
-    def _at(self, layer_idx: int) -> tuple[StepPlan, int]:
+    def at(self, layer_idx: int) -> tuple[StepPlan, int]:
+        """The plan of model layer `layer_idx`'s group and its pool layer there (ValueError naming
+        `layer_idx` outside the model's layers)."""
         if type(layer_idx) is not int or not 0 <= layer_idx < len(self.layer_map):
             raise ValueError(f"layer_idx: expected a model layer 0..{len(self.layer_map) - 1}, got {layer_idx!r}")
         g, j = self.layer_map[layer_idx]
@@ -197,27 +199,27 @@ class GroupStepPlan:
 
     def store_kv(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
         """`StepPlan.store_kv` at model layer `layer_idx`."""
-        plan, j = self._at(layer_idx)
+        plan, j = self.at(layer_idx)
         plan.store_kv(key, value, j)
 
     def flash_attention(self, q: Tensor, layer_idx: int, softmax_scale: float, *args: Any, **kwargs: Any) -> Tensor:
         """`StepPlan.flash_attention` at model layer `layer_idx` (the same further arguments)."""
-        plan, j = self._at(layer_idx)
+        plan, j = self.at(layer_idx)
         return plan.flash_attention(q, j, softmax_scale, *args, **kwargs)
 
     def store_latent(self, latent: Tensor, k_rope: Tensor, layer_idx: int) -> None:
         """`StepPlan.store_latent` at model layer `layer_idx`."""
-        plan, j = self._at(layer_idx)
+        plan, j = self.at(layer_idx)
         plan.store_latent(latent, k_rope, j)
 
     def mla_attention(
         self, q_nope: Tensor, q_rope: Tensor, layer_idx: int, softmax_scale: float, causal: bool = True
     ) -> Tensor:
         """`StepPlan.mla_attention` at model layer `layer_idx`."""
-        plan, j = self._at(layer_idx)
+        plan, j = self.at(layer_idx)
         return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal)
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`StepPlan.gather_kv` at model layer `layer_idx`."""
-        plan, j = self._at(layer_idx)
+        plan, j = self.at(layer_idx)
         return plan.gather_kv(j, max_kv_len, out_dtype)

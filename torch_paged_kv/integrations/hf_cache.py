@@ -1,9 +1,15 @@
-"""`PagedCache`: a `transformers.Cache` whose layers live in one `PagedKVCacheCollection`.
+"""`PagedCache`: a `transformers.Cache` whose layers live in paged layer groups (`LayerGroups`).
 
-Row b of the batch owns the fixed pages `1 + b*P .. (b+1)*P` (P pages per row), so the lookup table
-never changes and beam search reorders rows by copying pages (`copy_pages`, all layers at once).
-Only the model layers that keep K/V get pool layers: shared-KV layers (transformers'
-`kv_sharing_modes` "reuse") and layers without attention hold no cache, as in transformers' own caches.
+The layers that keep K/V are grouped by what they hold (`hf_support.cache_groups`: heads, head_dim,
+sliding window; an MLA latent), one `PagedKVCacheCollection` per group: Gemma3's sliding-window and
+full layers, Gemma4's full layers of another head_dim, each in a pool of its own. Row b of the batch
+is row b of every group's lookup table. Pages are handed out as rows grow, on the device
+(`hf_pages.DevicePages`: no host sync, so a compiled decode step allocates in-graph), and in a
+sliding-window group given back once they left the window of every later query, so such a group
+holds O(window) tokens per row. Beam search reorders rows by moving their pages and copying the
+duplicates' (`copy_pages`). Only the model layers that keep K/V get pool layers: shared-KV layers
+(transformers' `kv_sharing_modes` "reuse") and layers without attention hold no cache, as in
+transformers' own caches.
 
 Two ways to attend, picked by `config._attn_implementation`:
 
@@ -19,14 +25,16 @@ MLA models (DeepSeek-V2/V3) get an MLA pool of latent + rope rows (`hf_mla`). Wh
 refuses to serve, and why, is decided in `hf_support`.
 
 Both paths go through `layer_plan` / `layer_done`, the one owner of the step protocol: the first
-cached layer begins the step (writes this step's offsets), the returned `StepPlan` checks the step
-tensors at that layer only, and the last layer that reads the pages advances the lengths (under
-`paged_kv` a shared-KV layer reads the pages of the layer it shares, so it may come after the last
-cached layer). Nothing per token lives in Python ints, so a compiled decode step does not recompile.
+cached layer begins the step (writes this step's offsets, takes the pages the new tokens need), the
+returned `GroupStepPlan` checks each group's step tensors at that group's first layer only, and the
+last layer that reads the pages advances the lengths and gives back the pages that left a window
+(under `paged_kv` a shared-KV layer reads the pages of the layer it shares, so it may come after the
+last cached layer). Nothing per token lives in Python ints, so a compiled decode step does not recompile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Callable
@@ -37,12 +45,13 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..collection import PagedKVCacheCollection, StepTensors
-from ..ops import copy_pages
+from ..layer_groups import LayerGroups
 from ..params import KVCacheParams
-from ..step import StepPlan
+from ..step import GroupStepPlan, StepPlan
 from . import hf_mla
 from .hf_checkpoint import load_paged_cache, save_paged_cache
-from .hf_support import NO_CACHE_LAYER_TYPES, cache_shape, check_config
+from .hf_pages import DevicePages
+from .hf_support import NO_CACHE_LAYER_TYPES, CacheShape, cache_groups, check_config
 
 ATTN_IMPLEMENTATION = "paged_kv"
 
@@ -73,10 +82,11 @@ class PendingKV(NamedTuple):
 
 
 class PagedLayer(CacheLayerMixin):
-    """One cached model layer's view of the shared collection (HF's per-layer cache surface).
+    """One cached model layer's view of the cache (HF's per-layer cache surface).
 
-    `layer_idx` is the model's layer index, `pool_layer` its layer in the pool. Row operations
-    (reset, crop, reorder, select) touch every layer at once, so `PagedCache` does them.
+    `layer_idx` is the model's layer index, `pool_layer` its index among the cached layers (what the
+    step's `GroupStepPlan` maps to a group and its pool layer). Row operations (reset, crop, reorder,
+    select) touch every layer at once, so `PagedCache` does them.
     """
 
     is_compileable = True
@@ -88,10 +98,10 @@ class PagedLayer(CacheLayerMixin):
         self.cache = cache
         self.layer_idx = layer_idx
         self.pool_layer = pool_layer
-        self.is_initialized = cache.collection is not None
+        self.is_initialized = cache.groups is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the shared pool (for every layer) if it does not exist yet."""
+        """Allocate the pools (for every layer) if they do not exist yet."""
         self.cache.ensure_pool(key_states)
 
     def update(
@@ -102,7 +112,7 @@ class PagedLayer(CacheLayerMixin):
         if self.pool_layer == 0:  # the step's first cached layer
             cache.ensure_pool(key_states)
             cache.read_attention_mode()
-        if cache.shape.is_mla:
+        if cache.is_mla:
             return hf_mla.update(self, key_states, value_states, kwargs)
         if cache.attends_from_pages:
             pending = PendingKV(self, key_states, value_states)
@@ -111,7 +121,7 @@ class PagedLayer(CacheLayerMixin):
         counts = lambda: torch.full((batch,), new, dtype=torch.int32, device=cache.device)
         plan = cache.layer_plan(self.layer_idx, batch, new, counts)
         plan.store_kv(token_rows(key_states), token_rows(value_states), self.pool_layer)
-        keys, values = plan.gather_kv(self.pool_layer, cache.max_cache_len, key_states.dtype)
+        keys, values = cache.gather(plan, self.pool_layer, key_states.dtype)
         cache.layer_done(self.layer_idx, batch)
         return keys.transpose(1, 2), values.transpose(1, 2)
 
@@ -152,7 +162,7 @@ def _no_cache_layer() -> CacheLayerMixin:
 
 
 class PagedCache(Cache):
-    """A `transformers.Cache` over a paged KV pool; pass it as `generate(..., cache=cache)` (transformers
+    """A `transformers.Cache` over paged KV pools; pass it as `generate(..., cache=cache)` (transformers
     >= 5.24; `past_key_values=cache` before: `cache_kwarg(model)` says which).
 
     Args:
@@ -160,17 +170,25 @@ class PagedCache(Cache):
         max_batch_size: most rows at once (`batch * num_beams` for beam search).
         max_cache_len: most tokens (columns, padding included) a row may reach.
         page_size: tokens per page.
-        device, dtype: the model's, that is of the keys the cache is given. Given both, the pool is
+        device, dtype: the model's, that is of the keys the cache is given. Given both, the pools are
             allocated now; otherwise at the first step, on the device and in the dtype of the model's
             keys for the one not given. A model whose keys then differ from a given one raises
             `ValueError` naming the argument.
-        kv_dtype: what the pool stores (default: `dtype`). `torch.float8_e4m3fn` or
+        kv_dtype: what the pools store (default: `dtype`). `torch.float8_e4m3fn` or
             `torch.float8_e5m2` halve the memory of a 16-bit cache: K/V are quantized on write and
             dequantized on read (see docs/fp8.md for what it costs in accuracy).
         quantization_granularity: for an FP8 `kv_dtype`, elements of head_dim sharing one scale
             (default head_dim: one scale per token and head).
         static_scales: for an FP8 `kv_dtype`, one fixed (k_scale, v_scale) pair instead of scales per
             token (vLLM's per-tensor FP8; needs calibrated scales).
+        max_step_tokens: most new tokens a row takes in one step (a prefill chunk: `generate(...,
+            prefill_chunk_size=...)`). It sizes the pools of sliding-window groups: a row holds its
+            window plus one step's tokens there. None (the default): `max_cache_len`, a whole prompt
+            in one step, so those pools are as large as the others. A longer step raises `ValueError`.
+
+    Each group's pool has room for every row at its longest (`max_batch_size` rows of `max_cache_len`
+    tokens; a sliding-window group: of its window and `max_step_tokens`); pages are taken as rows grow
+    and given back by `reset`, `crop` and the sliding windows, so `kv_bytes_in_use()` follows the rows.
     """
 
     # Plain attributes set in `__init__`: they shadow `Cache`'s read-only properties (transformers < 5.20).
@@ -188,15 +206,24 @@ class PagedCache(Cache):
         kv_dtype: torch.dtype | None = None,
         quantization_granularity: int | None = None,
         static_scales: tuple[float, float] | None = None,
+        max_step_tokens: int | None = None,
     ) -> None:
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
         self.cached_layers, self.attention_layers = attention_layers(cfg)
         self._checked_attention: str | None = None  # the attention implementation check_config passed for
         self._check_config()
-        self.shape = cache_shape(cfg, self.cached_layers)
-        self.num_kv_heads, self.head_dim = self.shape.num_kv_heads, self.shape.head_dim  # the config's; the
-        # keys' at the first step where the pool is allocated then (a model may differ: Falcon's multi_query)
+        if max_step_tokens is not None and (not isinstance(max_step_tokens, int) or max_step_tokens <= 0):
+            raise ValueError(f"max_step_tokens: expected a positive int or None, got {max_step_tokens!r}")
+        self.max_step_tokens = max_step_tokens
+        self.group_shapes: list[CacheShape] = []
+        self.group_layers: list[list[int]] = []
+        for shape, layers in cache_groups(cfg, self.cached_layers, max_cache_len):
+            self.group_shapes.append(shape)
+            self.group_layers.append(layers)
+        self.is_mla = self.group_shapes[0].is_mla
+        self.num_kv_heads, self.head_dim = self.group_shapes[0].num_kv_heads, self.group_shapes[0].head_dim  # the
+        # config's; a one-group cache takes the keys' at the first step (a model may differ: Falcon's multi_query)
         self.page_size = page_size
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
@@ -205,13 +232,16 @@ class PagedCache(Cache):
         self.kv_dtype = getattr(torch, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
         self.quantization = dict(quantization_granularity=quantization_granularity, static_scales=static_scales)
         if self.kv_dtype is not None:  # a bad combination fails now, naming the argument, not at the first step
-            self._params(self.kv_dtype, 1)
+            for shape in self.group_shapes:
+                self._params(self.kv_dtype, shape, 1)
         self.dtype: torch.dtype | None = None  # the model's (the keys'): known once the pool exists
-        self.collection: PagedKVCacheCollection | None = None
+        self.groups: LayerGroups | None = None
+        self.pages: list[DevicePages] = []
         self.columns: torch.Tensor | None = None
         self.device: torch.device | None = None
         self.static_addresses_marked = False
-        self._plan: StepPlan | None = None  # this step's, made at its first cached layer
+        self.record_past = False
+        self._plan: GroupStepPlan | None = None  # this step's, made at its first cached layer
         self._step_columns = 0  # this step's columns (padding included): the column count adds them at its end
         self._attends_from_pages = False
         self.read_attention_mode()
@@ -225,48 +255,80 @@ class PagedCache(Cache):
         ]
         super().__init__(layers=layers)
 
-    def _params(self, dtype: torch.dtype, num_layers: int) -> KVCacheParams:
-        """The pool's params: K/V heads, or for an MLA model one latent + rope row per token."""
-        shape = self.shape
+    @property
+    def collection(self) -> PagedKVCacheCollection | None:
+        """The pool of a cache of one layer group (None before it is allocated; ValueError for a cache
+        of several: see `groups`)."""
+        if self.groups is None:
+            return None
+        if len(self.groups) != 1:
+            raise ValueError(f"collection: this cache has {len(self.groups)} layer groups; use groups.collections")
+        return self.groups.collections[0]
+
+    def _params(self, dtype: torch.dtype, shape: CacheShape, num_layers: int) -> KVCacheParams:
+        """A group's params: K/V heads, or for an MLA model one latent + rope row per token."""
         if shape.is_mla:
             return KVCacheParams.mla(
                 dtype, num_layers, self.page_size, shape.kv_lora_rank, shape.rope_dim, **self.quantization
             )
-        return KVCacheParams(dtype, num_layers, self.num_kv_heads, self.head_dim, self.page_size, **self.quantization)
+        return KVCacheParams(
+            dtype, num_layers, shape.num_kv_heads, shape.head_dim, self.page_size, **self.quantization,
+            sliding_window=shape.sliding_window,
+        )  # fmt: skip
+
+    def pages_per_row(self, params: KVCacheParams) -> int:
+        """The most pages one row holds in a group of `params`: every page of `max_cache_len` tokens, or
+        in a sliding-window group those of its window and one step (`max_step_tokens`)."""
+        full = -(-self.max_cache_len // self.page_size)
+        if params.sliding_window is None:
+            return full
+        step = self.max_cache_len if self.max_step_tokens is None else self.max_step_tokens
+        return min(full, -(-(step + params.sliding_window - 1) // self.page_size) + 1)
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
-        """The pool: row b owns pages `1 + b*P .. (b+1)*P`, written into the lookup table once."""
+        """The pools, one per layer group, sharing the lengths and offsets (each group has its own table)."""
         self.dtype = dtype
-        params = self._params(self.kv_dtype or dtype, len(self.cached_layers))
-        pages_per_row = -(-self.max_cache_len // self.page_size)
-        self.collection = PagedKVCacheCollection(
-            params, self.max_batch_size * pages_per_row, self.max_batch_size, self.max_cache_len, device
+        shapes = list(self.group_shapes)
+        if len(shapes) == 1 and not self.is_mla:
+            shapes[0] = dataclasses.replace(shapes[0], num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        params = [
+            self._params(self.kv_dtype or dtype, s, len(ls)) for s, ls in zip(shapes, self.group_layers, strict=True)
+        ]
+        counts = [self.max_batch_size * self.pages_per_row(p) for p in params]
+        groups = LayerGroups.allocate(
+            params, self.group_layers, counts, self.max_batch_size, self.max_cache_len, device
         )
-        self.device = self.collection.device
-        own = torch.arange(1, self.max_batch_size * pages_per_row + 1, dtype=torch.int32, device=self.device)
-        self.collection.lookup_table[:, :pages_per_row] = own.view(self.max_batch_size, pages_per_row)
+        first = groups.collections[0]
+        for c in groups.collections[1:]:  # one set of lengths and offsets for every group
+            c.cache_lengths, c.input_row_offsets = first.cache_lengths, first.input_row_offsets
+        self.groups = groups
+        self.pages = [DevicePages(c) for c in groups.collections]
+        self._sliding = [p for p in self.pages if p.window is not None]
+        self.device = first.device
         self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
         self._mark_static_addresses()
 
     def _mark_static_addresses(self) -> None:
-        """Tell dynamo that the pool's tensors keep their addresses (CUDA graphs then use them in place).
+        """Tell dynamo that the pools' tensors keep their addresses (CUDA graphs then use them in place).
         Dynamo forbids this while compiling (a pool allocated by a compiled first step): the next eager
         step does it."""
         if self.static_addresses_marked or torch.compiler.is_compiling():
             return
-        c = self.collection
-        for t in (c.blocks, c.scales, c.cache_lengths, c.input_row_offsets, c.lookup_table, self.columns):
+        tensors = [self.columns]
+        for c, pages in zip(self.groups.collections, self.pages, strict=True):
+            tensors += [c.blocks, c.scales, c.cache_lengths, c.input_row_offsets, c.lookup_table, *pages.tensors()]
+        for t in tensors:
             if t is not None:
                 torch._dynamo.mark_static_address(t)
         self.static_addresses_marked = True
 
     def ensure_pool(self, key_states: torch.Tensor) -> None:
-        """Check that the model's keys fit the pool (its dtype and device, given or already allocated),
-        then allocate the pool on first use (see the class docstring)."""
-        if self.collection is None:
+        """Check that the model's keys (of the first cached layer) fit the pools (their dtype and device,
+        given or already allocated), then allocate the pools on first use (see the class docstring)."""
+        if self.groups is None:
             dtype, device = self.requested_dtype or key_states.dtype, self.requested_device or key_states.device
         else:
-            dtype, device = self.dtype, self.collection.blocks.device
+            dtype, device = self.dtype, self.device
         if key_states.dtype != dtype:
             raise ValueError(
                 f"dtype: the pool holds {dtype} but the model's keys are {key_states.dtype}; "
@@ -279,20 +341,22 @@ class PagedCache(Cache):
                 f"pass device={str(here)!r} (or leave it None to follow the model)"
             )
         heads, head_dim = key_states.shape[1], key_states.shape[3]
-        if self.collection is None:
-            if not self.shape.is_mla:  # the keys say what the model caches (Falcon: 1 head for 71 queried)
+        adopt = len(self.group_shapes) == 1 and not self.is_mla  # the keys say what the model caches
+        if self.groups is None:
+            if adopt:  # (Falcon: 1 head for 71 queried)
                 self.num_kv_heads, self.head_dim = heads, head_dim
             self._allocate(here, dtype)
             for layer in self.layers:
                 layer.is_initialized = True
         else:
-            if not self.shape.is_mla and (heads, head_dim) != (self.num_kv_heads, self.head_dim):
-                raise ValueError(
-                    f"config: the model's keys have {heads} heads of {head_dim}, but the pool, allocated from the "
-                    f"config, holds {self.num_kv_heads} of {self.head_dim}; leave device or dtype None so that the "
-                    "pool follows the keys at the first step"
-                )
             self._mark_static_addresses()
+        params = self.groups.collections[self.groups.layer_map[0][0]].params
+        if not self.is_mla and (heads, head_dim) != (params.num_kv_heads, params.head_dim):
+            raise ValueError(
+                f"config: the model's keys have {heads} heads of {head_dim}, but the pool, allocated from the "
+                f"config, holds {params.num_kv_heads} of {params.head_dim}; leave device or dtype None so that the "
+                "pool follows the keys at the first step"
+            )
 
     def read_attention_mode(self) -> None:
         """Read `attends_from_pages` from the config: once per step, at the first cached layer, as a
@@ -314,40 +378,73 @@ class PagedCache(Cache):
         """True when the model runs the `paged_kv` attention function (as of this step's first layer)."""
         return self._attends_from_pages
 
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of K/V (and FP8 scales) in the pages the rows hold now, every group (a host sync)."""
+        return sum(p.in_use() * p.params.page_bytes for p in self.pages)
+
+    def activate_past_recording(self) -> None:
+        """Keep the pages sliding windows would give back until the next `crop` (transformers calls this
+        before assisted generation, whose `crop` may go back past a window's start)."""
+        self.record_past = True
+
     # -- the step protocol (tensors, in place) ------------------------------------------------
-    def layer_plan(self, layer_idx: int, batch: int, columns: int, new_tokens: Callable[[], torch.Tensor]) -> StepPlan:
-        """The step's `StepPlan` at model layer `layer_idx` over the first `batch` rows. The first
+    def layer_plan(
+        self, layer_idx: int, batch: int, columns: int, new_tokens: Callable[[], torch.Tensor]
+    ) -> GroupStepPlan:
+        """The step's `GroupStepPlan` at model layer `layer_idx` over the first `batch` rows. The first
         cached layer begins the step: it records each row's new token count (`new_tokens()`, `[batch]`
-        int32) in `input_row_offsets` and the step's `columns` (padding included), which `layer_done`
-        adds to the column count. The plan checks the step tensors at that layer only."""
+        int32) in `input_row_offsets`, gives the rows the pages their new tokens need, and records the
+        step's `columns` (padding included), which `layer_done` adds to the column count. The plan
+        checks each group's step tensors at that group's first layer only."""
         if layer_idx == self.cached_layers[0]:
             self._begin_step(new_tokens(), columns)
-            self._plan = StepPlan.of(self.collection, self.collection.step_tensors(batch))
+            self._plan = GroupStepPlan.of(self.groups, self.groups.step_tensors(batch))
         return self._plan  # the same for every layer of the step (views of the step's rows)
 
-    def trailing_plan(self, batch: int, query_counts: torch.Tensor, pool_layer: int) -> StepPlan:
+    def trailing_plan(self, batch: int, query_counts: torch.Tensor, pool_layer: int) -> GroupStepPlan:
         """A plan for queries that are only the last `query_counts[b]` (`[batch]` int32) of this step's new
         tokens of each row, whose K/V are stored already: transformers trims the hidden states of K/V-sharing
-        layers to `logits_to_keep` positions during a prefill. Its first call (at `pool_layer`) checks the
-        step it describes in full."""
-        lengths, table, offsets = self.collection.step_tensors(batch)
+        layers to `logits_to_keep` positions during a prefill. Its call at `pool_layer` checks the step it
+        describes in full."""
+        steps = self.groups.step_tensors(batch)
+        lengths, _, offsets = steps[0]
         new_tokens = offsets[1:] - offsets[:-1]
         query_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
         query_offsets[1:] = torch.cumsum(query_counts, 0)
-        step = StepTensors(lengths + new_tokens - query_counts, table, query_offsets)
-        return StepPlan(self.collection.blocks, step, self.collection.scales, first_layer=pool_layer)
+        group, local = self.groups.layer_map[pool_layer]
+        plans = tuple(
+            StepPlan(c.blocks, StepTensors(lengths + new_tokens - query_counts, step.lookup_table, query_offsets),
+                     c.scales, first_layer=local if g == group else 0)
+            for g, (c, step) in enumerate(zip(self.groups.collections, steps, strict=True))
+        )  # fmt: skip
+        return GroupStepPlan(plans, self.groups.layer_map)
+
+    def gather(self, plan: GroupStepPlan, pool_layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of cached layer `pool_layer` gathered to `max_cache_len` columns (zeros past each row's
+        length). In a sliding-window group the columns below the window read as zeros (the null page,
+        unchecked: the model's own sliding mask hides them, as it does for transformers' own caches)."""
+        step_plan, local = plan.at(pool_layer)
+        if self.pages[self.groups.layer_map[pool_layer][0]].window is None:
+            return step_plan.gather_kv(local, self.max_cache_len, dtype)
+        return torch.ops.paged_kv.gather_kv.unchecked(
+            step_plan.blocks, *step_plan.step, local, self.max_cache_len, step_plan.scales, dtype
+        )
 
     def layer_done(self, layer_idx: int, batch: int) -> None:
         """After model layer `layer_idx` is done with the step: the last layer that reads the pages
         (under `paged_kv` the last attention layer, shared-KV readers included; otherwise the last
         cached layer, as readers use the K/V `update` returned) adds the new tokens to the lengths and
-        the step's columns to the column count. Until then every layer reports the count before the
-        step, as a `DynamicCache` layer does before its update (Llama4's no-rope layers scale their
-        queries by it)."""
+        the step's columns to the column count, and the sliding-window groups give back the pages no
+        later query reads. Until then every layer reports the count before the step, as a
+        `DynamicCache` layer does before its update (Llama4's no-rope layers scale their queries by it)."""
         last = self.attention_layers[-1] if self.attends_from_pages else self.cached_layers[-1]
         if layer_idx == last:
-            _, _, offsets = self.collection.step_tensors(batch)
-            self.collection.cache_lengths[:batch] += offsets[1:] - offsets[:-1]
+            lengths, _, offsets = self.groups.collections[0].step_tensors(batch)
+            grown = lengths + (offsets[1:] - offsets[:-1])
+            if not self.record_past:
+                for pages in self._sliding:
+                    pages.leave_window(lengths, grown, self._step_columns)
+            lengths.copy_(grown)
             self.columns.add_(self._step_columns)
 
     def _begin_step(self, new_tokens: torch.Tensor, columns: int) -> None:
@@ -355,9 +452,13 @@ class PagedCache(Cache):
         if not torch.compiler.is_compiling():
             self._check_room(batch, new_tokens)
             self.rows = batch
-        offsets = self.collection.input_row_offsets
+        first = self.groups.collections[0]
+        offsets = first.input_row_offsets
         offsets[0] = 0
         offsets[1 : batch + 1] = torch.cumsum(new_tokens, 0)
+        lengths = first.cache_lengths[:batch]
+        for pages in self.pages:
+            pages.grow(lengths, new_tokens, columns)
         self._step_columns = columns
 
     def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:
@@ -366,28 +467,46 @@ class PagedCache(Cache):
                 f"batch: {batch} rows, more than max_batch_size={self.max_batch_size} "
                 "(rows are batch x num_beams under beam search)"
             )
-        longest = int((self.collection.cache_lengths[:batch] + new_tokens).max())
+        lengths = self.groups.collections[0].cache_lengths
+        most, longest = (int(n) for n in torch.stack([new_tokens.max(), (lengths[:batch] + new_tokens).max()]))
         if longest > self.max_cache_len:
             raise ValueError(f"max_cache_len: a row would hold {longest} tokens, more than {self.max_cache_len}")
+        if self.max_step_tokens is not None and most > self.max_step_tokens:
+            raise ValueError(
+                f"max_step_tokens: a row takes {most} new tokens in one step, more than {self.max_step_tokens} "
+                "(prefill in chunks: generate(..., prefill_chunk_size=...))"
+            )
 
     # -- Cache API ---------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget every row (pages are not cleared: nothing reads past a row's length)."""
+        """Forget every row and give back every page (pages are not cleared: nothing reads past a row's length)."""
         self.rows = 0
-        if self.collection is None:
+        if self.groups is None:
             return
-        self.collection.cache_lengths.zero_()
-        self.collection.input_row_offsets.zero_()
+        first = self.groups.collections[0]
+        first.cache_lengths.zero_()
+        first.input_row_offsets.zero_()
         self.columns.zero_()
+        for pages in self.pages:
+            pages.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count)."""
+        """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count); the
+        pages past the new lengths, and those below a sliding window's start, go back. A row that would
+        need tokens a sliding window gave back already raises `ValueError` (nothing changed) unless
+        `activate_past_recording()` kept them."""
         if tokens_to_remove > 0:
             raise ValueError(f"tokens_to_remove: pass a negative count of tokens to drop, got {tokens_to_remove}")
-        if self.collection is None:
+        if self.groups is None:
             return
-        lengths = self.collection.cache_lengths
-        lengths.copy_((lengths + tokens_to_remove).clamp_(min=0))
+        lengths = self.groups.collections[0].cache_lengths
+        kept = (lengths + tokens_to_remove).clamp_(min=0)
+        host = kept.cpu().numpy().astype("int64")
+        for pages in self.pages:
+            pages.keep(host, check_only=True)
+        for pages in self.pages:
+            pages.keep(host)
+        lengths.copy_(kept)
         self.columns.copy_((self.columns + tokens_to_remove).clamp_(min=0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -403,25 +522,23 @@ class PagedCache(Cache):
         self._select_rows(torch.arange(self.rows * repeats, device=self.device) // repeats)
 
     def _select_rows(self, rows: torch.Tensor) -> None:
-        """Row i := old row `rows[i]`: copy the used pages of moved rows onto row i's own pages."""
+        """Row i := old row `rows[i]`: the first new row taking an old row takes its pages, the others
+        copies of them (`copy_pages`); pages no new row takes go back first."""
         batch = rows.numel()
         if batch > self.max_batch_size:
             raise ValueError(
                 f"rows: {batch} rows, more than max_batch_size={self.max_batch_size} "
                 "(rows are batch x num_beams under beam search)"
             )
-        if self.collection is None:  # nothing stored yet
+        if self.groups is None:  # nothing stored yet
             self.rows = batch
             return
         rows = rows.to(device=self.device, dtype=torch.int64)
-        lengths = self.collection.cache_lengths
+        lengths = self.groups.collections[0].cache_lengths
         new_lengths = lengths[rows]
-        used = -(-int(new_lengths.max()) // self.collection.params.page_size) if batch else 0
-        table = self.collection.lookup_table
-        src, dst = table[rows, :used].flatten(), table[:batch, :used].flatten()
-        moved = src != dst
-        if bool(moved.any()):
-            copy_pages(self.collection.blocks, src[moved].contiguous(), dst[moved].contiguous())
+        order = rows.tolist()
+        for pages in self.pages:
+            pages.select_rows(order)
         lengths.zero_()
         lengths[:batch] = new_lengths
         self.rows = batch
@@ -442,9 +559,11 @@ class PagedCache(Cache):
         return load_paged_cache(cls, path, config, **options)
 
     def __repr__(self) -> str:
-        if self.collection is None:
+        if self.groups is None:
             return (
                 f"PagedCache(not allocated yet: {self.max_batch_size} rows x {self.max_cache_len} tokens, "
-                f"page_size={self.page_size})"
+                f"page_size={self.page_size}, {len(self.group_shapes)} layer group(s))"
             )
-        return f"PagedCache({self.collection!r})"
+        if len(self.groups) == 1:
+            return f"PagedCache({self.groups.collections[0]!r})"
+        return f"PagedCache({self.groups!r})"

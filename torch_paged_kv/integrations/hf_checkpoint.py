@@ -112,9 +112,9 @@ def load_paged_cache(
     if sum(per_row) != info.num_pages:
         raise CheckpointError(f"{info.path}: rows share pages, which a PagedCache never does")
     pages = torch.empty(info.num_pages, dtype=torch.int64)  # stored page j + 1 -> its row's own page
-    own = collection.lookup_table.cpu()
+    own = cache.pages[0].assign(per_row, [0] * rows)
     for b, n in enumerate(per_row):
-        pages[info.lookup_table[b, :n].long() - 1] = own[b, :n].long()
+        pages[info.lookup_table[b, :n].long() - 1] = torch.tensor(own[b], dtype=torch.int64)
     load_pages(info.path, collection.blocks, pages, scales=collection.scales, progress=progress)
     collection.cache_lengths[:rows] = lengths.to(collection.device)
     cache.columns.fill_(state["columns"])

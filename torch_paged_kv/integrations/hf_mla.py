@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..params import FP8_DTYPES
-from ..step import StepPlan
+from ..step import GroupStepPlan
 
 PENDING_KWARG = "paged_kv_latent"
 """The keyword under which the attention function receives this step's `PendingLatent`."""
@@ -85,13 +85,14 @@ def update(layer: Any, latent: torch.Tensor, rope: torch.Tensor, kwargs: dict[st
     return gathered[..., : params.kv_lora_rank], gathered[..., params.kv_lora_rank :]
 
 
-def gather_rows(plan: StepPlan, pool_layer: int, max_len: int) -> torch.Tensor:
+def gather_rows(plan: GroupStepPlan, pool_layer: int, max_len: int) -> torch.Tensor:
     """Every stored row of each sequence of the step (this step's included), `[batch, max_len, width]`,
     zeros past each sequence's length (what `gather_kv` does for K/V)."""
-    lengths, table, offsets = plan.step
-    page_size = plan.blocks.shape[3]
+    group_plan, local = plan.at(pool_layer)
+    lengths, table, offsets = group_plan.step
+    page_size = group_plan.blocks.shape[3]
     pages = -(-max_len // page_size)
-    layer_rows = plan.blocks[:, 0, pool_layer, :, 0]  # [pages, page_size, width]
+    layer_rows = group_plan.blocks[:, 0, local, :, 0]  # [pages, page_size, width]
     out = layer_rows[table[:, :pages].long()].flatten(1, 2)[:, :max_len]
     seen = lengths + offsets[1:] - offsets[:-1]
     kept = torch.arange(max_len, device=out.device)[None, :] < seen[:, None]
@@ -99,7 +100,7 @@ def gather_rows(plan: StepPlan, pool_layer: int, max_len: int) -> torch.Tensor:
 
 
 def attend(
-    plan: StepPlan,
+    plan: GroupStepPlan,
     module: torch.nn.Module,
     q: torch.Tensor,
     pending: PendingLatent,

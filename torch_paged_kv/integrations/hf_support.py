@@ -5,7 +5,7 @@ for every refusal.
 for any attention pattern that `PagedCache` (and, with `paged=True`, the `paged_kv` attention
 function) cannot reproduce token for token. `PagedCache` calls it at construction and again at the
 first step after the attention implementation changes, so a refusal always comes before anything is
-stored. `cache_shape(config)` says what one pool layer holds.
+stored. `cache_groups(config, ...)` says what the cache's layer groups hold.
 
 `attention_chunk_size(module)` is the chunk a layer attends within (Llama 4's chunked layers).
 """
@@ -26,13 +26,15 @@ per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
 
 @dataclasses.dataclass(frozen=True)
 class CacheShape:
-    """What one pool layer holds per token: K/V heads of `head_dim`, or (MLA) one latent of
-    `kv_lora_rank` and one rope key of `rope_dim`."""
+    """What one pool layer of a layer group holds per token: K/V heads of `head_dim`, or (MLA) one
+    latent of `kv_lora_rank` and one rope key of `rope_dim`; and the window its layers attend within
+    (`sliding_window`; None: every key)."""
 
     num_kv_heads: int
     head_dim: int
     kv_lora_rank: int | None = None
     rope_dim: int | None = None
+    sliding_window: int | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -44,29 +46,32 @@ def is_mla(config: Any) -> bool:
     return getattr(config, "kv_lora_rank", None) is not None and getattr(config, "qk_rope_head_dim", None) is not None
 
 
-def cache_shape(config: Any, cached_layers: list[int]) -> CacheShape:
-    """The per-token shape of the model layers `cached_layers` (all must agree: one pool has one shape)."""
+def cache_groups(config: Any, cached_layers: list[int], max_cache_len: int) -> list[tuple[CacheShape, list[int]]]:
+    """The cache's layer groups: each distinct per-token shape and window, with the positions in
+    `cached_layers` of the layers holding it, in order of first use. A layer's window is transformers'
+    rule: with `layer_types`, `sliding_window` (per layer where the config has `per_layer_config`) for
+    a "sliding_attention" layer; without, `config.sliding_window` for every layer (Mistral,
+    Starcoder2). A window that no row can outgrow (>= `max_cache_len`) keeps every token anyway: no window."""
     if is_mla(config):
-        return CacheShape(
+        shape = CacheShape(
             1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank, config.qk_rope_head_dim
         )
+        return [(shape, list(range(len(cached_layers))))]
     num_heads = config.num_attention_heads
     kv_heads = _per_layer(config, "num_key_value_heads", cached_layers)
     head_dims = _per_layer(config, "head_dim", cached_layers)
-    for name, values in (("head_dim", head_dims), ("num_key_value_heads", kv_heads)):
-        if len(set(values.values())) > 1:
-            by_value: dict[Any, list[int]] = {}
-            for layer, value in values.items():
-                by_value.setdefault(value, []).append(layer)
-            layers = "; ".join(f"{v} in layers {ls}" for v, ls in by_value.items())
-            raise ValueError(
-                f"config.{name}: differs between layers ({layers}; per_layer_config, e.g. Gemma4's "
-                f"global_{name}); one PagedCache pool holds one shape for every layer, so such models are not "
-                "supported yet"
-            )
-    kv = next(iter(kv_heads.values()), None) if kv_heads else None
-    head_dim = next(iter(head_dims.values()), None) if head_dims else None
-    return CacheShape(kv or num_heads, head_dim or config.hidden_size // num_heads)
+    windows = _per_layer(config, "sliding_window", cached_layers)
+    types = getattr(config, "layer_types", None)
+    groups: dict[CacheShape, list[int]] = {}
+    for j, i in enumerate(cached_layers):
+        window = windows[i] if (types[i] == "sliding_attention" if types else True) else None
+        shape = CacheShape(
+            kv_heads[i] or num_heads,
+            head_dims[i] or config.hidden_size // num_heads,
+            sliding_window=window if window and window < max_cache_len else None,
+        )
+        groups.setdefault(shape, []).append(j)
+    return list(groups.items())
 
 
 def _per_layer(config: Any, name: str, layers: list[int]) -> dict[int, Any]:
