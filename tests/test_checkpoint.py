@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import crafted_files
@@ -16,6 +18,7 @@ from safetensors import safe_open
 from torch_paged_kv import (
     ContinuousBatchingKVCacheCollection,
     KVCacheParams,
+    LayerGroups,
     PagedKVCacheCollection,
     checkpoint,
     page_stream,
@@ -172,7 +175,7 @@ def test_readable_by_safetensors(tmp_path: Path) -> None:
     with safe_open(tmp_path / "kv.safetensors", framework="pt") as f:
         assert set(f.keys()) == {"cache_lengths", "lookup_table", "blocks.00000"}
         meta = f.metadata()
-        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "3"
+        assert meta["format"] == "torch_paged_kv.kv_cache" and meta["format_version"] == "4"
         assert KVCacheParams.from_dict(json.loads(meta["params"])) == src.params
         assert torch.equal(bits(f.get_tensor("blocks.00000")), bits(loaded.blocks[1:]))
         assert torch.equal(f.get_tensor("lookup_table"), loaded.lookup_table)
@@ -234,7 +237,7 @@ def test_bad_files_raise_checkpoint_error(tmp_path: Path) -> None:
         "padded": (raw + b"\0" * 16, "16 unexpected bytes after the last tensor"),
         "garbage": (b"definitely not a checkpoint" * 3, "not a safetensors file"),
         "tiny": (b"abc", "not a safetensors file"),
-        "header": (raw.replace(b'"format_version":"3"', b'"format_version":"7"'), "header checksum mismatch"),
+        "header": (raw.replace(b'"format_version":"4"', b'"format_version":"7"'), "header checksum mismatch"),
     }
     crafted = {  # consistent files (the header checksum made right again)
         "version": ({"format_version": "7"}, "unknown format version '7'"),
@@ -419,13 +422,24 @@ def test_fp8_scales_are_checksummed_and_must_fit(tmp_path: Path) -> None:
     assert not torch.equal(before, target.scales) and torch.equal(target.scales[2], load_cache(path).scales[1])
 
 
+def test_version_3_files_still_load(tmp_path: Path) -> None:
+    """A version-3 file is what version 4 writes for a cache of one group without a window."""
+    src = make_paged(torch.bfloat16, seed=9)
+    save_cache(src, tmp_path / "v4.safetensors")
+    old = crafted_files.edit_metadata(tmp_path / "v4.safetensors", tmp_path / "v3.safetensors", format_version="3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_info(old).metadata["format_version"] == "3"
+        assert_rows_equal(src, load_cache(old), [0, 1, 2, 3])
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_older_versions_still_load_with_a_warning(tmp_path: Path, version: int) -> None:
-    """A version-1 or -2 file is what version 3 writes for an unquantized cache, without the header
-    checksum: it loads, and says its metadata is unverified."""
+    """A version-1 or -2 file is what version 4 writes for an unquantized cache of one group without
+    a window, without the header checksum: it loads, and says its metadata is unverified."""
     src = make_paged(torch.bfloat16, seed=9)
-    save_cache(src, tmp_path / "v3.safetensors")
-    old = crafted_files.as_old_version(tmp_path / "v3.safetensors", version, tmp_path / "old.safetensors")
+    save_cache(src, tmp_path / "v4.safetensors")
+    old = crafted_files.as_old_version(tmp_path / "v4.safetensors", version, tmp_path / "old.safetensors")
     with pytest.warns(checkpoint.UnverifiedMetadataWarning, match="unverified metadata"):
         assert read_info(old).metadata["format_version"] == str(version)
     with pytest.warns(checkpoint.UnverifiedMetadataWarning):
@@ -440,3 +454,79 @@ def test_cli_inspect_shows_the_quantization(tmp_path: Path) -> None:
         save_cache(make_paged(torch.float8_e4m3fn, seed=11, **quant), tmp_path / "q.safetensors")
         out = _cli("inspect", str(tmp_path / "q.safetensors"))
         assert out.returncode == 0 and text in out.stdout and "checksums:  OK" in out.stdout, out.stdout + out.stderr
+
+
+# -- layer groups (format version 4) ----------------------------------------------------------------
+
+
+def make_groups(seed: int = 0) -> LayerGroups:
+    """Group 0: `make_paged` (model layers 0 and 2); group 1: an FP8 sliding-window group (window 6,
+    another head_dim; layer 1) whose rows hold only their window's pages, the null page below."""
+    full = make_paged(torch.bfloat16, seed=seed)
+    params = KVCacheParams(torch.float8_e4m3fn, 1, 1, 16, 4, quantization_granularity=8, sliding_window=6)
+    window = PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=30)
+    _random_blocks(window, seed + 1)
+    pages = (torch.randperm(24, generator=torch.Generator().manual_seed(seed + 2)) + 1).tolist()
+    window.cache_lengths.copy_(full.cache_lengths)
+    for b, n in enumerate(full.cache_lengths.tolist()):
+        first, stop = params.first_held_page(n), -(-n // 4)
+        window.lookup_table[b, first:stop] = torch.tensor([pages.pop() for _ in range(first, stop)], dtype=torch.int32)
+    return LayerGroups([full, window], [[0, 2], [1]])
+
+
+def test_layer_groups_round_trip_with_window_holes_and_shards(tmp_path: Path) -> None:
+    src = make_groups(seed=5)
+    path = tmp_path / "kv.safetensors"
+    save_cache(src, path, batch_indices=[2, 0, 1, 3], shard_bytes=600)  # a few pages per file
+    info = verify(path)
+    assert len(info.files) > 3 and [g.layers for g in info.groups] == [(0, 2), (1,)]
+    window = src.collections[1]
+    held = [(window.lookup_table[b] != 0).sum().item() for b in range(4)]
+    assert info.groups[1].num_pages == sum(held) == 2 + 2 + 2 + 0  # lengths 10, 29, 13, 0: window pages only
+    loaded = load_cache(path)
+    assert isinstance(loaded, LayerGroups) and loaded.layers == src.layers
+    assert_rows_equal(src.collections[0], loaded.collections[0], [2, 0, 1, 3])
+    got, want = loaded.collections[1], window
+    for i, b in enumerate([2, 0, 1, 3]):
+        n = int(want.cache_lengths[b])
+        first, stop = want.params.first_held_page(n), -(-n // 4)
+        assert (got.lookup_table[i, :first] == 0).all() and (got.lookup_table[i, stop:] == 0).all()
+        for j in range(first, stop):
+            d, s = int(got.lookup_table[i, j]), int(want.lookup_table[b, j])
+            assert d and all(
+                torch.equal(bits(x[d]), bits(y[s]))
+                for x, y in zip(got.page_tensors(), want.page_tensors(), strict=True)
+            )
+    with pytest.raises(CheckpointError, match="do not fit the target"):
+        load_cache(path, expected_params=src.collections[0].params)
+    load_cache(path, expected_params=list(src.params))
+
+
+def test_layer_group_metadata_is_checked(tmp_path: Path) -> None:
+    good = tmp_path / "good.safetensors"
+    save_cache(make_groups(seed=7), good)
+    groups = json.loads(read_info(good).metadata["groups"])
+    one = crafted_files.edit_metadata(good, tmp_path / "one.safetensors", format_version="3")
+    overlap = [dict(groups[0]), dict(groups[1], layers=[0])]
+    cases = {
+        "v3": (one, "layer groups are a paged cache's of every KV head, from format version 4 on"),
+        "overlap": (
+            crafted_files.edit_metadata(good, tmp_path / "o.safetensors", groups=overlap),
+            "model layers 0..n-1",
+        ),
+        "pages": (
+            crafted_files.edit_metadata(
+                good, tmp_path / "p.safetensors", groups=[groups[0], dict(groups[1], num_pages=99)]
+            ),
+            "groups.1.blocks",
+        ),
+        "missing": (crafted_files.edit_metadata(good, tmp_path / "m.safetensors", groups=None), "not part of a"),
+    }
+    for path, message in cases.values():
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            read_info(path)
+    raw = bytearray(good.read_bytes())
+    raw[-5] ^= 0x10  # the last bytes: group 1's page data in the main file
+    (tmp_path / "flip.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum mismatch in tensor 'groups.1."):
+        verify(tmp_path / "flip.safetensors")

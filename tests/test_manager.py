@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import torch_paged_kv as tpk
+from torch_paged_kv import checkpoint as pk_checkpoint
 from torch_paged_kv.manager import KVCacheManager, OutOfPagesError, Reservation
 from torch_paged_kv.page_pool import page_key, root_key
 from torch_paged_kv.testing import attention_fp64
@@ -765,6 +766,41 @@ def test_save_load_into_a_live_manager(tmp_path):
     assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
     assert dst.load(tmp_path / "kv.safetensors", ["p", "q", "r"]) == ["p", "q", "r"]
     assert dst.load(tmp_path / "kv.safetensors")[0] == ("loaded", 3)
+
+
+@pytest.mark.parametrize("groups", ["full + sliding", "two sliding + full", "sliding, another window"])
+def test_save_load_of_layer_groups(tmp_path, groups):
+    """A cache of layer groups saves each group's pages (a sliding group only those its window holds)
+    and loads into a live manager of the same groups; the sequences go on from there. Another layout,
+    or a cache of one group, refuses the file before taking a page."""
+    src = make_groups(groups, num_pages=40, max_batch=4, max_seq_len=40)
+    model = {"a": [], "b": []}
+    src.claim("a", list(range(1, 24)))
+    src.claim("b")
+    run_step(src, ["a", "b"], [list(range(1, 24)), [4] * 10], model)
+    src.fork("a", "c")
+    model["c"] = list(model["a"])
+    run_step(src, ["c", "b"], [[0, 0, 5], [6]], model)
+    src.save(tmp_path / "kv.safetensors", ["c", "b", "a"])
+    info = pk_checkpoint.read_info(tmp_path / "kv.safetensors")
+    held = [len({p for i in "abc" for p in src.pages(i, g)} - {tpk.NULL_PAGE}) for g in range(len(src.collections))]
+    assert [g.num_pages for g in info.groups] == held and info.metadata["format_version"] == "4"
+
+    dst = make_groups(groups, num_pages=40, max_batch=4, max_seq_len=40)
+    live = {"x": []}
+    dst.claim("x")
+    run_step(dst, ["x"], [[9] * 5], live)
+    ids = dst.load(tmp_path / "kv.safetensors")
+    loaded = {new: model[old] for new, old in zip(ids, ["c", "b", "a"], strict=True)}
+    check_contents(dst, {**loaded, **live}, [*ids, "x"])
+    check_ownership(dst, {**loaded, **live}, {*ids, "x"})
+    run_step(dst, [ids[0], "x"], [[7, 7], [8]], {**loaded, **live})
+    for other in [g for g in GROUPS if g != groups][:2]:
+        refusing = make_groups(other, num_pages=40, max_batch=4, max_seq_len=40)
+        before = snapshot(refusing)
+        with pytest.raises(pk_checkpoint.CheckpointError, match="does not fit this"):
+            refusing.load(tmp_path / "kv.safetensors")
+        assert_same(before, snapshot(refusing))
 
 
 def test_save_cache_refuses_the_rows_of_a_collection_a_manager_drives(tmp_path):

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from . import checkpoint
+from .layer_groups import LayerGroups
 from .manager import KVCacheManager
 from .page_pool import token_array
 from .params import KVCacheParams, TPShard, describe_heads
@@ -32,13 +33,16 @@ def save(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
     step tensors are untouched.
     """
     ids = list(seq_ids)
-    lengths, table = manager.committed_rows(ids)
+    groups = range(len(manager.collections))
+    lengths, _ = manager.committed_rows(ids)
     if not ids:
         raise ValueError("seq_ids: nothing to save (empty)")
-    rows = (torch.from_numpy(lengths.astype("int32")), torch.from_numpy(table))
+    tables = [torch.from_numpy(manager.committed_rows(ids, g)[1]) for g in groups]
+    rows = (torch.from_numpy(lengths.astype("int32")), tables[0] if len(tables) == 1 else tables)
     meta = {"token_ids": [manager.token_ids(i) for i in ids]}
     metadata = {METADATA_KEY: json.dumps(meta)}
-    checkpoint.save_cache(manager.collection, path, rows=rows, metadata=metadata, tp_shard=manager.tp_shard)
+    cache = manager.collection if len(tables) == 1 else manager.groups
+    checkpoint.save_cache(cache, path, rows=rows, metadata=metadata, tp_shard=manager.tp_shard)
 
 
 def load(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
@@ -52,8 +56,13 @@ def load(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
     are dropped.
     """
     info = checkpoint.read_info(path)
-    c = manager.collection
-    if info.kind != checkpoint.PAGED or (info.params, info.tp_shard) != (c.params, manager.tp_shard):
+    collections, groups = manager.collections, manager.groups
+    c = collections[0]
+    if len(collections) > 1 or len(info.groups) > 1:
+        theirs = [(g.params, g.layers) for g in info.groups]
+        if info.kind != checkpoint.PAGED or theirs != list(zip(groups.params, groups.layers, strict=True)):
+            raise checkpoint.CheckpointError(f"{path}: {_misfit_groups(info, groups)}")
+    elif info.kind != checkpoint.PAGED or (info.params, info.tp_shard) != (c.params, manager.tp_shard):
         raise checkpoint.CheckpointError(f"{path}: {_misfit(info, c.params, manager.tp_shard)}")
     if max(info.cache_lengths) > c.max_seq_len:
         raise checkpoint.CheckpointError(
@@ -65,18 +74,19 @@ def load(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
         raise ValueError(f"seq_ids: the checkpoint holds {batch} sequences, got {len(ids)} ids")
     manager.check_new_ids(ids)
     tokens = saved_token_ids(path, info, c.max_seq_len)
-    rows = [[j - 1 for j in info.lookup_table[b, :n].tolist()] for b, n in enumerate(info.pages_per_row())]
+    rows = [info.stored_rows(g) for g in range(len(info.groups))]  # -1 below a sliding window
     try:
-        reservation = manager.reserve(ids, info.cache_lengths, rows, token_ids=tokens)
+        reservation = manager.reserve(ids, info.cache_lengths, rows[0] if len(rows) == 1 else rows, token_ids=tokens)
     except checkpoint.CheckpointError:
         raise
     except ValueError as exc:  # the ids were checked above: what reserve refuses is the file's
         raise checkpoint.CheckpointError(f"{path}: {exc}") from None
     with reservation:
-        order = [0] * info.num_pages  # stored page j + 1 -> order[j]
-        for i, page in zip(reservation.incoming, reservation.pages, strict=True):
-            order[i] = page
-        checkpoint.load_pages(path, c.blocks, order, scales=c.scales)
+        for g, (pick, group) in enumerate(zip(reservation.groups, collections, strict=True)):
+            order = [0] * info.groups[g].num_pages  # stored page j + 1 -> order[j]
+            for i, page in zip(pick.incoming, pick.pages, strict=True):
+                order[i] = page
+            checkpoint.load_pages(path, group.blocks, order, scales=group.scales, group=g, info=info)
         reservation.commit()
     return ids
 
@@ -111,6 +121,17 @@ def saved_token_ids(path: str | os.PathLike[str], info: checkpoint.CheckpointInf
         if not ok:
             raise bad(f"'token_ids' row {b}: expected null or at most {max_len} int64 ids")
     return tokens
+
+
+def _misfit_groups(info: checkpoint.CheckpointInfo, groups: LayerGroups) -> str:
+    """Why the checkpoint of `info` does not load into this cache of layer `groups` (or the reverse)."""
+
+    def describe(pairs: list) -> str:
+        return "; ".join(f"layers {list(layers)}: {params}" for params, layers in pairs)
+
+    theirs = describe([(g.params, g.layers) for g in info.groups])
+    ours = describe(list(zip(groups.params, groups.layers, strict=True)))
+    return f"a {info.kind} cache of {len(info.groups)} layer group(s) ({theirs}) does not fit this cache ({ours})"
 
 
 def _misfit(info: checkpoint.CheckpointInfo, ours: KVCacheParams, our_shard: TPShard | None) -> str:

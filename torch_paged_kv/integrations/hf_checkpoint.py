@@ -35,7 +35,7 @@ def save_paged_cache(
     progress: bool | None = None,
 ) -> None:
     """Write the rows `cache` holds (row i of the file is row i of the batch) to `path`."""
-    if cache.collection is None or cache.rows == 0:
+    if cache.groups is None or cache.rows == 0:
         raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
@@ -45,7 +45,7 @@ def save_paged_cache(
         "real_tokens_only": cache.attends_from_pages,
     }
     save_cache(
-        cache.collection,
+        cache.groups,
         path,
         batch_indices=list(range(cache.rows)),
         metadata={**(metadata or {}), METADATA_KEY: json.dumps(state)},
@@ -88,10 +88,15 @@ def load_paged_cache(
     if device is None or options.get("dtype", defaults["dtype"]) is None:
         raise ValueError("device, dtype: loading allocates the pool now, which needs both (None given)")
     cache = cache_type(config, device=device, **{**defaults, **options})
-    collection = cache.collection
-    if collection.params != p:
+    groups = cache.groups
+    saved, ours = [(g.params, g.layers) for g in info.groups], list(zip(groups.params, groups.layers, strict=True))
+    if saved != ours:
+        if len(saved) == len(ours) == 1:
+            raise CheckpointError(
+                f"{info.path}: the file holds a cache of {p}, but this config and these options make {ours[0][0]}"
+            )
         raise CheckpointError(
-            f"{info.path}: the file holds a cache of {p}, but this config and these options make {collection.params}"
+            f"{info.path}: the file holds a cache of layer groups {saved}, but this config and these options make {ours}"
         )
     if rows > cache.max_batch_size:
         raise ValueError(f"max_batch_size: the file holds {rows} rows, more than {cache.max_batch_size}")
@@ -109,14 +114,19 @@ def load_paged_cache(
             f"this config uses attn_implementation={cache.config._attn_implementation!r}"
         )
     per_row = info.pages_per_row()
-    if sum(per_row) != info.num_pages:
-        raise CheckpointError(f"{info.path}: rows share pages, which a PagedCache never does")
-    pages = torch.empty(info.num_pages, dtype=torch.int64)  # stored page j + 1 -> its row's own page
-    own = cache.pages[0].assign(per_row, [0] * rows)
-    for b, n in enumerate(per_row):
-        pages[info.lookup_table[b, :n].long() - 1] = torch.tensor(own[b], dtype=torch.int64)
-    load_pages(info.path, collection.blocks, pages, scales=collection.scales, progress=progress)
-    collection.cache_lengths[:rows] = lengths.to(collection.device)
+    for g, (group, pool) in enumerate(zip(info.groups, cache.pages, strict=True)):
+        firsts = info.first_held_per_row(g)
+        if sum(per_row) - sum(firsts) != group.num_pages:
+            raise CheckpointError(f"{info.path}: rows share pages, which a PagedCache never does")
+    for g, (group, pool) in enumerate(zip(info.groups, cache.pages, strict=True)):
+        firsts = info.first_held_per_row(g)
+        pages = torch.empty(group.num_pages, dtype=torch.int64)  # stored page j + 1 -> its row's own page
+        own = pool.assign(per_row, firsts)
+        for b, (n, first) in enumerate(zip(per_row, firsts, strict=True)):
+            pages[group.lookup_table[b, first:n].long() - 1] = torch.tensor(own[b], dtype=torch.int64)
+        c = pool.collection
+        load_pages(info.path, c.blocks, pages, scales=c.scales, progress=progress, group=g, info=info)
+    groups.collections[0].cache_lengths[:rows] = lengths.to(cache.device)
     cache.columns.fill_(state["columns"])
     cache.rows = rows
     return cache
