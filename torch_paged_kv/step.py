@@ -126,15 +126,19 @@ class StepPlan:
         softcap: float = 0.0,
         sinks: Tensor | None = None,
         attention_chunk_size: int = -1,
+        tree_mask: Tensor | None = None,
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
         self._rows("q", q, layer_idx)
         variant = ("flash_attention", causal, sliding_window > 0, softcap > 0, sinks is None, attention_chunk_size > 0)
-        tensors = (q,) if sinks is None else (q, sinks)
+        variant += (tree_mask is None,)
+        tensors = (
+            (q,) if sinks is None and tree_mask is None else tuple(t for t in (q, sinks, tree_mask) if t is not None)
+        )
         kernel = self._direct(variant, layer_idx, *tensors)
         a = FlashAttentionArgs(
             q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales, sinks,
-            attention_chunk_size,
+            attention_chunk_size, tree_mask,
         )  # fmt: skip
         if kernel is not None:
             validate.check_flash_attention_rows(a)

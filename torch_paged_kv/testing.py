@@ -206,6 +206,7 @@ def attention_fp64(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     attention_chunk_size: int = -1,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in float64 on contiguous per-sequence K/V, written from the op contract alone."""
     outputs, row = [], 0
@@ -229,6 +230,10 @@ def attention_fp64(
             allowed &= p - j < sliding_window
         if attention_chunk_size > 0:
             allowed &= p // attention_chunk_size == j // attention_chunk_size
+        if tree_mask is not None:  # new token t of this sequence only where the query's bit t is set
+            for i, bits in enumerate(tree_mask[row : row + new].tolist()):
+                for t in range(new):
+                    allowed[i, cached + t] &= t < 64 and bool((bits >> t) & 1)
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
         top = scores.amax(-1, keepdim=True)
         sink = None if sinks is None else sinks.double().to(scores.device)[:, None, None]

@@ -66,6 +66,7 @@ def flash_attention(
     scales: Tensor | None = None,
     sinks: Tensor | None = None,
     attention_chunk_size: int = -1,
+    tree_mask: Tensor | None = None,
 ) -> Tensor:
     """Attention of the new queries over each sequence's `cache_lengths[b] + new_b` keys -> `[total_new,
     num_q_heads, head_dim]`.
@@ -77,6 +78,10 @@ def flash_attention(
     `softcap > 0` applies `softcap * tanh(score / softcap)` after scaling. `sinks` (fp32
     `[num_q_heads]`, GPT-OSS's attention sinks) adds one logit per query head to each row's softmax
     denominator and nothing to its output: `out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))`.
+    `tree_mask` (int64 `[total_new]`, speculative decoding's tree verification) restricts which of its
+    sequence's new tokens each query sees: bit t of query row r's entry set iff it may see the
+    sequence's new token t (t < 64; a tree step has at most 64 new tokens per sequence); cached keys
+    are unaffected, and every other rule still applies (list a draft token after its ancestors).
     Accumulates in fp32 (an FP8 cache is dequantized on read; `q` is then fp32, fp16 or bf16).
     """
     return torch.ops.paged_kv.flash_attention.default(
@@ -93,6 +98,7 @@ def flash_attention(
         scales,
         sinks,
         attention_chunk_size,
+        tree_mask,
     )
 
 

@@ -134,6 +134,8 @@ def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.d
     validate.check_flash_attention_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0])
+        if a.tree_mask is not None:
+            validate.check_tree_data(a.input_row_offsets)
     return a.blocks.device
 
 

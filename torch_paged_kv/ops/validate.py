@@ -238,6 +238,22 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
     chunk = a.attention_chunk_size
     if not isinstance(chunk, int) or isinstance(chunk, bool):
         _fail("attention_chunk_size", f"expected an int (<= 0 disables it), got {chunk!r}")
+    tree = a.tree_mask
+    if tree is not None:
+        if not isinstance(tree, Tensor) or tree.dim() != 1 or tree.dtype != torch.int64:
+            _fail(
+                "tree_mask",
+                f"expected a 1-D int64 tensor [total_new] (one bit mask per query row), got {_describe(tree)}",
+            )
+        _require(
+            tree.shape[0] == q.shape[0],
+            "tree_mask",
+            lambda: f"expected {q.shape[0]} entries like q, got {tree.shape[0]}",
+        )
+        if tree.device != blocks.device:
+            _fail("tree_mask", f"expected device {blocks.device} (that of blocks), got {tree.device}")
+        if tree.stride(0) != 1 and tree.shape[0] > 1:
+            _fail("tree_mask", f"expected unit stride (kernels index it densely), got stride {tree.stride(0)}")
 
 
 def _describe(t: object) -> str:
@@ -463,6 +479,20 @@ def check_read_data(
         b = kv_len.argmax()
         _fail("max_kv_len", f"sequence {b} holds {kv_len[b]} tokens, more than max_kv_len={max_kv_len}")
     _check_pages(blocks, lookup_table, np.zeros_like(kv_len), kv_len)
+
+
+TREE_TOKENS = 64
+"""Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
+
+
+def check_tree_data(input_row_offsets: Tensor) -> None:
+    """A step with a `tree_mask`: no sequence has more new tokens than its bits can name."""
+    new = np.diff(_host(input_row_offsets))
+    if new.size and new.max() > TREE_TOKENS:
+        b = int(new.argmax())
+        _fail(
+            "tree_mask", f"sequence {b} has {new[b]} new tokens; a tree step names at most {TREE_TOKENS} per sequence"
+        )
 
 
 def check_copy_pages_data(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:

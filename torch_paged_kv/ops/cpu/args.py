@@ -77,6 +77,7 @@ class FlashAttentionStruct(ctypes.Structure):
         ("window", _INT),
         ("chunk", _INT),
         ("sinks", _PTR),
+        ("tree", _PTR),
         ("min_split", _INT),
         ("want_items", _INT),
         ("min_work", _INT),

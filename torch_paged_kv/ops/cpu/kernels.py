@@ -146,12 +146,13 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, a: FlashAttentionAr
     # contiguous, as the fake says (empty_like is the cheaper call, where q is contiguous itself)
     out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     os_ = out.stride()
-    sinks = a.sinks
+    sinks, tree = a.sinks, a.tree_mask
     status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], q.shape[0], q.shape[1], out.data_ptr(), os_[0], os_[1],
             *_pool_and_step(a), a.softmax_scale, a.softcap, a.causal, a.sliding_window, a.attention_chunk_size,
-            0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
+            0 if sinks is None else sinks.data_ptr(), 0 if tree is None else tree.data_ptr(), MIN_SPLIT_KEYS,
+            WANT_ITEMS, MIN_WORK_PER_THREAD,
             torch.get_num_threads(),
         )
     )  # fmt: skip

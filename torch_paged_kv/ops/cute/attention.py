@@ -24,12 +24,12 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def supports(a: FlashAttentionArgs) -> bool:
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only.
-    Not covered (Triton runs them): softcap, attention sinks, chunked attention, FP8 caches (see
+    Not covered (Triton runs them): softcap, attention sinks, chunked attention, tree masks, FP8 caches (see
     cute._flash_attention_declines)."""
     q = a.q
     if q.device.type != "cuda" or a.softcap > 0 or a.scales is not None or a.sinks is not None:
         return False
-    if a.attention_chunk_size > 0:
+    if a.attention_chunk_size > 0 or a.tree_mask is not None:
         return False
     return covers(device_arch(device_index(q.device)), q, a.blocks, a.cache_lengths.shape[0])
 
