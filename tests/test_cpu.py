@@ -18,8 +18,9 @@ import torch
 import torch_paged_kv as pk
 import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
+from torch_paged_kv.native import build
 from torch_paged_kv.ops import BackendUnavailableError, reference
-from torch_paged_kv.ops.cpu import build, kernels
+from torch_paged_kv.ops.cpu import kernels
 from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.testing import (
     ATTENTION_TOLERANCE,
@@ -302,7 +303,7 @@ def test_a_second_process_loads_the_cached_library_without_compiling():
     kernels.load()  # built (or found) by this process
     code = (
         "import time\n"
-        "from torch_paged_kv.ops.cpu import build\n"
+        "from torch_paged_kv.native import build\n"
         "def refuse(*args): raise AssertionError('compiled again')\n"
         "build._compile = refuse\n"
         "t = time.perf_counter()\n"
@@ -566,7 +567,7 @@ def test_this_build_reads_fp8_codes_through_byte_tables_where_the_cpu_can(cpu_fl
         pytest.skip("no /proc/cpuinfo flags to say what this CPU has")
     if os.environ.get(build.EXTRA_FLAGS_ENV):
         pytest.skip(f"built with {build.EXTRA_FLAGS_ENV}={os.environ[build.EXTRA_FLAGS_ENV]!r}")
-    lib = build.library()
+    lib = kernels.load()
     assert lib.pkv_fp8_byte_tables() == int("avx512vbmi" in cpu_flags), sorted(cpu_flags)
 
 

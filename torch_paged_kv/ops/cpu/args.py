@@ -209,3 +209,16 @@ def packer(structure: type[ctypes.Structure]) -> struct.Struct:
 
 PACKERS = {name: packer(structure) for name, structure in STRUCTURES.items()}
 """entry -> the packer of its arguments."""
+
+SIGNATURES = {  # name -> (argument types, result type): what `kernels.load` declares on the library
+    "pkv_vector_width": ([], ctypes.c_int),
+    "pkv_openmp": ([], ctypes.c_int),
+    "pkv_parallel_losses": ([], ctypes.c_int64),
+    "pkv_bf16_dot": ([], ctypes.c_int),
+    "pkv_fp8_byte_tables": ([], ctypes.c_int),
+    "pkv_args_layout": ([], ctypes.c_char_p),
+    **{f"pkv_{name}": ([ctypes.c_char_p], ctypes.c_int) for name in ("flash_attention", "store_kv", "step_ok")},
+    **{f"pkv_{name}": ([ctypes.c_char_p], None) for name in ("gather_kv", "copy_pages")},
+}
+"""The library's functions the `cpu` backend calls: probes of the build, and one entry per struct of
+`STRUCTURES`, which takes that struct's packed bytes."""

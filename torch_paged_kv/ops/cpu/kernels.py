@@ -16,9 +16,9 @@ import ctypes
 
 import torch
 
+from ...native import build
 from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
-from . import build
-from .args import PACKERS, check_layout
+from .args import PACKERS, SIGNATURES, check_layout
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -43,7 +43,7 @@ def load() -> ctypes.CDLL:
     structs checked against `args.py`'s (raises `args.ArgsLayoutError` where they differ)."""
     global _lib
     if _lib is None:
-        lib = build.library()
+        lib = build.declare(build.library(), SIGNATURES)
         check_layout(lib.pkv_args_layout().decode())
         _lib = lib
     return _lib
