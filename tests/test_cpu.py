@@ -371,7 +371,7 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
         step = (lengths, table, offsets)
         fast_store = kernels.step_ok(b.blocks, *step, rows, False)
         fast_read = kernels.step_ok(b.blocks, *step, rows, True, max_kv_len)
-        monkeypatch.setattr(validate, "_cpu_says_ok", lambda *args: False)
+        monkeypatch.setattr(validate, "_fast_yes", lambda *args: False)
         slow_store = _numpy_verdict(
             validate.check_store_kv_data,
             b.q[:rows] if rows <= b.q.shape[0] else torch.empty(rows, 1, 1),
@@ -383,6 +383,36 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
         assert (fast_store, fast_read) == (slow_store, slow_read), (trial, broken, cached, new)
         agree += not slow_read
     assert agree > 50  # a good share of the steps were bad ones
+
+
+def test_validate_takes_the_value_check_the_cpu_backend_registered(monkeypatch):
+    """validate.py asks dispatch for the fast check of the tensors' device type (the CPU backend
+    registers `kernels.step_ok`): its yes settles a step, its no (or none registered) runs the numpy
+    checks, which raise."""
+    from torch_paged_kv.ops import dispatch, validate
+
+    assert dispatch.value_check("cpu") is kernels.step_ok
+    b = make_paged_batch([5, 3], [1, 1], page_size=4, seed=3)
+    lengths = b.cache_lengths.clone()
+    lengths[0] = -1  # a bad step
+    asked = []
+
+    def says(answer):
+        def check(*args):
+            asked.append(args[4:])
+            return answer
+
+        return check
+
+    monkeypatch.setitem(dispatch._value_checks, "cpu", says(True))
+    validate.check_read_data(b.blocks, lengths, b.lookup_table, b.input_row_offsets, 2)  # settled: no raise
+    monkeypatch.setitem(dispatch._value_checks, "cpu", says(False))
+    with pytest.raises(ValueError, match="cache_lengths: sequence 0 has negative length -1"):
+        validate.check_store_kv_data(b.new_keys, b.blocks, lengths, b.lookup_table, b.input_row_offsets)
+    assert asked == [(2, True, None), (2, False, None)]
+    monkeypatch.delitem(dispatch._value_checks, "cpu")
+    with pytest.raises(ValueError, match="cache_lengths"):
+        validate.check_read_data(b.blocks, lengths, b.lookup_table, b.input_row_offsets, 2)
 
 
 # -- FP8 caches ----------------------------------------------------------------------------------

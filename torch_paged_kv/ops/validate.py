@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..layout import NULL_PAGE
-from .cpu import kernels as cpu_kernels
+from . import dispatch
 from .records import (
     CopyPagesArgs,
     FlashAttentionArgs,
@@ -425,23 +425,28 @@ def _check_pages(blocks: Tensor, lookup_table: Tensor, first_tok: np.ndarray, en
         )
 
 
-def _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len=None):
-    """The CPU kernels' one-pass version of the value checks (about 1 us where numpy takes tens): a
-    yes settles it; on a no, or off the CPU, or before the kernels are loaded, the checks below run
-    and say what is wrong."""
-    return (
-        blocks.device.type == "cpu"
-        and cpu_kernels.loaded()
-        and cpu_kernels.step_ok(
-            blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len
-        )
+def _fast_yes(
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    total_rows: int | None,
+    reads_all: bool,
+    max_kv_len: int | None = None,
+) -> bool:
+    """The fast value check a backend registered for `blocks`' device type (`dispatch.ValueCheck`; the
+    CPU kernels' one pass takes about 1 us where numpy takes tens): a yes settles it; on a no, or where
+    none is registered, the checks below run and say what is wrong."""
+    check = dispatch.value_check(blocks.device.type)
+    return check is not None and check(
+        blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len
     )
 
 
 def check_store_kv_data(
     key: Tensor, blocks: Tensor, cache_lengths: Tensor, lookup_table: Tensor, input_row_offsets: Tensor
 ) -> None:
-    if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], False):
+    if _fast_yes(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], False):
         return
     lengths, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], "key")
     _check_pages(blocks, lookup_table, lengths, kv_len)
@@ -456,7 +461,7 @@ def check_read_data(
     max_kv_len: int | None = None,
 ) -> None:
     """Checks for the ops that read every cached token (flash_attention, gather_kv)."""
-    if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, True, max_kv_len):
+    if _fast_yes(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, True, max_kv_len):
         return
     _, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
     if max_kv_len is not None and kv_len.size and kv_len.max() > max_kv_len:

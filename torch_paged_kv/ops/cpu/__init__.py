@@ -38,5 +38,9 @@ def _gather_in_its_dtype(a: GatherKVArgs) -> bool:
     return a.out_dtype is None or a.out_dtype == (torch.float32 if a.scales is not None else a.blocks.dtype)
 
 
+VALUE_CHECK = kernels.step_ok
+"""The step's value checks in one C++ pass (`dispatch.ValueCheck`): what `ops/backends.py` registers
+for CPU tensors."""
+
 KERNELS = {op: (getattr(kernels, op), _gather_in_its_dtype if op == "gather_kv" else None) for op in _OPS}
 """op -> (kernel, supports): what `ops/backends.py` registers as backend "cpu"."""

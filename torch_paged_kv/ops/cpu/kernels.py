@@ -59,8 +59,11 @@ def step_ok(
     max_kv_len: int | None = None,
 ) -> bool:
     """Whether the step passes every value check that `validate.check_store_kv_data` (`reads_all`
-    False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors, library
-    loaded). False means: let those checks find what is wrong."""
+    False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors). False
+    means: let those checks find what is wrong; so does a call before the library is loaded (this
+    check never loads it)."""
+    if _lib is None:
+        return False
     table_shape = lookup_table.shape
     two_d = len(table_shape) == 2
     return bool(
