@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import compat  # noqa: F401  (fixes triton < 3.7's interpreter for numpy >= 2.4)
-
 MAX_GRID = (2**31 - 1, 65535, 65535)
 """CUDA's launch limits on grid x, y and z: a dimension that grows with the cache goes on x."""
 
