@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
+from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, MLAAttentionArgs, StoreKVArgs, StoreLatentArgs
 from .common import Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
@@ -223,14 +223,15 @@ def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
         blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
         q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
         q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
-        launches = plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        launches = plan_mla_attention(a)
         for launch in launches[1]:
             yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
     for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
         if quick and cache == "fp8-g128":
             continue
         blocks, scales, lengths, table, offsets, latent, rope = _mla_paged(DTYPES[dtype], cache, 64, 1, 1024)
-        for launch in plan_store_latent(latent, rope, blocks, lengths, table, offsets, LAYER, scales):
+        for launch in plan_store_latent(StoreLatentArgs(latent, rope, blocks, lengths, table, offsets, LAYER, scales)):
             yield f"store_latent {dtype} {cache}", launch
 
 
