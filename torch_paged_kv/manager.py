@@ -6,13 +6,12 @@ page_pool.py) and a `PageTable` (per-sequence slot: lengths, pages, token ids, a
 step into the collection's step tensors: page_table.py). `prepare_step` fills the step tensors in
 place for the sequences of one step, the model runs, `commit_step` advances the lengths and caches
 the pages that became full (one sha256 per page that fills). Sequences filled elsewhere come in
-through `reserve` (reservation.py), host copies through offload.py; KV checkpoints of sequences
-are sequence_checkpoint.py (`save` / `load` here delegate to it).
+through `reserve` (reservation.py), host copies through offload.py; KV checkpoints of a manager's
+sequences are `sequence_checkpoint.save_sequences` / `load_sequences`, a layer above.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -58,7 +57,7 @@ class KVCacheManager:
             raise ValueError(f"hash_salt: expected bytes or None, got {type(hash_salt).__name__}")
         self.tp_shard = normalized_shard(collection.params, tp_shard)
         self.collection = collection
-        mark_driven(collection, "KVCacheManager.save(path, seq_ids)")
+        mark_driven(collection, "torch_paged_kv.save_sequences(manager, path, seq_ids)")
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.page_size = collection.params.page_size
         self.prefix_cache_hits = 0
@@ -304,19 +303,6 @@ class KVCacheManager:
         for seq, pages in zip(seqs, host.restore_pages(self.page_pool, self.collection, copies), strict=True):
             seq.host_pages = None
             self.page_table.set_pages(seq.slot, pages)
-
-    # -- checkpoints (sequence_checkpoint.py, a layer above: imported when called) ---------------
-    def save(self, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
-        """`sequence_checkpoint.save(self, path, seq_ids)`: the sequences to a KV checkpoint."""
-        from .sequence_checkpoint import save
-
-        save(self, path, seq_ids)
-
-    def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
-        """`sequence_checkpoint.load(self, path, seq_ids)`: a checkpoint's sequences added; their ids."""
-        from .sequence_checkpoint import load
-
-        return load(self, path, seq_ids)
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_unlocked(self) -> None:

@@ -1,7 +1,7 @@
 """KV-state checkpoints across tensor-parallel sizes: each rank saves its heads, any size loads them.
 
-Rank r of a tensor-parallel group saves its own file (`manager.save(shard_path(path, manager.tp_shard),
-ids)`): an ordinary checkpoint whose `params` metadata carries the manager's `TPShard` (`tp_size`,
+Rank r of a tensor-parallel group saves its own file (`save_sequences(manager, shard_path(path,
+manager.tp_shard), ids)`): an ordinary checkpoint whose `params` metadata carries the manager's `TPShard` (`tp_size`,
 `tp_rank`, `kv_head_start`, `total_kv_heads`). Every rank's file holds the same lengths, tables and token ids
 (the ranks' page decisions are identical) and its own heads of each page. Loading at another size
 reads, for the heads the target holds, the files that hold them, and copies those head columns of
