@@ -618,7 +618,7 @@ def _read_small(f: Any, name: str, tensors: dict[str, dict], checksums: dict[str
         read_into(f, tensors[name]["data_offsets"][0], tensor)
     except SafetensorsFormatError as exc:  # cut short since its header was read
         raise CheckpointError(f"{path}: {exc}") from None
-    _verify(name, zlib.crc32(memoryview(tensor.view(torch.uint8).numpy().reshape(-1))), checksums, path)
+    _verify(name, zlib.crc32(tensor.view(torch.uint8).numpy().reshape(-1).data), checksums, path)
     return tensor
 
 

@@ -185,8 +185,8 @@ class KVCacheManager:
         if partial:
             pages += self.page_pool.allocate(1)
             c = self.collection
-            index = [torch.tensor(p, dtype=torch.int32, device=c.device) for p in ([src_pages[full]], pages[-1:])]
-            copy_pages(c.blocks, *index, c.scales)
+            copied, copy = (torch.tensor([p], dtype=torch.int32, device=c.device) for p in (src_pages[full], pages[-1]))
+            copy_pages(c.blocks, copied, copy, c.scales)
         known = int(table.known[src.slot])
         tokens = table.tokens[src.slot, : min(known, length)] if known >= 0 else None
         self._add(child, pages, length, tokens, src.keys[:full])
@@ -230,10 +230,10 @@ class KVCacheManager:
         table, last = self.page_table, self._uploaded
         ids = list(seq_ids)
         batch = len(ids)
-        same_rows = last is not None and ids == last.ids
-        same_counts = last is not None and last.same_counts(num_new_tokens, batch)
-        seqs, slots = (last.seqs, last.slots) if same_rows else self._resolve(ids)
-        num_new = last.num_new if same_counts else check_num_new(num_new_tokens, batch)
+        rows_kept = last if last is not None and ids == last.ids else None  # (the same rows as last step)
+        counts_kept = last if last is not None and last.same_counts(num_new_tokens, batch) else None
+        seqs, slots = (rows_kept.seqs, rows_kept.slots) if rows_kept is not None else self._resolve(ids)
+        num_new = counts_kept.num_new if counts_kept is not None else check_num_new(num_new_tokens, batch)
         flat_ids = None if token_ids is None else check_token_ids(token_ids, num_new)
         new_lengths = table.lengths[slots] + num_new
         longest = check_lengths(new_lengths, ids, self.collection.max_seq_len)
@@ -245,12 +245,12 @@ class KVCacheManager:
             table.extend(slots[grow], missing[grow], self.page_pool.allocate(needed))
         if flat_ids is not None and self.enable_prefix_caching:
             table.reserve_tokens(longest)  # room for this step's ids
-        table.upload(slots, num_new, grow if same_rows else None, same_offsets=same_counts)
-        if not same_counts:
+        table.upload(slots, num_new, None if rows_kept is None else grow, same_offsets=counts_kept is not None)
+        if counts_kept is None:
             counts = list(num_new_tokens) if type(num_new_tokens) is list else None
             self._uploaded = UploadedRows(ids, seqs, slots, counts, num_new)
-        elif not same_rows:
-            self._uploaded = last._replace(ids=ids, seqs=seqs, slots=slots)
+        elif rows_kept is None:
+            self._uploaded = counts_kept._replace(ids=ids, seqs=seqs, slots=slots)
         self._pending = PreparedStep(seqs, slots, num_new, new_lengths, flat_ids)
         return table.step_tensors(batch)
 
@@ -296,10 +296,11 @@ class KVCacheManager:
         ids = list(seq_ids)
         check_unique(ids, "seq_ids")
         seqs = [self._seqs.get(i, "seq_ids") for i in ids]
+        copies = []
         for seq in seqs:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
-        copies = [(seq.host_pages, seq.keys) for seq in seqs]
+            copies.append((seq.host_pages, seq.keys))
         for seq, pages in zip(seqs, host.restore_pages(self.page_pool, self.collection, copies), strict=True):
             seq.host_pages = None
             self.page_table.set_pages(seq.slot, pages)

@@ -360,8 +360,9 @@ def message_checksum(payload: torch.Tensor, kind: int) -> int | torch.Tensor:
 
 def checksums_tensor(sums: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
     """`message_checksum`s in order as int64 `[len(sums)]` (uint64 bits) on `device`."""
-    if sums and isinstance(sums[0], torch.Tensor):  # (all of one kind: the messages share a device)
-        return torch.stack(sums).to(device)
+    tensors = [s for s in sums if isinstance(s, torch.Tensor)]
+    if tensors:  # (all of one kind: the messages share a device)
+        return torch.stack(tensors).to(device)
     return torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(device)
 
 
@@ -414,7 +415,7 @@ def checksum(payload: torch.Tensor, kind: int) -> int:
     """The checksum `kind` (CRC32 or SUM64) of a uint8 tensor `payload` (contiguous)."""
     if kind == CRC32:
         host = payload if payload.device.type == "cpu" else payload.cpu()
-        return zlib.crc32(memoryview(host.numpy()))
+        return zlib.crc32(host.numpy().data)
     return sum64(payload)
 
 

@@ -38,7 +38,7 @@ SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
 LIBRARY_NAME = "paged_kv_cpu"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
 # Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
-VARIANT_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+VARIANT_FLAGS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 EXTRA_FLAGS_ENV = "TORCH_PAGED_KV_CPU_FLAGS"
 """Compiler flags appended to each variant (split on spaces), e.g. `-mno-avx512f` to build and test
 the AVX2 path on an AVX-512 machine; part of the cache key like every flag."""

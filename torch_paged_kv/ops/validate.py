@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ def data_checks_enabled(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def _fail(name: str, message: str) -> None:
+def _fail(name: str, message: str) -> NoReturn:
     raise ValueError(f"{name}: {message}")
 
 

@@ -16,8 +16,10 @@ import ctypes
 import struct
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+Field = tuple[str, "type[ctypes.c_void_p | ctypes.c_int64 | ctypes.c_double]"]
+"""A Structure field here: (name, its ctypes type); no bit fields."""
 
-_POOL = [
+_POOL: list[Field] = [
     ("blocks", _PTR),
     ("num_pages", _INT),
     ("num_layers", _INT),
@@ -31,7 +33,7 @@ _POOL = [
 ]
 """args.h's PKV_POOL_FIELDS: the pool, the layer, an FP8 pool's format and scales."""
 
-_STEP = [
+_STEP: list[Field] = [
     ("cache_lengths", _PTR),
     ("table", _PTR),
     ("table_stride", _INT),
@@ -148,7 +150,7 @@ def layout_of(structure: type[ctypes.Structure]) -> Layout:
     """A Structure's layout, as ctypes lays it out (the platform's C rules)."""
     fields = tuple(
         (name, _kind(ctype), getattr(structure, name).offset, getattr(structure, name).size)
-        for name, ctype in structure._fields_
+        for name, ctype, *_ in structure._fields_
     )
     return ctypes.sizeof(structure), fields
 

@@ -64,6 +64,7 @@ def flash_attention(a: FlashAttentionArgs) -> torch.Tensor:
     operand = KVCacheMHAOperand.from_blocks(a.blocks, a.cache_lengths, a.lookup_table, a.layer_idx)
     index = device_index(q.device)
     arch = device_arch(index)
+    assert arch is not None  # (supports: an sm_90a / sm_100a device)
     dtype = _DTYPES[q.dtype]
     rows, q_heads, head_dim = q.shape
     key = variants.decode_key(arch, dtype, head_dim, operand.page_size, q_heads // operand.num_kv_heads)

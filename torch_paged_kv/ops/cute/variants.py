@@ -92,11 +92,11 @@ def build(key: KernelKey, ptx_dir: str | None = None) -> Any:
             SplitCombine(dtype, key.head_dim), out_partial, lse, out, Int32(1), stream, options=_options(key, ptx_dir)
         )
 
-    if key.arch == "sm_100a":
-        from .decode_sm100 import PagedDecodeSm100 as Kernel
-    else:
-        from .decode_sm90 import PagedDecodeSm90 as Kernel
-    kernel = Kernel(dtype, key.head_dim, key.page_size, key.group, key.tile_n, key.stages, key.consumer_warps)
+    from .decode_sm90 import PagedDecodeSm90
+    from .decode_sm100 import PagedDecodeSm100
+
+    kernel_class = PagedDecodeSm100 if key.arch == "sm_100a" else PagedDecodeSm90
+    kernel = kernel_class(dtype, key.head_dim, key.page_size, key.group, key.tile_n, key.stages, key.consumer_warps)
     batch, pool_rows = cute.sym_int32(), cute.sym_int32()
     q = make_fake_compact_tensor(dtype, (rows, heads, key.head_dim), stride_order=(2, 1, 0), assumed_align=16)
     row_view = make_fake_compact_tensor(

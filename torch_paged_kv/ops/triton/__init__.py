@@ -82,8 +82,10 @@ def _declines(params: Any) -> str | None:
     return None
 
 
-KERNELS = {op: (_lazy(op, op), _lazy(op, "supports"), _declines) for op in _OPS}
-"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "triton". Each module's
+KERNELS: dict[str, tuple[Callable[[Any], Any], ...]] = {
+    op: (_lazy(op, op), _lazy(op, "supports"), _declines) for op in _OPS
+}
+"""op -> (kernel, supports[, declines]): what `ops/backends.py` registers as backend "triton". Each module's
 `supports` refuses, from shapes alone, the calls its kernels cannot launch (CUDA's grid limits) or
 compute (attention's head_dim, FP8 granules that are not a power of two)."""
 

@@ -34,7 +34,10 @@ def mla_views(blocks: torch.Tensor, rank: int, scales: torch.Tensor | None) -> t
 
 def view_strides(view: torch.Tensor, per_granule: bool = True) -> tuple[int, int, int]:
     """(page, layer, token) strides of a `mla_views` view, in its elements (zeros for a static scale)."""
-    return tuple(view.stride()[:3]) if per_granule else (0, 0, 0)
+    if not per_granule:
+        return 0, 0, 0
+    page, layer, token = view.stride()[:3]
+    return page, layer, token
 
 
 def quant_mode(blocks: torch.Tensor, scales: torch.Tensor | None) -> dict:

@@ -130,7 +130,7 @@ def plan_store_kv(a: StoreKVArgs) -> list[Launch]:
     value = value if value.stride(2) == 1 else value.contiguous()
     row = num_kv_heads * head_dim
     quant = quantization(blocks, a.scales)
-    grid, block = _grid(total, row, quant.constexprs["GRAN"])
+    grid, block = _grid(total, row, int(quant.constexprs["GRAN"]))
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     return [
         Launch(
