@@ -37,6 +37,10 @@ _OPS = torch.ops.paged_kv
 def _eager_plain(*tensors: Tensor) -> bool:
     """Whether an op call on `tensors` would reach the selected kernel as it is: not compiling, no
     torch function or dispatch mode or profiler that should see the op, plain tensors."""
+    # Private torch APIs, the cheapest way to ask (checked with torch 2.13; tests/test_step_plan.py
+    # fails if one disappears or stops answering as used here): torch._C._is_torch_function_mode_enabled()
+    # and torch._C._len_torch_dispatch_stack() (an active TorchFunctionMode / TorchDispatchMode), and
+    # torch.autograd.profiler._is_profiler_enabled (a bool the profilers set while they record).
     if torch.compiler.is_compiling():
         return False
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
