@@ -88,6 +88,21 @@ def page_at(table_row, pos, end, page_size, table_width, num_pages, WRITE: tl.co
     return page, ok & (page >= (1 if WRITE else 0)) & (page < num_pages)  # real_page, as (ok & lo) & hi
 
 
+@triton.jit
+def new_row_page(
+    row, cache_lengths, lookup_table, input_row_offsets, batch, num_pages, table_width, table_stride, page_size,
+    STEPS: tl.constexpr,
+):  # fmt: skip
+    """Where new row `row` of a step is written: (its position in its sequence, the page holding that
+    position, whether a kernel may write there: `page_at` for a write). Its sequence is found in
+    `STEPS` binary-search steps (`owning_sequence`)."""
+    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
+    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
+    table_row = lookup_table + seq.to(tl.int64) * table_stride
+    page, ok = page_at(table_row, pos, table_width * page_size, page_size, table_width, num_pages, True)
+    return pos, page, ok
+
+
 def blocks_strides(blocks: torch.Tensor) -> tuple[int, int, int, int]:
     """(page, plane, layer, token) strides of `blocks` in elements; heads x head_dim are dense."""
     return blocks.stride(0), blocks.stride(1), blocks.stride(2), blocks.stride(3)

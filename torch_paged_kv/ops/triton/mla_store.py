@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..records import StoreLatentArgs
-from .common import Launch, owning_sequence, page_at, search_steps
+from .common import Launch, new_row_page, search_steps
 from .fp8 import FORMATS, float_to_fp8_bits, quantize_granules
 
 
@@ -94,12 +94,12 @@ def _store_latent_kernel(
     STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
-    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
     # What data checks rule out (`.unchecked` calls skip them) writes nothing: a position before the
     # sequence or past its table, a page id outside `blocks`, the null page 0.
-    table_row = lookup_table + seq.to(tl.int64) * table_stride
-    page, in_range = page_at(table_row, pos, table_width * page_size, page_size, table_width, num_pages, True)
+    pos, page, in_range = new_row_page(
+        row, cache_lengths, lookup_table, input_row_offsets, batch, num_pages, table_width, table_stride, page_size,
+        STEPS,
+    )  # fmt: skip
     offset = (pos % page_size).to(tl.int64)  # times the token stride: a slot can span 2**31 elements
     dim = tl.arange(0, RANK)
     latent_ok = dim < tl.where(in_range, RANK, 0)  # (scalar & block masks break the interpreter)
