@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from torch_paged_kv import ops
-from torch_paged_kv.ops.cpu import args, build, kernels
+from torch_paged_kv.native import build
+from torch_paged_kv.ops.cpu import args, kernels
 from torch_paged_kv.ops.records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 
 

@@ -130,13 +130,20 @@ class _OtherDefault(NamedTuple):
     scales: Tensor | None = 0
 
 
+class _OtherAnnotation(NamedTuple):
+    blocks: Tensor
+    src_pages: Tensor
+    dst_pages: Tensor
+    scales: int | None = None
+
+
 class _Short(NamedTuple):
     blocks: Tensor
     src_pages: Tensor
     dst_pages: Tensor
 
 
-@pytest.mark.parametrize("record", [_Swapped, _OtherDefault, _Short])
+@pytest.mark.parametrize("record", [_Swapped, _OtherDefault, _OtherAnnotation, _Short])
 def test_a_record_that_drifts_from_the_public_signature_is_refused(record):
     with pytest.raises(TypeError, match="must list api.copy_pages's parameters"):
         library.check_record("copy_pages", record)

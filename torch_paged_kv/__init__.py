@@ -20,6 +20,7 @@ from .ops import (
     store_latent,
 )
 from .params import KVCacheParams, TPShard
+from .sequence_checkpoint import load_sequences, save_sequences
 from .step import StepPlan
 
 __all__ = [
@@ -42,9 +43,11 @@ __all__ = [
     "flash_attention",
     "gather_kv",
     "load_cache",
+    "load_sequences",
     "mark_step_dynamic",
     "mla_attention",
     "save_cache",
+    "save_sequences",
     "store_kv",
     "store_latent",
 ]

@@ -6,13 +6,12 @@ page_pool.py) and a `PageTable` (per-sequence slot: lengths, pages, token ids, a
 step into the collection's step tensors: page_table.py). `prepare_step` fills the step tensors in
 place for the sequences of one step, the model runs, `commit_step` advances the lengths and caches
 the pages that became full (one sha256 per page that fills). Sequences filled elsewhere come in
-through `reserve` (reservation.py), host copies through offload.py; KV checkpoints of sequences
-are sequence_checkpoint.py (`save` / `load` here delegate to it).
+through `reserve` (reservation.py), host copies through offload.py; KV checkpoints of a manager's
+sequences are `sequence_checkpoint.save_sequences` / `load_sequences`, a layer above.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -58,7 +57,7 @@ class KVCacheManager:
             raise ValueError(f"hash_salt: expected bytes or None, got {type(hash_salt).__name__}")
         self.tp_shard = normalized_shard(collection.params, tp_shard)
         self.collection = collection
-        mark_driven(collection, "KVCacheManager.save(path, seq_ids)")
+        mark_driven(collection, "torch_paged_kv.save_sequences(manager, path, seq_ids)")
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.page_size = collection.params.page_size
         self.prefix_cache_hits = 0
@@ -186,8 +185,8 @@ class KVCacheManager:
         if partial:
             pages += self.page_pool.allocate(1)
             c = self.collection
-            index = [torch.tensor(p, dtype=torch.int32, device=c.device) for p in ([src_pages[full]], pages[-1:])]
-            copy_pages(c.blocks, *index, c.scales)
+            copied, copy = (torch.tensor([p], dtype=torch.int32, device=c.device) for p in (src_pages[full], pages[-1]))
+            copy_pages(c.blocks, copied, copy, c.scales)
         known = int(table.known[src.slot])
         tokens = table.tokens[src.slot, : min(known, length)] if known >= 0 else None
         self._add(child, pages, length, tokens, src.keys[:full])
@@ -231,10 +230,10 @@ class KVCacheManager:
         table, last = self.page_table, self._uploaded
         ids = list(seq_ids)
         batch = len(ids)
-        same_rows = last is not None and ids == last.ids
-        same_counts = last is not None and last.same_counts(num_new_tokens, batch)
-        seqs, slots = (last.seqs, last.slots) if same_rows else self._resolve(ids)
-        num_new = last.num_new if same_counts else check_num_new(num_new_tokens, batch)
+        rows_kept = last if last is not None and ids == last.ids else None  # (the same rows as last step)
+        counts_kept = last if last is not None and last.same_counts(num_new_tokens, batch) else None
+        seqs, slots = (rows_kept.seqs, rows_kept.slots) if rows_kept is not None else self._resolve(ids)
+        num_new = counts_kept.num_new if counts_kept is not None else check_num_new(num_new_tokens, batch)
         flat_ids = None if token_ids is None else check_token_ids(token_ids, num_new)
         new_lengths = table.lengths[slots] + num_new
         longest = check_lengths(new_lengths, ids, self.collection.max_seq_len)
@@ -246,12 +245,12 @@ class KVCacheManager:
             table.extend(slots[grow], missing[grow], self.page_pool.allocate(needed))
         if flat_ids is not None and self.enable_prefix_caching:
             table.reserve_tokens(longest)  # room for this step's ids
-        table.upload(slots, num_new, grow if same_rows else None, same_offsets=same_counts)
-        if not same_counts:
+        table.upload(slots, num_new, None if rows_kept is None else grow, same_offsets=counts_kept is not None)
+        if counts_kept is None:
             counts = list(num_new_tokens) if type(num_new_tokens) is list else None
             self._uploaded = UploadedRows(ids, seqs, slots, counts, num_new)
-        elif not same_rows:
-            self._uploaded = last._replace(ids=ids, seqs=seqs, slots=slots)
+        elif rows_kept is None:
+            self._uploaded = counts_kept._replace(ids=ids, seqs=seqs, slots=slots)
         self._pending = PreparedStep(seqs, slots, num_new, new_lengths, flat_ids)
         return table.step_tensors(batch)
 
@@ -297,26 +296,14 @@ class KVCacheManager:
         ids = list(seq_ids)
         check_unique(ids, "seq_ids")
         seqs = [self._seqs.get(i, "seq_ids") for i in ids]
+        copies = []
         for seq in seqs:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
-        copies = [(seq.host_pages, seq.keys) for seq in seqs]
+            copies.append((seq.host_pages, seq.keys))
         for seq, pages in zip(seqs, host.restore_pages(self.page_pool, self.collection, copies), strict=True):
             seq.host_pages = None
             self.page_table.set_pages(seq.slot, pages)
-
-    # -- checkpoints (sequence_checkpoint.py, a layer above: imported when called) ---------------
-    def save(self, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
-        """`sequence_checkpoint.save(self, path, seq_ids)`: the sequences to a KV checkpoint."""
-        from .sequence_checkpoint import save
-
-        save(self, path, seq_ids)
-
-    def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
-        """`sequence_checkpoint.load(self, path, seq_ids)`: a checkpoint's sequences added; their ids."""
-        from .sequence_checkpoint import load
-
-        return load(self, path, seq_ids)
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_unlocked(self) -> None:

@@ -26,6 +26,9 @@ the rope as bf16 (`row = kv_lora_rank + 2 * rope_dim` bytes: MAX's rope-aware ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -189,7 +192,7 @@ def mla_attention(
     )
 
 
-OPS = {
+OPS: dict[str, Callable[..., Any]] = {
     "store_kv": store_kv,
     "flash_attention": flash_attention,
     "gather_kv": gather_kv,
@@ -199,7 +202,7 @@ OPS = {
 }
 """op name -> its typed public function (what `library.py` registers)."""
 
-MUTATED = {
+MUTATED: dict[str, tuple[str, ...]] = {
     "store_kv": ("blocks", "scales"),
     "flash_attention": (),
     "gather_kv": (),

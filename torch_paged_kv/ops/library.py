@@ -45,11 +45,14 @@ def schema(name: str) -> str:
 def check_record(name: str, record: type[tuple]) -> None:
     """Raise `TypeError` unless `record` has exactly the parameters of `api.<name>`: names in order,
     annotations and defaults (the record is what every backend reads; api.py is the signature)."""
-    params = inspect.signature(api.OPS[name]).parameters.values()
-    want = [(p.name, p.annotation, p.default) for p in params]
-    empty = inspect.Parameter.empty
-    annotations = {f: getattr(t, "__forward_arg__", t) for f, t in record.__annotations__.items()}  # (ForwardRefs)
-    got = [(f, annotations.get(f), record._field_defaults.get(f, empty)) for f in record._fields]
+
+    def parameters(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+        return [
+            (p.name, getattr(p.annotation, "__forward_arg__", p.annotation), p.default)  # (a record's ForwardRefs)
+            for p in inspect.signature(fn).parameters.values()
+        ]
+
+    want, got = parameters(api.OPS[name]), parameters(record)
     if got != want:
         raise TypeError(
             f"records.{record.__name__} must list api.{name}'s parameters (name, annotation, default) in "

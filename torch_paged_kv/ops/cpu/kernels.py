@@ -16,9 +16,9 @@ import ctypes
 
 import torch
 
+from ...native import build
 from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
-from . import build
-from .args import PACKERS, check_layout
+from .args import PACKERS, SIGNATURES, check_layout
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -43,7 +43,7 @@ def load() -> ctypes.CDLL:
     structs checked against `args.py`'s (raises `args.ArgsLayoutError` where they differ)."""
     global _lib
     if _lib is None:
-        lib = build.library()
+        lib = build.declare(build.library(), SIGNATURES)
         check_layout(lib.pkv_args_layout().decode())
         _lib = lib
     return _lib
@@ -59,8 +59,11 @@ def step_ok(
     max_kv_len: int | None = None,
 ) -> bool:
     """Whether the step passes every value check that `validate.check_store_kv_data` (`reads_all`
-    False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors, library
-    loaded). False means: let those checks find what is wrong."""
+    False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors). False
+    means: let those checks find what is wrong; so does a call before the library is loaded (this
+    check never loads it)."""
+    if _lib is None:
+        return False
     table_shape = lookup_table.shape
     two_d = len(table_shape) == 2
     return bool(

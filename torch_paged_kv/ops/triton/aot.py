@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
+from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, MLAAttentionArgs, StoreKVArgs, StoreLatentArgs
 from .common import Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
@@ -177,9 +177,12 @@ MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static"
 MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V2/V3
 
 
-def _mla_paged(
-    dtype: torch.dtype, cache: str, batch: int, new: int, context: int, page_size: int = 64
-) -> tuple[torch.Tensor, ...]:
+MLAStep = tuple[
+    torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
+
+
+def _mla_paged(dtype: torch.dtype, cache: str, batch: int, new: int, context: int, page_size: int = 64) -> MLAStep:
     """Meta tensors of an MLA step: blocks, scales (or None), the step tensors, new rows."""
     pool_dtype, granules = MLA_CACHES[cache]
     pool_dtype = pool_dtype or dtype
@@ -189,11 +192,13 @@ def _mla_paged(
     scales = None
     if granules == "static":
         scales = torch.empty(1, device="meta")
-    elif granules is not None:
+    elif isinstance(granules, int):
         scales = torch.empty(*blocks.shape[:5], granules, device="meta")
-    index = [torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))]
-    rows = [torch.empty(batch * new, n, dtype=dtype, device="meta") for n in (MLA_RANK, MLA_ROPE)]
-    return blocks, scales, *index, *rows
+    lengths, table, offsets = (
+        torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))
+    )
+    latent, rope = (torch.empty(batch * new, n, dtype=dtype, device="meta") for n in (MLA_RANK, MLA_ROPE))
+    return blocks, scales, lengths, table, offsets, latent, rope
 
 
 def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
@@ -225,14 +230,15 @@ def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
         blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
         q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
         q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
-        launches = plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        launches = plan_mla_attention(a)
         for launch in launches[1]:
             yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
     for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
         if quick and cache == "fp8-g128":
             continue
         blocks, scales, lengths, table, offsets, latent, rope = _mla_paged(DTYPES[dtype], cache, 64, 1, 1024)
-        for launch in plan_store_latent(latent, rope, blocks, lengths, table, offsets, LAYER, scales):
+        for launch in plan_store_latent(StoreLatentArgs(latent, rope, blocks, lengths, table, offsets, LAYER, scales)):
             yield f"store_latent {dtype} {cache}", launch
 
 
@@ -292,7 +298,10 @@ def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
         for i, launch in enumerate(plan_copy_pages(CopyPagesArgs(blocks, pages, pages, scales))):
             found.append((f"copy_pages {cache} pass{i + 1}", launch))
     modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
-    quick_cases = (("e4m3-token", "bf16", "decode-split"), ("e5m2-static", "bf16", "prefill"))
+    quick_cases: tuple[tuple[str, str, str], ...] = (
+        ("e4m3-token", "bf16", "decode-split"),
+        ("e5m2-static", "bf16", "prefill"),
+    )
     quick_cases += (("e4m3-token", "fp32", "decode-split"), ("e4m3-g32", "fp32", "prefill"))
     for cache, q_dtype, mode in itertools.product(tuple(FP8_CACHES), ("bf16", "fp16", "fp32"), modes):
         if quick and (cache, q_dtype, mode) not in quick_cases:
@@ -390,7 +399,8 @@ def _report(arch: int, name: str, launch: Launch, keep: Path | None) -> bool:
     print(f"sm{arch:<3} {name:<58} {c.regs:>4} {c.spills:>6} {c.tensor_cores or '-':>5} {c.seconds:>6.2f}", flush=True)
     if keep:
         _keep(keep, arch, name, c.asm)
-    if narrow := narrow_offset_products(c.asm["ttir"], offset_args(launch)):
+    ttir = c.asm["ttir"]
+    if narrow := narrow_offset_products(ttir if isinstance(ttir, str) else ttir.decode(), offset_args(launch)):
         print(f"sm{arch:<3} {name:<58} FAILED: i32 multiply of a layer/page offset: {narrow[0][:120]}", flush=True)
         return False
     return True
