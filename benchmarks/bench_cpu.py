@@ -75,7 +75,7 @@ from harness import (
 
 import torch_paged_kv as pk
 from torch_paged_kv import huge_pages
-from torch_paged_kv.ops.cpu import build
+from torch_paged_kv.native import build
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 IN_CACHE_BOUND = "bound: cpu, pages in cache"  # the one row timed without evicting the caches first

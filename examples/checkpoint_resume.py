@@ -1,9 +1,9 @@
 """Save the KV state mid-generation, continue in a new process: the tokens match an uninterrupted run.
 
 The parent generates a few tokens for three prompts, saves the sequences' KV state with
-`KVCacheManager.save` (safetensors) plus the generated tokens (JSON beside it), and continues.
+`pk.save_sequences` (safetensors) plus the generated tokens (JSON beside it), and continues.
 A child process (`--resume DIR`) builds a fresh cache, loads the checkpoint with
-`KVCacheManager.load` and continues from there, without recomputing the prompts. The parent
+`pk.load_sequences` and continues from there, without recomputing the prompts. The parent
 checks both continuations are identical.
 
     python examples/checkpoint_resume.py [--device cuda]
@@ -55,7 +55,7 @@ def resume(directory: pathlib.Path, device: torch.device) -> list[list[int]]:
     """The child: a fresh cache, the saved sequences loaded into it, generation continued."""
     model, manager = build(device)
     state = json.loads((directory / "state.json").read_text())
-    seq_ids = manager.load(directory / "kv.safetensors")
+    seq_ids = pk.load_sequences(manager, directory / "kv.safetensors")
     with torch.no_grad():
         return generate(model, manager, seq_ids, [[g[-1]] for g in state["generated"]], MORE_TOKENS, device)
 
@@ -79,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         directory = pathlib.Path(tmp)
         first = generate(model, manager, seq_ids, prompts, FIRST_TOKENS, device)
-        manager.save(directory / "kv.safetensors", seq_ids)
+        pk.save_sequences(manager, directory / "kv.safetensors", seq_ids)
         (directory / "state.json").write_text(json.dumps({"generated": first}))
         uninterrupted = generate(model, manager, seq_ids, [[g[-1]] for g in first], MORE_TOKENS, device)
         child = subprocess.run(

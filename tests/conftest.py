@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +14,31 @@ if not torch.cuda.is_available():
     # No GPU: the Triton kernels run on CPU tensors in Triton's interpreter. Triton fixes the mode
     # when it is first imported (transformers imports it), so set it before collection starts.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _backport_triton_interpreter_index() -> None:
+    """Under triton < 3.7 make the interpreter turn a scalar (a 1-element numpy array) into an int as
+    triton 3.7 does (triton#9172): before, it called `int(array)`, which numpy >= 2.4 rejects, failing
+    every interpreted kernel with a tensor loop bound (`range(tensor)`). The tests' concern: the
+    package does not patch triton for its users (docs/triton.md says what they need)."""
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if tuple(int(part) for part in version.split(".")[:2]) >= (3, 7):
+        return
+    from triton.runtime import interpreter  # (after TRITON_INTERPRET is settled above)
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch(tensor: Any, *scope: Any) -> None:  # the scope (3.6) restores the original after the launch
+        patch_tensor(tensor, *scope)
+        tensor.__index__ = lambda self: int(self.handle.data.squeeze())
+
+    interpreter._patch_lang_tensor = patch
+
+
+_backport_triton_interpreter_index()
 
 
 @pytest.fixture

@@ -86,17 +86,18 @@ def test_compiled_attention_matches_fp64():
     assert (out.double() - ref).abs().max() < 2e-5
 
 
-def plan_step(q, k, v, sinks, blocks, cache_lengths, lookup_table, input_row_offsets):
-    """Two layers as Llama 4 and GPT-OSS mix them: a chunked layer, then one with attention sinks."""
+def plan_step(q, k, v, sinks, tree, blocks, cache_lengths, lookup_table, input_row_offsets):
+    """Two layers as Llama 4 and GPT-OSS mix them: a chunked layer, then one with attention sinks (and
+    a tree mask, one draft per row)."""
     plan = pk.StepPlan(blocks, pk.StepTensors(cache_lengths, lookup_table, input_row_offsets))
     out = q
-    for layer, options in enumerate(({"attention_chunk_size": 8}, {"sinks": sinks})):
+    for layer, options in enumerate(({"attention_chunk_size": 8}, {"sinks": sinks, "tree_mask": tree})):
         plan.store_kv(k, v, layer)
         out = plan.flash_attention(out, layer, HEAD_DIM**-0.5, **options)
     return out * 2
 
 
-def test_sinks_and_chunks_compile_fullgraph_without_recompiling():
+def test_sinks_chunks_and_trees_compile_fullgraph_without_recompiling():
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(2)
     params = pk.KVCacheParams(torch.float32, NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE)
@@ -107,12 +108,14 @@ def test_sinks_and_chunks_compile_fullgraph_without_recompiling():
     compiled = torch.compile(plan_step, fullgraph=True, dynamic=True)
     for i, batch in enumerate([1, 3, 5, 2]):
         q, k, v, step = _step_inputs(collection, batch, gen)
+        tree = torch.ones(batch, dtype=torch.int64)  # each row's one new token sees itself
+        pk.mark_step_dynamic(step, tree)
         eager_blocks = collection.blocks.clone()
-        expected = plan_step(q, k, v, sinks, eager_blocks, *step)
+        expected = plan_step(q, k, v, sinks, tree, eager_blocks, *step)
         if i == 1:
             torch.compiler.set_stance("fail_on_recompile")
         try:
-            out = compiled(q, k, v, sinks, collection.blocks, *step)
+            out = compiled(q, k, v, sinks, tree, collection.blocks, *step)
         finally:
             torch.compiler.set_stance("default")
         assert torch.equal(out, expected)

@@ -18,8 +18,9 @@ import torch
 import torch_paged_kv as pk
 import torch_paged_kv.ops as ops
 from torch_paged_kv import NULL_PAGE
+from torch_paged_kv.native import build
 from torch_paged_kv.ops import BackendUnavailableError, reference
-from torch_paged_kv.ops.cpu import build, kernels
+from torch_paged_kv.ops.cpu import kernels
 from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.testing import (
     ATTENTION_TOLERANCE,
@@ -302,7 +303,7 @@ def test_a_second_process_loads_the_cached_library_without_compiling():
     kernels.load()  # built (or found) by this process
     code = (
         "import time\n"
-        "from torch_paged_kv.ops.cpu import build\n"
+        "from torch_paged_kv.native import build\n"
         "def refuse(*args): raise AssertionError('compiled again')\n"
         "build._compile = refuse\n"
         "t = time.perf_counter()\n"
@@ -370,7 +371,7 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
         step = (lengths, table, offsets)
         fast_store = kernels.step_ok(b.blocks, *step, rows, False)
         fast_read = kernels.step_ok(b.blocks, *step, rows, True, max_kv_len)
-        monkeypatch.setattr(validate, "_cpu_says_ok", lambda *args: False)
+        monkeypatch.setattr(validate, "_fast_yes", lambda *args: False)
         slow_store = _numpy_verdict(
             validate.check_store_kv_data,
             b.q[:rows] if rows <= b.q.shape[0] else torch.empty(rows, 1, 1),
@@ -382,6 +383,36 @@ def test_fast_value_checks_agree_with_the_numpy_checks(monkeypatch, continuous):
         assert (fast_store, fast_read) == (slow_store, slow_read), (trial, broken, cached, new)
         agree += not slow_read
     assert agree > 50  # a good share of the steps were bad ones
+
+
+def test_validate_takes_the_value_check_the_cpu_backend_registered(monkeypatch):
+    """validate.py asks dispatch for the fast check of the tensors' device type (the CPU backend
+    registers `kernels.step_ok`): its yes settles a step, its no (or none registered) runs the numpy
+    checks, which raise."""
+    from torch_paged_kv.ops import dispatch, validate
+
+    assert dispatch.value_check("cpu") is kernels.step_ok
+    b = make_paged_batch([5, 3], [1, 1], page_size=4, seed=3)
+    lengths = b.cache_lengths.clone()
+    lengths[0] = -1  # a bad step
+    asked = []
+
+    def says(answer):
+        def check(*args):
+            asked.append(args[4:])
+            return answer
+
+        return check
+
+    monkeypatch.setitem(dispatch._value_checks, "cpu", says(True))
+    validate.check_read_data(b.blocks, lengths, b.lookup_table, b.input_row_offsets, 2)  # settled: no raise
+    monkeypatch.setitem(dispatch._value_checks, "cpu", says(False))
+    with pytest.raises(ValueError, match="cache_lengths: sequence 0 has negative length -1"):
+        validate.check_store_kv_data(b.new_keys, b.blocks, lengths, b.lookup_table, b.input_row_offsets)
+    assert asked == [(2, True, None), (2, False, None)]
+    monkeypatch.delitem(dispatch._value_checks, "cpu")
+    with pytest.raises(ValueError, match="cache_lengths"):
+        validate.check_read_data(b.blocks, lengths, b.lookup_table, b.input_row_offsets, 2)
 
 
 # -- FP8 caches ----------------------------------------------------------------------------------
@@ -566,7 +597,7 @@ def test_this_build_reads_fp8_codes_through_byte_tables_where_the_cpu_can(cpu_fl
         pytest.skip("no /proc/cpuinfo flags to say what this CPU has")
     if os.environ.get(build.EXTRA_FLAGS_ENV):
         pytest.skip(f"built with {build.EXTRA_FLAGS_ENV}={os.environ[build.EXTRA_FLAGS_ENV]!r}")
-    lib = build.library()
+    lib = kernels.load()
     assert lib.pkv_fp8_byte_tables() == int("avx512vbmi" in cpu_flags), sorted(cpu_flags)
 
 

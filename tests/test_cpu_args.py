@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from torch_paged_kv import ops
-from torch_paged_kv.ops.cpu import args, build, kernels
+from torch_paged_kv.native import build
+from torch_paged_kv.ops.cpu import args, kernels
 from torch_paged_kv.ops.records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 
 
@@ -86,6 +87,7 @@ def test_each_entry_gets_each_value_in_its_named_field(monkeypatch):
     offsets = torch.tensor([0, 1, 3, 6, 11], dtype=torch.int32)
     q = _sliced(11, 15, head_dim, width=40)
     sinks = torch.zeros(15)
+    tree = torch.zeros(11, dtype=torch.int64)
     key = _sliced(11, heads, head_dim, width=48, dtype=torch.bfloat16)
     value = _sliced(11, heads, head_dim, width=56, dtype=torch.bfloat16)
     src, dst = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([4, 5, 6], dtype=torch.int32)
@@ -95,7 +97,7 @@ def test_each_entry_gets_each_value_in_its_named_field(monkeypatch):
     torch.set_num_threads(9)
     try:
         kernels.store_kv(StoreKVArgs(key, value, blocks, cache_lengths, table, offsets, layer, scales))
-        call = (q, blocks, cache_lengths, table, offsets, layer, 0.125, True, 17, 2.5, scales, sinks, 21)
+        call = (q, blocks, cache_lengths, table, offsets, layer, 0.125, True, 17, 2.5, scales, sinks, 21, tree)
         kernels.flash_attention(FlashAttentionArgs(*call))
         kernels.gather_kv(GatherKVArgs(blocks, cache_lengths, table, offsets, layer, 23, scales))
         kernels.copy_pages(CopyPagesArgs(blocks, src, dst, scales))
@@ -166,6 +168,7 @@ def test_each_entry_gets_each_value_in_its_named_field(monkeypatch):
         window=17,
         chunk=21,
         sinks=sinks.data_ptr(),
+        tree=tree.data_ptr(),
         min_split=kernels.MIN_SPLIT_KEYS,
         want_items=kernels.WANT_ITEMS,
         min_work=kernels.MIN_WORK_PER_THREAD,

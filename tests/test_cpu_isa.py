@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from torch_paged_kv.ops.cpu import build
+from torch_paged_kv.native import build
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow  # a library build and a test_cpu.py run per case
@@ -38,7 +38,7 @@ def test_a_narrower_instruction_set_build_passes_the_cpu_tests(tmp_path, cpu_fla
         pytest.skip(f"this CPU lacks {sorted(host_needs - cpu_flags)}: the default build is no wider here")
     env = {**os.environ, build.EXTRA_FLAGS_ENV: flags, "TORCH_PAGED_KV_CACHE_DIR": str(tmp_path)}
     probe = (
-        "from torch_paged_kv.ops.cpu import build; lib = build.library(); "
+        "from torch_paged_kv.ops.cpu import kernels; lib = kernels.load(); "
         "print(lib.pkv_vector_width(), lib.pkv_bf16_dot(), lib.pkv_fp8_byte_tables())"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=False)

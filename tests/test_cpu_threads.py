@@ -18,13 +18,15 @@ import os, sys
 os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # before torch starts OpenMP's threads
 import torch
 from torch_paged_kv.ops.cpu import kernels
+from torch_paged_kv.ops.records import FlashAttentionArgs, StoreKVArgs
 from torch_paged_kv.testing import make_paged_batch
 torch.set_num_threads(2)
 lib = kernels.load()
 b = make_paged_batch([511] * 4, [1] * 4, page_size=16, num_kv_heads=8, head_dim=128, group=4)  # 2 threads' work
-kernels.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+kernels.store_kv(StoreKVArgs(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx))
+attention = FlashAttentionArgs(b.q, b.blocks, *b.step, b.layer_idx, 0.1)
 for _ in range(int(sys.argv[1])):
-    kernels.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.1)
+    kernels.flash_attention(attention)
 print(lib.pkv_parallel_losses())
 """
 

@@ -16,14 +16,14 @@ from torch_paged_kv.ops.cute.operand import KVCacheMHAOperand
 cute = pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl (cutlass.cute) is not importable")
 
 from torch_paged_kv.ops.cute import __main__ as cli  # noqa: E402
-from torch_paged_kv.ops.cute import variants  # noqa: E402
+from torch_paged_kv.ops.cute import grids, variants  # noqa: E402
 from torch_paged_kv.ops.cute.compile_cache import CompileCache  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=variants.ARCHES)
 def compiled(request, tmp_path_factory):
     """(arch, [(key, PTX path)] of `cli.quick_keys(arch)`, grid calls): each variant compiled once, while
-    recording which (rows, heads, ...) the launches asked `variants.decode_grid` / `combine_grid` for."""
+    recording which (rows, heads, ...) the launches asked `grids.decode_grid` / `combine_grid` for."""
     arch, out_dir, calls = request.param, tmp_path_factory.mktemp(request.param), []
 
     def recorder(name, grid):
@@ -36,7 +36,7 @@ def compiled(request, tmp_path_factory):
     compiled = []
     with pytest.MonkeyPatch.context() as patch:
         for name in ("decode_grid", "combine_grid"):
-            patch.setattr(variants, name, recorder(name, getattr(variants, name)))
+            patch.setattr(grids, name, recorder(name, getattr(grids, name)))
         for key in cli.quick_keys(arch):
             cli.compile_with_ptx(key, out_dir)
             compiled.append((key, out_dir / f"{key.slug()}.ptx"))

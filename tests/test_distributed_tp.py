@@ -296,7 +296,7 @@ def _save_tp(rank: int, world: int, directory: str) -> tuple[dict, str]:
     manager = _tp_manager(world, rank)
     model = _build(manager)
     path = shard_path(f"{directory}/kv.safetensors", manager.tp_shard)
-    manager.save(path, ["c", "a", "b"])
+    pk.save_sequences(manager, path, ["c", "a", "b"])
     return model, str(path)
 
 
@@ -308,7 +308,7 @@ def _load_tp(rank: int, world: int, files: list[str], model: dict, directory: st
     assert manager.claim("d", [*range(8), 0]) == 8  # token ids came along: the prefix is cached
     manager.release("d")
     path = shard_path(f"{directory}/kv.safetensors", manager.tp_shard)
-    manager.save(path, ids)
+    pk.save_sequences(manager, path, ids)
     return str(path)
 
 
@@ -339,7 +339,7 @@ def test_checkpoints_reshard_between_tp_sizes(rank_groups, tmp_path):
 def test_an_unsharded_checkpoint_loads_at_any_tp_size(tmp_path):
     m = pk.KVCacheManager(pk.PagedKVCacheCollection(FULL, 32, 4, 64))
     model = _build(m)
-    m.save(tmp_path / "kv.safetensors", ["a", "b", "c"])
+    pk.save_sequences(m, tmp_path / "kv.safetensors", ["a", "b", "c"])
     for r in range(4):
         cache = pk.PagedKVCacheCollection(shard_params(FULL, 4, r), 32, 4, 64)
         shard = pk.KVCacheManager(cache, tp_shard=tp_shard(FULL, 4, r))
@@ -355,7 +355,7 @@ def _shard_files(tmp_path, build=_build) -> list:
         )
         build(m)
         files.append(shard_path(tmp_path / "kv.safetensors", m.tp_shard))
-        m.save(files[-1], ["a", "b", "c"])
+        pk.save_sequences(m, files[-1], ["a", "b", "c"])
     return files
 
 
@@ -365,7 +365,7 @@ def test_mismatched_shards_are_refused_with_a_clear_error(tmp_path):
     with pytest.raises(pk.CheckpointError, match=r"KV heads \[2, 3\] of the target \(heads 0..3 of 4\) are in none"):
         load_sharded(target, files[:1])
     with pytest.raises(pk.CheckpointError, match="a shard of other KV heads"):
-        target.load(files[0])  # the plain loader says where to go
+        pk.load_sequences(target, files[0])  # the plain loader says where to go
     (tmp_path / "other").mkdir()
 
     def build_other(m):
@@ -383,7 +383,7 @@ def test_mismatched_shards_are_refused_with_a_clear_error(tmp_path):
         plan_shards(files, shard_params(more_heads, 2, 0), tp_shard(more_heads, 2, 0))
     same_count = pk.KVCacheManager(pk.PagedKVCacheCollection(shard_params(FULL, 2, 1), 32, 4, 64))
     with pytest.raises(pk.CheckpointError, match="a shard of other KV heads"):
-        same_count.load(files[0])  # two heads, but not heads 0..1 of 4 (no tp_shard: the whole cache)
+        pk.load_sequences(same_count, files[0])  # two heads, but not heads 0..1 of 4 (no tp_shard: the whole cache)
     assert target.sequences == [] and target.num_free_pages() == 32  # nothing was allocated
 
 
@@ -400,7 +400,7 @@ def test_fp8_checkpoints_reshard_blocks_and_scales(tmp_path):
         )
         _build(m)
         files.append(shard_path(tmp_path / "kv.safetensors", m.tp_shard))
-        m.save(files[-1], ["a", "b", "c"])
+        pk.save_sequences(m, files[-1], ["a", "b", "c"])
     as_bytes = [lambda t: t.view(torch.uint8), lambda t: t]
     for tp_size in (1, 2, 4):
         for r in range(tp_size):
@@ -428,6 +428,6 @@ def test_inspect_says_which_heads_a_shard_holds(tmp_path, capsys):
     assert "kv heads:   2..3 of 4 (tensor-parallel rank 1 of 2" in capsys.readouterr().out
     m = pk.KVCacheManager(pk.PagedKVCacheCollection(FULL, 32, 4, 64))
     _build(m)
-    m.save(tmp_path / "whole.safetensors", ["a"])
+    pk.save_sequences(m, tmp_path / "whole.safetensors", ["a"])
     assert main(["inspect", str(tmp_path / "whole.safetensors")]) == 0
     assert "kv heads:   all 4" in capsys.readouterr().out

@@ -6,6 +6,7 @@ behind it are what is tested; damaged files do not.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -68,7 +69,7 @@ def _saved_by_a_manager(tmp_path: Path) -> Path:
     src = make()
     src.claim("a", [4242, 4343, 4444, 4545, 4646, 4747])
     run_step(src, ["a"], [[4242, 4343, 4444, 4545, 4646, 4747]], {"a": []})
-    src.save(tmp_path / "kv.safetensors", ["a"])
+    tpk.save_sequences(src, tmp_path / "kv.safetensors", ["a"])
     return tmp_path / "kv.safetensors"
 
 
@@ -89,7 +90,7 @@ def test_a_damaged_header_is_refused_by_every_reader(tmp_path: Path, old: bytes,
     path.write_bytes(raw.replace(old, new))
     m = make()
     before = snapshot(m)
-    for read in (read_info, verify, load_cache, m.load):
+    for read in (read_info, verify, load_cache, functools.partial(tpk.load_sequences, m)):
         with pytest.raises(CheckpointError, match="header checksum mismatch"):
             read(path)
     assert_same(before, snapshot(m))
@@ -210,7 +211,7 @@ def test_inspect_says_when_metadata_is_unverified(tmp_path: Path, capsys: pytest
     assert "header checksums: OK" in capsys.readouterr().out
 
 
-# -- manager.load is all or nothing (item 5) and says what does not fit ------------------------------
+# -- load_sequences is all or nothing (item 5) and says what does not fit ------------------------------
 
 
 @pytest.mark.parametrize(
@@ -229,7 +230,7 @@ def test_a_bad_manager_payload_is_refused_before_any_page_is_taken(tmp_path: Pat
     src.claim("a")
     src.claim("b")
     run_step(src, ["a", "b"], [[1] * 9, [2] * 5], model)
-    src.save(tmp_path / "kv.safetensors", ["a", "b"])
+    tpk.save_sequences(src, tmp_path / "kv.safetensors", ["a", "b"])
     user = {METADATA_KEY: json.dumps(payload)}
     crafted_files.edit_metadata(tmp_path / "kv.safetensors", user_metadata=user)
     m = make()
@@ -237,7 +238,7 @@ def test_a_bad_manager_payload_is_refused_before_any_page_is_taken(tmp_path: Pat
     run_step(m, ["x"], [[3] * 6], {"x": []})
     before = snapshot(m)
     with pytest.raises(CheckpointError, match=f"{METADATA_KEY}.*{message}"):
-        m.load(tmp_path / "kv.safetensors")
+        tpk.load_sequences(m, tmp_path / "kv.safetensors")
     assert_same(before, snapshot(m))
     m.release("x")
     assert all(count == 0 for count in m.page_pool.refcounts)
@@ -253,7 +254,7 @@ def test_a_file_that_shares_a_partial_page_is_refused_by_a_manager(tmp_path: Pat
     m = make()
     before = snapshot(m)
     with pytest.raises(CheckpointError, match="only full pages may be shared"):
-        m.load(tmp_path / "kv.safetensors")
+        tpk.load_sequences(m, tmp_path / "kv.safetensors")
     assert_same(before, snapshot(m))
 
 
@@ -261,7 +262,7 @@ def test_an_mla_file_into_a_kv_manager_says_so(tmp_path: Path) -> None:
     save_cache(make_paged(mla=True, seed=3), tmp_path / "mla.safetensors")
     m = make()
     with pytest.raises(CheckpointError, match="an MLA .*latent.* cache does not fit this K/V cache"):
-        m.load(tmp_path / "mla.safetensors")
+        tpk.load_sequences(m, tmp_path / "mla.safetensors")
 
 
 def test_a_file_cut_short_after_its_header_was_read_is_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:

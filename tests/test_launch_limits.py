@@ -133,17 +133,17 @@ def test_flash_attention_refuses_what_it_cannot_launch():
 
 def test_cute_launch_grids_fit_at_the_largest_decode_batch():
     """The CuTe decode kernel's grid (query rows, KV heads, splits) and the merge's (rows, query heads)
-    are built by `variants.decode_grid` / `combine_grid`, which the kernels' launches call (pinned
+    are built by `grids.decode_grid` / `combine_grid`, which the kernels' launches call (pinned
     in test_cute_compile.py); `attention.covers` is `supports` without the device."""
-    from torch_paged_kv.ops.cute import attention, variants
+    from torch_paged_kv.ops.cute import attention, grids
 
-    assert variants.MAX_GRID == MAX_GRID
+    assert grids.MAX_GRID == MAX_GRID
     blocks = meta(1025, 2, 1, 64, 8, 128)  # rows may share pages; the row view stays below 2**31 (TMA)
     for rows in (MANY, INT32_MAX):
         q = meta(rows, 32, 128)
         assert attention.covers("sm_90a", q, blocks, rows)
-        assert variants.grid_fits(variants.decode_grid(rows, 8, split_rule.MAX_SPLITS))
-        assert variants.grid_fits(variants.combine_grid(rows, 32))
+        assert grids.grid_fits(grids.decode_grid(rows, 8, split_rule.MAX_SPLITS))
+        assert grids.grid_fits(grids.combine_grid(rows, 32))
     blocks = meta(2, 2, 1, 64, 65536, 64)
     assert not attention.covers("sm_90a", meta(1, 65536, 64), blocks, 1)  # KV heads past grid y
 

@@ -435,10 +435,10 @@ def test_token_storage_grows_forks_and_tracks_partly_known_ids(tmp_path):
     check_contents(m, model, ["a"])
     assert m.claim("d", model["b"] + [0]) == len(model["b"]) // PS * PS
     m.release("d")
-    m.save(tmp_path / "kv.safetensors", ["a", "b"])
+    tpk.save_sequences(m, tmp_path / "kv.safetensors", ["a", "b"])
     for caching in (True, False):
         dst = make(enable_prefix_caching=caching)
-        ids = dst.load(tmp_path / "kv.safetensors")
+        ids = tpk.load_sequences(dst, tmp_path / "kv.safetensors")
         for new, old in zip(ids, ["a", "b"], strict=True):
             assert dst.token_ids(new) == (model[old] if caching else None)
             assert dst.prefix_keys(new) == (chained_keys(model[old]) if caching else [])
@@ -749,14 +749,14 @@ def test_save_load_into_a_live_manager(tmp_path):
     src.fork("a", "c")  # shares a's two full pages
     model["c"] = list(model["a"])
     run_step(src, ["c"], [[0, 0]], model)
-    src.save(tmp_path / "kv.safetensors", ["c", "b", "a"])
+    tpk.save_sequences(src, tmp_path / "kv.safetensors", ["c", "b", "a"])
 
     dst = make(num_pages=20)
     live = {"x": []}
     dst.claim("x")
     run_step(dst, ["x"], [[9] * 5], live)
     free_before = dst.num_free_pages()
-    ids = dst.load(tmp_path / "kv.safetensors")
+    ids = tpk.load_sequences(dst, tmp_path / "kv.safetensors")
     assert ids == [("loaded", 0), ("loaded", 1), ("loaded", 2)]
     assert dst.num_free_pages() == free_before - 5  # 2 shared by a and c, 1 of each own, 1 of b
     loaded_model = {new: model[old] for new, old in zip(ids, ["c", "b", "a"], strict=True)}
@@ -764,8 +764,8 @@ def test_save_load_into_a_live_manager(tmp_path):
     check_ownership(dst, {**loaded_model, **live}, {*ids, "x"})
     # token ids came along: the loaded prefix is in dst's prefix cache
     assert dst.claim("y", [1, 2, 3, 4, 5, 6, 7, 8, 0]) == 8
-    assert dst.load(tmp_path / "kv.safetensors", ["p", "q", "r"]) == ["p", "q", "r"]
-    assert dst.load(tmp_path / "kv.safetensors")[0] == ("loaded", 3)
+    assert tpk.load_sequences(dst, tmp_path / "kv.safetensors", ["p", "q", "r"]) == ["p", "q", "r"]
+    assert tpk.load_sequences(dst, tmp_path / "kv.safetensors")[0] == ("loaded", 3)
 
 
 @pytest.mark.parametrize("groups", ["full + sliding", "two sliding + full", "sliding, another window"])
@@ -781,7 +781,7 @@ def test_save_load_of_layer_groups(tmp_path, groups):
     src.fork("a", "c")
     model["c"] = list(model["a"])
     run_step(src, ["c", "b"], [[0, 0, 5], [6]], model)
-    src.save(tmp_path / "kv.safetensors", ["c", "b", "a"])
+    tpk.save_sequences(src, tmp_path / "kv.safetensors", ["c", "b", "a"])
     info = pk_checkpoint.read_info(tmp_path / "kv.safetensors")
     held = [len({p for i in "abc" for p in src.pages(i, g)} - {tpk.NULL_PAGE}) for g in range(len(src.collections))]
     assert [g.num_pages for g in info.groups] == held and info.metadata["format_version"] == "4"
@@ -790,7 +790,7 @@ def test_save_load_of_layer_groups(tmp_path, groups):
     live = {"x": []}
     dst.claim("x")
     run_step(dst, ["x"], [[9] * 5], live)
-    ids = dst.load(tmp_path / "kv.safetensors")
+    ids = tpk.load_sequences(dst, tmp_path / "kv.safetensors")
     loaded = {new: model[old] for new, old in zip(ids, ["c", "b", "a"], strict=True)}
     check_contents(dst, {**loaded, **live}, [*ids, "x"])
     check_ownership(dst, {**loaded, **live}, {*ids, "x"})
@@ -799,22 +799,23 @@ def test_save_load_of_layer_groups(tmp_path, groups):
         refusing = make_groups(other, num_pages=40, max_batch=4, max_seq_len=40)
         before = snapshot(refusing)
         with pytest.raises(pk_checkpoint.CheckpointError, match="does not fit this"):
-            refusing.load(tmp_path / "kv.safetensors")
+            tpk.load_sequences(refusing, tmp_path / "kv.safetensors")
         assert_same(before, snapshot(refusing))
 
 
 def test_save_cache_refuses_the_rows_of_a_collection_a_manager_drives(tmp_path):
     """The collection's rows are the last prepared step (lengths before it): right after a prefill a
-    file of them would hold nothing. save_cache refuses and points to manager.save."""
+    file of them would hold nothing. save_cache refuses and points to save_sequences."""
     m = make()
     m.claim("a")
     run_step(m, ["a"], [[1] * 6], {"a": []})
     assert m.collection.cache_lengths[0] == 0  # lags: commit_step advanced the manager only
     for batch_indices in (None, [0]):
-        with pytest.raises(tpk.CheckpointError, match=r"save with KVCacheManager.save\(path, seq_ids\)"):
+        message = r"save with torch_paged_kv.save_sequences\(manager, path, seq_ids\)"
+        with pytest.raises(tpk.CheckpointError, match=message):
             tpk.save_cache(m.collection, tmp_path / "kv.safetensors", batch_indices=batch_indices)
     assert not (tmp_path / "kv.safetensors").exists()
-    m.save(tmp_path / "kv.safetensors", ["a"])
+    tpk.save_sequences(m, tmp_path / "kv.safetensors", ["a"])
     assert tpk.checkpoint.read_info(tmp_path / "kv.safetensors").cache_lengths == [6]
 
 
@@ -822,7 +823,7 @@ def test_failed_load_leaves_the_live_cache_untouched(tmp_path):
     src = make()
     src.claim("a")
     run_step(src, ["a"], [[1] * 6], {"a": []})
-    src.save(tmp_path / "kv.safetensors", ["a"])
+    tpk.save_sequences(src, tmp_path / "kv.safetensors", ["a"])
     other = tpk.KVCacheParams(torch.float32, num_layers=2, num_kv_heads=2, head_dim=4, page_size=8)
     mismatched = KVCacheManager(tpk.PagedKVCacheCollection(other, 8, 2, 64))
     small = make(num_pages=1)
@@ -830,22 +831,22 @@ def test_failed_load_leaves_the_live_cache_untouched(tmp_path):
         m.claim("x")
         before = snapshot(m)
         with pytest.raises(error):
-            m.load(tmp_path / "kv.safetensors")
+            tpk.load_sequences(m, tmp_path / "kv.safetensors")
         assert_same(before, snapshot(m))
     before = snapshot(small)
     for bad_ids in (["x"], ["y", "z"]):
         with pytest.raises(ValueError, match="^seq_ids:"):
-            small.load(tmp_path / "kv.safetensors", bad_ids)
+            tpk.load_sequences(small, tmp_path / "kv.safetensors", bad_ids)
         assert_same(before, snapshot(small))
     with pytest.raises(ValueError, match="^seq_ids:"):
-        src.save(tmp_path / "x.safetensors", ["nope"])
+        tpk.save_sequences(src, tmp_path / "x.safetensors", ["nope"])
 
 
 def test_load_failing_its_checksums_frees_its_pages(tmp_path):
     src = make()
     src.claim("a")
     run_step(src, ["a"], [[1] * 6], {"a": []})
-    src.save(tmp_path / "kv.safetensors", ["a"])
+    tpk.save_sequences(src, tmp_path / "kv.safetensors", ["a"])
     raw = bytearray((tmp_path / "kv.safetensors").read_bytes())
     raw[-3] ^= 0x10  # inside the stored pages: only the streaming load notices
     (tmp_path / "kv.safetensors").write_bytes(bytes(raw))
@@ -855,7 +856,7 @@ def test_load_failing_its_checksums_frees_its_pages(tmp_path):
     live = m.pages("x")
     before = snapshot(m)
     with pytest.raises(tpk.CheckpointError, match="checksum mismatch"):
-        m.load(tmp_path / "kv.safetensors")
+        tpk.load_sequences(m, tmp_path / "kv.safetensors")
     after = snapshot(m)
     for state in (before, after):  # pages no sequence holds may have been written: compare the rest
         state["device"][3] = state["device"][3][live]
@@ -903,10 +904,10 @@ def test_fp8_scales_move_with_their_pages_through_fork_offload_restore_and_save_
     assert set(private) <= set(m.pages("x"))
     m.restore(["a"])
     assert torch.equal(attention("a"), before["a"])
-    m.save(tmp_path / "a.safetensors", ["a"])
+    tpk.save_sequences(m, tmp_path / "a.safetensors", ["a"])
     other = KVCacheManager(tpk.PagedKVCacheCollection(params, num_pages=24, max_batch_size=4, max_seq_len=40))
     other.collection.scales.fill_(7.0)
-    (loaded,) = other.load(tmp_path / "a.safetensors")
+    (loaded,) = tpk.load_sequences(other, tmp_path / "a.safetensors")
     c_a = attention("a")
     m, c = other, other.collection
     assert torch.equal(attention(loaded), c_a)

@@ -48,6 +48,15 @@ def test_opcheck_flash_attention_with_sinks_and_chunks(batch, overload):
     )
 
 
+def test_opcheck_flash_attention_with_a_tree(batch, overload):
+    tree = torch.tensor([1, 3, 1, 3, 5, 9, 1], dtype=torch.int64)  # per sequence: drafts 0 1 | 0 1 2 3 | 0
+    torch.library.opcheck(
+        getattr(torch.ops.paged_kv.flash_attention, overload),
+        (batch.q, batch.blocks, *batch.step, batch.layer_idx, 0.5),
+        {"tree_mask": tree},
+    )
+
+
 def test_opcheck_gather_kv(batch, overload):
     torch.library.opcheck(
         getattr(torch.ops.paged_kv.gather_kv, overload), (batch.blocks, *batch.step, batch.layer_idx, 8)
@@ -65,7 +74,7 @@ CONTRACT = {  # docs/design.md's op contract; the registered schemas are derived
     "Tensor input_row_offsets, int layer_idx, Tensor(a!)? scales=None) -> ()",
     "flash_attention": "(Tensor q, Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
     "int layer_idx, float softmax_scale, bool causal=True, int sliding_window=-1, float softcap=0., "
-    "Tensor? scales=None, Tensor? sinks=None, int attention_chunk_size=-1) -> Tensor",
+    "Tensor? scales=None, Tensor? sinks=None, int attention_chunk_size=-1, Tensor? tree_mask=None) -> Tensor",
     "gather_kv": "(Tensor blocks, Tensor cache_lengths, Tensor lookup_table, Tensor input_row_offsets, "
     "int layer_idx, int max_kv_len, Tensor? scales=None, ScalarType? out_dtype=None) -> (Tensor, Tensor)",
     "copy_pages": "(Tensor(a!) blocks, Tensor src_pages, Tensor dst_pages, Tensor(a!)? scales=None) -> ()",
@@ -121,13 +130,20 @@ class _OtherDefault(NamedTuple):
     scales: Tensor | None = 0
 
 
+class _OtherAnnotation(NamedTuple):
+    blocks: Tensor
+    src_pages: Tensor
+    dst_pages: Tensor
+    scales: int | None = None
+
+
 class _Short(NamedTuple):
     blocks: Tensor
     src_pages: Tensor
     dst_pages: Tensor
 
 
-@pytest.mark.parametrize("record", [_Swapped, _OtherDefault, _Short])
+@pytest.mark.parametrize("record", [_Swapped, _OtherDefault, _OtherAnnotation, _Short])
 def test_a_record_that_drifts_from_the_public_signature_is_refused(record):
     with pytest.raises(TypeError, match="must list api.copy_pages's parameters"):
         library.check_record("copy_pages", record)

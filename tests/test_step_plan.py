@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_paged_kv as pk
+from torch_paged_kv.step import _eager_plain
 from torch_paged_kv.testing import attention_fp64, make_paged_batch
 
 LAYERS = 3
@@ -72,6 +74,32 @@ def test_a_dispatch_mode_sees_every_layers_ops():
         "paged_kv.store_kv.unchecked",
         "paged_kv.flash_attention.unchecked",
     ] * (LAYERS - 1)
+
+
+class Passing(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def test_the_private_torch_apis_of_the_eager_fast_path_still_answer():
+    """`step._eager_plain` reads three private torch APIs (see its comment): each must still exist
+    and say whether a torch function mode, a dispatch mode or a profiler is active."""
+    assert isinstance(torch._C._is_torch_function_mode_enabled(), bool)
+    assert isinstance(torch._C._len_torch_dispatch_stack(), int)
+    assert torch.autograd.profiler._is_profiler_enabled is False
+    t = torch.zeros(2)
+    assert _eager_plain(t)
+    with Passing():
+        assert torch._C._is_torch_function_mode_enabled() and not _eager_plain(t)
+    with Seen():
+        assert torch._C._len_torch_dispatch_stack() == 1 and not _eager_plain(t)
+    with torch.profiler.profile():
+        assert torch.autograd.profiler._is_profiler_enabled and not _eager_plain(t)
+    assert _eager_plain(t) and not _eager_plain(t, t.as_subclass(Subclass))
 
 
 def test_later_layers_keep_their_shape_checks():

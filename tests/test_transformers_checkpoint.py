@@ -114,7 +114,9 @@ def test_saved_cache_is_an_ordinary_checkpoint(model, tmp_path, capsys):
     assert cli(["inspect", str(path)]) == 0
     shown = capsys.readouterr().out
     assert "checksums:  OK" in shown and "'prompt': 'four rows'" in shown
-    assert [line.split()[1] for line in shown.splitlines()[-5:-1]] == [str(n + 2) for n in LENGTHS]
+    lines = shown.splitlines()
+    table = lines[lines.index("  row  cache_length  pages") + 1 :][: len(LENGTHS)]  # the rows' lengths
+    assert [line.split()[1] for line in table] == [str(n + 2) for n in LENGTHS]
     loaded = pk.load_cache(path)
     assert loaded.cache_lengths.tolist() == [n + 2 for n in LENGTHS]
     state = json.loads(pk.checkpoint.read_info(path).user_metadata["torch_paged_kv.transformers"])

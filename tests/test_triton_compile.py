@@ -133,7 +133,7 @@ def test_every_pool_stride_argument_is_checked_for_int32_products():
 GROWING_STEPS = """
 import torch
 from torch_paged_kv.ops.triton import aot
-from torch_paged_kv.ops.records import FlashAttentionArgs, StoreKVArgs
+from torch_paged_kv.ops.records import FlashAttentionArgs, MLAAttentionArgs, StoreKVArgs, StoreLatentArgs
 from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
 from torch_paged_kv.ops.triton.store_kv import plan_store_kv
 from torch_paged_kv.ops.triton.mla_attention import plan_mla_attention
@@ -148,8 +148,9 @@ for batch in (1, 2, 15, 16, 17, 300):
         blocks, scales, lengths, table, offsets, latent, rope = aot._mla_paged(torch.bfloat16, "fp8", batch, 1, 128)
         q_nope = torch.empty(batch, 16, 512, dtype=torch.bfloat16, device="meta")
         q_rope = torch.empty(batch, 16, 64, dtype=torch.bfloat16, device="meta")
-        launches += plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, layer, 0.1, True, scales)[1][:1]
-        launches += plan_store_latent(latent, rope, blocks, lengths, table, offsets, layer, scales)
+        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, layer, 0.1, True, scales)
+        launches += plan_mla_attention(a)[1][:1]
+        launches += plan_store_latent(StoreLatentArgs(latent, rope, blocks, lengths, table, offsets, layer, scales))
         for launch in launches:
             keys.setdefault(launch.kernel.__name__, set()).add(aot.compile_key(launch, 90))
 print(sorted((name, len(found)) for name, found in keys.items()))

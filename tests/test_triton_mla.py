@@ -16,6 +16,7 @@ import torch_paged_kv as pk
 from torch_paged_kv import NULL_PAGE
 from torch_paged_kv.ops import reference_mla
 from torch_paged_kv.ops import splits as split_rule
+from torch_paged_kv.ops.records import MLAAttentionArgs, StoreLatentArgs
 from torch_paged_kv.ops.triton import mla_attention as triton_mla
 from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch, mla_attention_fp64
@@ -127,7 +128,8 @@ def test_split_kv_decode_matches_fp64(monkeypatch, kind):
     monkeypatch.setattr(split_rule, "MIN_SPLIT_KEYS", 16)
     dtype, quantization = QUANT[kind]
     b = make_mla_batch([70, 5, 33], [1, 1, 1], page_size=8, num_heads=4, dtype=dtype, seed=3, **quantization)
-    launches = triton_mla.plan_mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales)[1]
+    a = MLAAttentionArgs(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales)
+    launches = triton_mla.plan_mla_attention(a)[1]
     assert len(launches) == 2 and launches[0].grid[2] > 1  # split attention, then the merge
     _check(b, 0.2)
 
@@ -230,7 +232,9 @@ def _attention_unchecked(b, q_rows: int, lengths, table, offsets) -> tuple[torch
     q_nope, _ = _guarded(q_nope, float("nan"))  # read past its rows, a query row would be NaN
     q_rope, _ = _guarded(q_rope, float("nan"))
     step = (torch.tensor(lengths, dtype=torch.int32), table, torch.tensor(offsets, dtype=torch.int32))
-    out, launches = triton_mla.plan_mla_attention(q_nope, q_rope, b.blocks, *step, b.layer_idx, 0.1, True, b.scales)
+    out, launches = triton_mla.plan_mla_attention(
+        MLAAttentionArgs(q_nope, q_rope, b.blocks, *step, b.layer_idx, 0.1, True, b.scales)
+    )
     moved, buffers = {}, []
     for t in {id(a): a for launch in launches for a in launch.args[:5] if isinstance(a, torch.Tensor)}.values():
         if t is not q_nope and t is not q_rope:
@@ -300,7 +304,7 @@ def test_wide_slots_take_int64_in_page_offsets(tmp_path):
     gen = torch.Generator().manual_seed(1)
     latent, rope = (torch.randn(4, 16, generator=gen).half() for _ in range(2))
     lengths, table = torch.tensor([slot - 4], dtype=torch.int32), torch.ones(1, 8, dtype=torch.int32)
-    store_latent(latent, rope, blocks, lengths, table, torch.tensor([0, 4], dtype=torch.int32), 0)
+    store_latent(StoreLatentArgs(latent, rope, blocks, lengths, table, torch.tensor([0, 4], dtype=torch.int32), 0))
     assert torch.equal(blocks[1, 0, 0, -4:, 0, :16], latent) and torch.equal(blocks[1, 0, 0, -4:, 0, 16:], rope)
     assert not blocks[0, 0, 0, :8].any()  # where the wrapped offsets pointed
     assert triton_mla.wide_page(*mla_views(blocks, 16, None)[:2])

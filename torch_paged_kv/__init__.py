@@ -21,6 +21,7 @@ from .ops import (
     store_latent,
 )
 from .params import KVCacheParams, TPShard
+from .sequence_checkpoint import load_sequences, save_sequences
 from .step import GroupStepPlan, StepPlan
 
 __all__ = [
@@ -45,9 +46,11 @@ __all__ = [
     "flash_attention",
     "gather_kv",
     "load_cache",
+    "load_sequences",
     "mark_step_dynamic",
     "mla_attention",
     "save_cache",
+    "save_sequences",
     "store_kv",
     "store_latent",
 ]

@@ -272,7 +272,7 @@ def save_cache(
     The loaded cache's row i is saved row `batch_indices[i]`. Instead of the collection's own rows,
     `rows=(cache_lengths, lookup_table)` saves rows given explicitly (int32, the shapes of the
     collection's step tensors; for a `LayerGroups`, one lookup table per group), whose tables name
-    pages of the pools (what `KVCacheManager.save` passes: its sequences are not rows of the
+    pages of the pools (what `save_sequences` passes: its sequences are not rows of the
     collection). `metadata` (str -> str) is stored as user metadata. Page data beyond `shard_bytes`
     per file goes to shard files next to `path`, listed in `path`'s header. `tp_shard` records which
     KV heads of the model the collection holds (a tensor-parallel rank's; None: all; one group only).
@@ -765,7 +765,7 @@ def _read_small(f: Any, name: str, tensors: dict[str, dict], checksums: dict[str
         read_into(f, tensors[name]["data_offsets"][0], tensor)
     except SafetensorsFormatError as exc:  # cut short since its header was read
         raise CheckpointError(f"{path}: {exc}") from None
-    _verify(name, zlib.crc32(memoryview(tensor.view(torch.uint8).numpy().reshape(-1))), checksums, path)
+    _verify(name, zlib.crc32(tensor.view(torch.uint8).numpy().reshape(-1).data), checksums, path)
     return tensor
 
 

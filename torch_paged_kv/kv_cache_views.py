@@ -138,36 +138,47 @@ class PagedKVCache:
     @property
     def per_granule(self) -> bool:
         """Whether scales are per token, head and granule (else: one static scale per plane)."""
-        return self.quantization_enabled and self.scales.dim() == 6
+        return self.quantization_enabled and self._fp8_scales.dim() == 6
+
+    @property
+    def _fp8_scales(self) -> torch.Tensor:
+        """`scales` of an FP8 view (its constructor requires them)."""
+        scales = self.scales
+        assert scales is not None
+        return scales
 
     @property
     def quantization_granularity(self) -> int | None:
         """Elements of head_dim (MLA: of the latent) sharing one scale (None: unquantized or a static
         per-tensor scale)."""
-        width = self.kv_lora_rank if self.is_mla else self.head_dim
-        return width // self.scales.shape[-1] if self.per_granule else None
+        return self._granule_width() if self.per_granule else None
+
+    def _granule_width(self) -> int:
+        """Elements of head_dim (MLA: of the latent) sharing one scale of a per-granule cache."""
+        width = self.head_dim if self.kv_lora_rank is None else self.kv_lora_rank
+        return width // self._fp8_scales.shape[-1]
 
     @property
     def scale_dtype(self) -> torch.dtype | None:
-        return self.scales.dtype if self.quantization_enabled else None
+        return self._fp8_scales.dtype if self.quantization_enabled else None
 
     def scale_row_view(self) -> torch.Tensor:
         """Per-granule `scales` as rows of width `num_kv_heads * groups`: row r holds the scales of row r
         of `row_view()` (same `get_tma_row` / `row_idx` arithmetic)."""
         if not self.per_granule:
             raise ValueError("scale_row_view: only a per-granule FP8 cache has a scales row view")
-        return self.scales.view(-1, self.num_kv_heads * self.scales.shape[-1])
+        return self._fp8_scales.view(-1, self.num_kv_heads * self._fp8_scales.shape[-1])
 
     def scale_col_idx(self, head_idx: int, group: int = 0) -> int:
         """Column of (KV head `head_idx`, granule `group`) in `scale_row_view()`."""
-        return head_idx * self.scales.shape[-1] + group
+        return head_idx * self._fp8_scales.shape[-1] + group
 
     def load_scale(self, batch_idx: int, head_idx: int, tok: int, group: int = 0) -> torch.Tensor:
         """The fp32 scale of granule `group` of one cached token's head vector (the plane's static
         scale for a per-tensor cache)."""
         self._require_quantized("load_scale")
         if not self.per_granule:
-            return self.scales[self.plane]
+            return self._fp8_scales[self.plane]
         return self.scale_row_view()[self.row_idx(batch_idx, tok), self.scale_col_idx(head_idx, group)]
 
     def store_scale(self, batch_idx: int, head_idx: int, tok: int, group: int, scale: float | torch.Tensor) -> None:
@@ -205,9 +216,8 @@ class PagedKVCache:
         if not self.quantization_enabled:
             return raw
         if not self.per_granule:
-            return raw.float() * self.scales[self.plane]
-        granularity = self.quantization_granularity
-        groups = torch.arange(dim, dim + raw.numel(), device=raw.device) // granularity
+            return raw.float() * self._fp8_scales[self.plane]
+        groups = torch.arange(dim, dim + raw.numel(), device=raw.device) // self._granule_width()
         row = self.scale_row_view()[self.row_idx(batch_idx, tok)]
         return raw.float() * row[self.scale_col_idx(head_idx) + groups]
 
@@ -219,7 +229,7 @@ class PagedKVCache:
 
     # -- MLA rows: latent, then rope (MAX's content and rope tiles) -------------------------------
     def _require_mla(self, name: str) -> int:
-        if not self.is_mla:
+        if self.kv_lora_rank is None:
             raise ValueError(f"{name}: only an MLA cache (one plane) has latent and rope columns")
         return self.kv_lora_rank
 
@@ -245,8 +255,8 @@ class PagedKVCache:
         if not self.quantization_enabled:
             return raw
         if not self.per_granule:
-            return raw.float() * self.scales[0]
-        groups = torch.arange(rank, device=raw.device) // (rank // self.scales.shape[-1])
+            return raw.float() * self._fp8_scales[0]
+        groups = torch.arange(rank, device=raw.device) // self._granule_width()
         return raw.float() * self.scale_row_view()[self.row_idx(batch_idx, tok)][groups]
 
     def load_rope(self, batch_idx: int, tok: int) -> torch.Tensor:

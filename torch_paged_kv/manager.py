@@ -10,13 +10,14 @@ sequences of one step, all or nothing across groups; the model runs; `commit_ste
 lengths, caches the pages that became full (one sha256 per page that fills, the same key in every
 group) and drops, in sliding-window groups, the pages that left the window of every later query.
 Sequences filled elsewhere come in through `reserve` (reservation.py), host copies through
-offload.py; KV checkpoints of sequences are sequence_checkpoint.py (`save` / `load` delegate to it).
+offload.py; KV checkpoints of a manager's sequences are
+`sequence_checkpoint.save_sequences` / `load_sequences`, a layer above.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -84,7 +85,7 @@ class KVCacheManager:
         self.collections = groups.collections
         self.tp_shard = normalized_shard(self.collections[0].params, tp_shard)
         for c in self.collections:
-            mark_driven(c, "KVCacheManager.save(path, seq_ids)")
+            mark_driven(c, "torch_paged_kv.save_sequences(manager, path, seq_ids)")
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.page_size = groups.page_size
         self.max_seq_len = groups.max_seq_len
@@ -246,10 +247,10 @@ class KVCacheManager:
             if partial:
                 group_pages += pool.allocate(1)
                 c = group.collection
-                index = [
-                    torch.tensor(p, dtype=torch.int32, device=c.device) for p in ([src_pages[full]], group_pages[-1:])
-                ]
-                copy_pages(c.blocks, *index, c.scales)
+                copied, copy = (
+                    torch.tensor([p], dtype=torch.int32, device=c.device) for p in (src_pages[full], group_pages[-1])
+                )
+                copy_pages(c.blocks, copied, copy, c.scales)
             pages.append(group_pages)
         known = int(table.known[src.slot])
         tokens = table.tokens[src.slot, : min(known, length)] if known >= 0 else None
@@ -276,7 +277,8 @@ class KVCacheManager:
         self._check_unlocked()
         ids = list(seq_ids)
         self.check_new_ids(ids)
-        rows = [page_rows] if len(self.collections) == 1 else list(page_rows)
+        one = len(self.collections) == 1
+        rows = cast(Sequence[Sequence[Sequence[int]]], [page_rows] if one else list(page_rows))
         if len(rows) != len(self.collections):
             raise ValueError(f"page_rows: expected {len(self.collections)} lists of rows (one per layer group)")
         limits = ([c.params for c in self.collections], self.max_seq_len, self.enable_prefix_caching)
@@ -299,10 +301,10 @@ class KVCacheManager:
         table, last = self.page_table, self._uploaded
         ids = list(seq_ids)
         batch = len(ids)
-        same_rows = last is not None and ids == last.ids
-        same_counts = last is not None and last.same_counts(num_new_tokens, batch)
-        seqs, slots = (last.seqs, last.slots) if same_rows else self._resolve(ids)
-        num_new = last.num_new if same_counts else check_num_new(num_new_tokens, batch)
+        rows_kept = last if last is not None and ids == last.ids else None  # (the same rows as last step)
+        counts_kept = last if last is not None and last.same_counts(num_new_tokens, batch) else None
+        seqs, slots = (rows_kept.seqs, rows_kept.slots) if rows_kept is not None else self._resolve(ids)
+        num_new = counts_kept.num_new if counts_kept is not None else check_num_new(num_new_tokens, batch)
         flat_ids = None if token_ids is None else check_token_ids(token_ids, num_new)
         lengths = table.lengths[slots]
         new_lengths = lengths + num_new
@@ -319,18 +321,18 @@ class KVCacheManager:
             if grow.size:
                 group.extend(slots[grow], missing[grow], pool.allocate(int(missing[grow].sum())))
             changed = None
-            if same_rows:
+            if rows_kept is not None:
                 left = self._left_window[g]
                 changed = grow if left is None else np.union1d(grow, left)
             self._left_window[g] = None
-            group.upload(slots, lengths, num_new, changed, same_offsets=same_counts)
+            group.upload(slots, lengths, num_new, changed, same_offsets=counts_kept is not None)
         if flat_ids is not None and self.enable_prefix_caching:
             table.reserve_tokens(longest)  # room for this step's ids
-        if not same_counts:
+        if counts_kept is None:
             counts = list(num_new_tokens) if type(num_new_tokens) is list else None
             self._uploaded = UploadedRows(ids, seqs, slots, counts, num_new)
-        elif not same_rows:
-            self._uploaded = last._replace(ids=ids, seqs=seqs, slots=slots)
+        elif rows_kept is None:
+            self._uploaded = counts_kept._replace(ids=ids, seqs=seqs, slots=slots)
         self._pending = PreparedStep(seqs, slots, num_new, new_lengths, flat_ids)
         if len(table.groups) == 1:
             return table.groups[0].step_tensors(batch)
@@ -387,13 +389,15 @@ class KVCacheManager:
         ids = list(seq_ids)
         check_unique(ids, "seq_ids")
         seqs = [self._seqs.get(i, "seq_ids") for i in ids]
+        host_pages = []
         for seq in seqs:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
+            host_pages.append(seq.host_pages)
         table = self.page_table
         firsts = [group.first_held(table.lengths[[seq.slot for seq in seqs]]).tolist() for group in table.groups]
         copies = [
-            [(seq.host_pages[g], seq.keys[first:]) for seq, first in zip(seqs, firsts[g], strict=True)]
+            [(held[g], seq.keys[first:]) for seq, held, first in zip(seqs, host_pages, firsts[g], strict=True)]
             for g in range(len(table.groups))
         ]
         for pool, group_copies in zip(self.page_pools, copies, strict=True):
@@ -406,19 +410,6 @@ class KVCacheManager:
             seq.host_pages = None
             for g, group in enumerate(table.groups):
                 group.set_pages(seq.slot, [NULL_PAGE] * firsts[g][i] + restored[g][i])
-
-    # -- checkpoints (sequence_checkpoint.py, a layer above: imported when called) ---------------
-    def save(self, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
-        """`sequence_checkpoint.save(self, path, seq_ids)`: the sequences to a KV checkpoint."""
-        from .sequence_checkpoint import save
-
-        save(self, path, seq_ids)
-
-    def load(self, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
-        """`sequence_checkpoint.load(self, path, seq_ids)`: a checkpoint's sequences added; their ids."""
-        from .sequence_checkpoint import load
-
-        return load(self, path, seq_ids)
 
     # -- helpers -------------------------------------------------------------------------------
     def _check_unlocked(self) -> None:
@@ -472,7 +463,7 @@ class KVCacheManager:
         pages = []
         for pool, p in zip(pools, params, strict=True):
             first = p.first_held_page(hit * self.page_size)
-            pages.append([NULL_PAGE] * first + [pool.lookup(key(i)) for i in range(first, hit)])
+            pages.append([NULL_PAGE] * first + [pool.page_of[key(i)] for i in range(first, hit)])
         return pages, keys[:hit]
 
     def _add(

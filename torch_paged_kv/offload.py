@@ -64,9 +64,9 @@ def restore_pages(
         todo = [i for i, page in enumerate(hits) if page is None]
         fresh = pool.allocate(len(todo))
         write_pages(collection, fresh, [t[todo] for t in host])
-        for i, page in zip(todo, fresh, strict=True):
-            hits[i] = page
-        for page, key in zip(hits[: len(keys)], keys, strict=True):  # keyed: the leading full pages
+        written = iter(fresh)
+        pages = [next(written) if page is None else page for page in hits]
+        for page, key in zip(pages[: len(keys)], keys, strict=True):  # keyed: the leading full pages
             pool.register(page, key)
-        restored.append(hits)
+        restored.append(pages)
     return restored

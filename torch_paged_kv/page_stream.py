@@ -5,10 +5,10 @@ Used by `checkpoint`: never a full host copy of the pool, whatever its size.
 
 from __future__ import annotations
 
+import io
 import math
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import BinaryIO
 
 import torch
 from tqdm import tqdm
@@ -78,10 +78,10 @@ class PageStream:
             self._host[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
         return self._host[i][:nbytes].view(shape)
 
-    def _runs(self, ids: torch.Tensor) -> list[tuple[int, int]] | None:
-        """`(first id, count)` runs of consecutive ids when CPU pages can be written in place
-        (contiguous pages, runs of at least `DIRECT_RUN_BYTES` on average); else None."""
-        if self.cuda or not self.view[:1].is_contiguous() or not ids.numel():
+    def _runs(self, view: torch.Tensor, ids: torch.Tensor) -> list[tuple[int, int]] | None:
+        """`(first id, count)` runs of consecutive ids when CPU pages of `view` (the pool's) can be
+        written in place (contiguous pages, runs of at least `DIRECT_RUN_BYTES` on average); else None."""
+        if self.cuda or not view[:1].is_contiguous() or not ids.numel():
             return None
         starts = torch.ones(ids.numel(), dtype=torch.bool)
         starts[1:] = ids[1:] != ids[:-1] + 1
@@ -94,12 +94,13 @@ class PageStream:
     def write(self, writer: SafetensorsWriter, ids: torch.Tensor, bar: tqdm) -> None:
         """Write pages `ids` (on the blocks' device) in order: CPU pages in place when they lie in
         long runs, else gathered chunk by chunk, each write overlapping the next gather."""
-        assert self.view is not None
+        view = self.view
+        assert view is not None
         with ThreadPoolExecutor(1) as pool:
             pending = None
             for i, (pages, planes, layers, _, nbytes) in enumerate(self.chunks(ids.numel())):
-                src = self.view[:, planes, layers]
-                runs = self._runs(ids[pages])
+                src = view[:, planes, layers]
+                runs = self._runs(view, ids[pages])
                 if runs is not None:
                     job = [src[first : first + count] for first, count in runs]
                 else:
@@ -117,33 +118,36 @@ class PageStream:
         host = self._host_buffer(i, shape)
         if not self.cuda:
             return torch.index_select(src, 0, ids, out=host)
-        return host.copy_(torch.index_select(src, 0, ids, out=self._staging_view(shape)))
+        return host.copy_(torch.index_select(src, 0, ids, out=self._staging_view(shape, src.device)))
 
-    def _staging_view(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The reused device staging buffer (CUDA pools) viewed as `shape`; grown on demand."""
+    def _staging_view(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The reused staging buffer on `device` (the pool's, for CUDA pools) viewed as `shape`; grown
+        on demand."""
         nbytes = math.prod(shape)
         if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.view.device)
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._staging[:nbytes].view(shape)
 
-    def read(self, file: BinaryIO, offset: int, dst_ids: torch.Tensor | None, count: int, bar: tqdm) -> int:
+    def read(self, file: io.BufferedIOBase, offset: int, dst_ids: torch.Tensor | None, count: int, bar: tqdm) -> int:
         """CRC-32 of `count` stored pages at `offset`, copied to pages `dst_ids` (int64, CPU) unless
         None: straight into the pool where they are consecutive CPU pages, else through a buffer."""
         crc = 0
+        view = self.view
         for pages, planes, layers, chunk_offset, nbytes in self.chunks(count):
             shape = (pages.stop - pages.start, planes.stop - planes.start, layers.stop - layers.start, self.unit)
-            ids = None if dst_ids is None or self.view is None else dst_ids[pages]
-            dst = None
-            if ids is not None and torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
-                dst = self.view[int(ids[0]) : int(ids[0]) + ids.numel(), planes, layers]
+            ids = dst = None
+            if dst_ids is not None and view is not None:
+                ids = dst_ids[pages]
+                if torch.equal(ids, torch.arange(int(ids[0]), int(ids[0]) + ids.numel())):
+                    dst = view[int(ids[0]) : int(ids[0]) + ids.numel(), planes, layers]
             direct = dst is not None and not self.cuda and dst.is_contiguous()
-            target = dst if direct else self._host_buffer(0, shape)  # reads are synchronous: one buffer
+            target = dst if dst is not None and direct else self._host_buffer(0, shape)  # (synchronous: one buffer)
             read_into(file, offset + chunk_offset, target)
-            crc = zlib.crc32(memoryview(target.numpy()).cast("B"), crc)
+            crc = zlib.crc32(target.numpy().data.cast("B"), crc)
             if dst is not None and not direct:
                 dst.copy_(target)
-            elif ids is not None and dst is None:
-                rows = self._staging_view(shape).copy_(target) if self.cuda else target
-                self.view[:, planes, layers].index_copy_(0, ids.to(self.view.device), rows)
+            elif view is not None and ids is not None and dst is None:
+                rows = self._staging_view(shape, view.device).copy_(target) if self.cuda else target
+                view[:, planes, layers].index_copy_(0, ids.to(view.device), rows)
             bar.update(nbytes)
         return crc

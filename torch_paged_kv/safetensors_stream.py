@@ -14,6 +14,7 @@ out, so nothing has to be read twice. `read_header` checks a file against the fo
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -133,7 +134,7 @@ class SafetensorsWriter:
         spec = self._specs[self._index]
         if chunk.device.type != "cpu":
             raise ValueError(f"write: {spec.name} expects a CPU chunk, got one on {chunk.device}")
-        data = memoryview(chunk.contiguous().view(-1).view(torch.uint8).numpy())
+        data = chunk.contiguous().view(-1).view(torch.uint8).numpy().data
         if self._written + data.nbytes > spec.nbytes:
             raise ValueError(f"write: {spec.name} overflows its {spec.nbytes} bytes")
         self._write_bytes(data)
@@ -235,9 +236,9 @@ def _tensor_entry(name: str, info: Any) -> dict[str, Any]:
     return {"dtype": dtype, "shape": shape, "data_offsets": list(offsets)}
 
 
-def read_into(file: BinaryIO, offset: int, out: torch.Tensor) -> None:
+def read_into(file: io.BufferedIOBase, offset: int, out: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor `out` with the file's bytes at `offset`."""
-    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    view = out.view(-1).view(torch.uint8).numpy().data
     file.seek(offset)
     while view.nbytes:
         count = file.readinto(view)

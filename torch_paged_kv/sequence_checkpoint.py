@@ -1,4 +1,4 @@
-"""KV checkpoints of a manager's sequences: `save` and `load` (what `KVCacheManager.save` / `load` call).
+"""KV checkpoints of a manager's sequences: `save_sequences` and `load_sequences` (`torch_paged_kv.*`).
 
 Above both the manager and checkpoint.py: a save writes the sequences' lengths and table rows with
 `checkpoint.save_cache(rows=...)` and their known token ids as user metadata (`METADATA_KEY`); a
@@ -25,7 +25,7 @@ METADATA_KEY = "torch_paged_kv.manager"
 """Checkpoint user-metadata key holding the saved sequences' token ids (JSON)."""
 
 
-def save(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
+def save_sequences(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequence) -> None:
     """Save sequences of `manager` (on device, not in a prepared step) with `checkpoint.save_cache`.
 
     Row i of the file is `seq_ids[i]`; pages they share are stored once. Token ids known for
@@ -45,7 +45,7 @@ def save(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequenc
     checkpoint.save_cache(cache, path, rows=rows, metadata=metadata, tp_shard=manager.tp_shard)
 
 
-def load(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
+def load_sequences(manager: KVCacheManager, path: str | os.PathLike[str], seq_ids: Sequence | None = None) -> list:
     """Add the sequences of a checkpoint to `manager`'s live cache, in free pages; returns their ids.
 
     Ids are `seq_ids` if given, else fresh `("loaded", n)` tuples (`manager.fresh_ids`). All or

@@ -40,6 +40,10 @@ _OPS = torch.ops.paged_kv
 def _eager_plain(*tensors: Tensor) -> bool:
     """Whether an op call on `tensors` would reach the selected kernel as it is: not compiling, no
     torch function or dispatch mode or profiler that should see the op, plain tensors."""
+    # Private torch APIs, the cheapest way to ask (checked with torch 2.13; tests/test_step_plan.py
+    # fails if one disappears or stops answering as used here): torch._C._is_torch_function_mode_enabled()
+    # and torch._C._len_torch_dispatch_stack() (an active TorchFunctionMode / TorchDispatchMode), and
+    # torch.autograd.profiler._is_profiler_enabled (a bool the profilers set while they record).
     if torch.compiler.is_compiling():
         return False
     if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
@@ -129,15 +133,21 @@ class StepPlan:
         softcap: float = 0.0,
         sinks: Tensor | None = None,
         attention_chunk_size: int = -1,
+        tree_mask: Tensor | None = None,
     ) -> Tensor:
         """`api.flash_attention` of this step's queries `[total_new, num_q_heads, head_dim]` at layer `layer_idx`."""
         self._rows("q", q, layer_idx)
-        variant = ("flash_attention", causal, sliding_window > 0, softcap > 0, sinks is None, attention_chunk_size > 0)
-        tensors = (q,) if sinks is None else (q, sinks)
+        variant = (
+            "flash_attention", causal, sliding_window > 0, softcap > 0, sinks is None, attention_chunk_size > 0,
+            tree_mask is None,
+        )  # fmt: skip
+        tensors = (
+            (q,) if sinks is None and tree_mask is None else tuple(t for t in (q, sinks, tree_mask) if t is not None)
+        )
         kernel = self._direct(variant, layer_idx, *tensors)
         a = FlashAttentionArgs(
             q, self.blocks, *self.step, layer_idx, softmax_scale, causal, sliding_window, softcap, self.scales, sinks,
-            attention_chunk_size,
+            attention_chunk_size, tree_mask,
         )  # fmt: skip
         if kernel is not None:
             validate.check_flash_attention_rows(a)

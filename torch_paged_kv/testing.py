@@ -206,6 +206,7 @@ def attention_fp64(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     attention_chunk_size: int = -1,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention in float64 on contiguous per-sequence K/V, written from the op contract alone."""
     outputs, row = [], 0
@@ -229,6 +230,10 @@ def attention_fp64(
             allowed &= p - j < sliding_window
         if attention_chunk_size > 0:
             allowed &= p // attention_chunk_size == j // attention_chunk_size
+        if tree_mask is not None:  # new token t of this sequence only where the query's bit t is set
+            for i, bits in enumerate(tree_mask[row : row + new].tolist()):
+                for t in range(new):
+                    allowed[i, cached + t] &= t < 64 and bool((bits >> t) & 1)
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
         top = scores.amax(-1, keepdim=True)
         sink = None if sinks is None else sinks.double().to(scores.device)[:, None, None]
@@ -269,7 +274,9 @@ class MLABatch:
         return self.cache_lengths, self.lookup_table, self.input_row_offsets
 
 
-def mla_row_contents(latent: torch.Tensor, rope: torch.Tensor, params: KVCacheParams) -> tuple[torch.Tensor, ...]:
+def mla_row_contents(
+    latent: torch.Tensor, rope: torch.Tensor, params: KVCacheParams
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """What an MLA cache of `params` holds for the rows `latent` `[n, kv_lora_rank]`, `rope` `[n, rope_dim]`:
     (stored latent elements, FP8 codes for an FP8 cache; their per-granule scales or None; the latent
     it reads back, fp32 for an FP8 cache; the rope as stored, bf16 in an FP8 cache)."""
@@ -281,7 +288,9 @@ def mla_row_contents(latent: torch.Tensor, rope: torch.Tensor, params: KVCachePa
     if params.static_scales is not None:
         q = quant.quantize_static(latent, params.dtype, params.static_scales[0])
         return q, None, q.float() * params.static_scales[0], rope
-    q, scales = quant.quantize(latent, params.dtype, params.quantization_granularity)
+    granularity = params.quantization_granularity
+    assert granularity is not None  # (per-granule scales: KVCacheParams sets it)
+    q, scales = quant.quantize(latent, params.dtype, granularity)
     return q, scales, quant.dequantize(q, scales), rope
 
 
@@ -349,7 +358,7 @@ def make_mla_batch(
         if params.quantized:
             rows = torch.cat((stored[:cached].view(torch.uint8), held_rope[:cached].view(torch.uint8)), dim=1)
             blocks.view(torch.uint8)[pages, 0, layer_idx, pos % page_size, 0] = rows
-            if row_scales is not None:
+            if scales is not None and row_scales is not None:
                 scales[pages, 0, layer_idx, pos % page_size, 0] = row_scales[:cached]
         else:
             blocks[pages, 0, layer_idx, pos % page_size, 0] = torch.cat((stored[:cached], held_rope[:cached]), dim=1)

@@ -48,7 +48,7 @@ def _manager_file(directory: Path) -> Path:
     src.fork("a", "c")  # shares a's two full pages
     model["c"] = list(model["a"])
     run_step(src, ["c"], [[7, 8]], model)
-    src.save(directory / "manager.safetensors", ["c", "b", "a"])
+    tpk.save_sequences(src, directory / "manager.safetensors", ["c", "b", "a"])
     return directory / "manager.safetensors"
 
 
@@ -139,7 +139,7 @@ def test_readers_refuse_damaged_and_crafted_files_cleanly(checkpoints, tmp_path:
         except Exception as exc:
             raise AssertionError(f"{context}: {type(exc).__name__}: {exc}") from exc
     assert outcomes["load_cache: refused"] and outcomes["load_cache: read"], outcomes
-    assert outcomes["manager.load: refused"] and outcomes["manager.load: read"], outcomes
+    assert outcomes["load_sequences: refused"] and outcomes["load_sequences: read"], outcomes
 
 
 def _run_readers(main: Path, base: str, num_pages: int, outcomes: Counter) -> None:
@@ -186,12 +186,12 @@ def _manager_load(main: Path, params: tpk.KVCacheParams, outcomes: Counter) -> N
     m = _target_manager(params)
     before = snapshot(m)
     try:
-        ids = m.load(main)
+        ids = tpk.load_sequences(m, main)
     except (CheckpointError, OutOfPagesError):
-        outcomes["manager.load: refused"] += 1
+        outcomes["load_sequences: refused"] += 1
         assert_same(before, snapshot(m))
         return
-    outcomes["manager.load: read"] += 1
+    outcomes["load_sequences: read"] += 1
     for seq_id in ids:
         m.release(seq_id)
     held = {p for p in m.pages("live")}

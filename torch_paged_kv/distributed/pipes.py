@@ -76,11 +76,11 @@ def _move(pool: torch.Tensor, data: torch.Tensor, pages: list[int], to_wire: boo
                 np.copyto(a, b) if to_wire else np.copyto(b, a)
             return
         pool_np, data_np = _widest(pool_np, data_np)
-        index = np.asarray(pages, dtype=np.int64)
+        rows = np.asarray(pages, dtype=np.int64)
         if to_wire:
-            np.take(pool_np, index, axis=0, out=data_np)
+            np.take(pool_np, rows, axis=0, out=data_np)
         else:
-            pool_np[index] = data_np
+            pool_np[rows] = data_np
         return
     index = torch.tensor(pages, dtype=torch.long, device=pool.device)
     if not to_wire:  # blocking copy to the pool's device: the buffer is reused for the next chunk
@@ -187,8 +187,10 @@ class DirectPipe:
 
     def pack_scales(self, pages: list[int]) -> torch.Tensor:
         """The scales of `pages`, in order, as one flat uint8 message."""
+        scales = self.scales
+        assert scales is not None  # (a cache with scales)
         message = self.scales_message(len(pages))
-        _move(self.scales, message.view(len(pages), -1), pages, to_wire=True)
+        _move(scales, message.view(len(pages), -1), pages, to_wire=True)
         return message
 
     def scales_message(self, num_pages: int) -> torch.Tensor:

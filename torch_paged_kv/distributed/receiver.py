@@ -57,8 +57,8 @@ def receive_sequences(
             receiver.commit(reservation, written)
         except BaseException as exc:
             if reservation.open:
-                written = getattr(exc, "pages_written", None)
-                reservation.abort(written if isinstance(written, int) else None)
+                pages_written = getattr(exc, "pages_written", None)
+                reservation.abort(pages_written if isinstance(pages_written, int) else None)
             raise
     except BaseException:
         receiver.vote_no()
@@ -275,9 +275,10 @@ def _receive_direct(
     except BaseException:
         for k in [*works, *range(posted, len(payloads) + 1)]:
             with contextlib.suppress(Exception):
-                work = works.pop(k, None)
                 tensor = payloads[k] if k < len(payloads) else expected
-                (work or dist.irecv(tensor, src, group=group)).wait(timeout)
+                work = works.pop(k, None) or dist.irecv(tensor, src, group=group)
+                if work is not None:
+                    work.wait(timeout)
         raise
     mismatched = (wire.checksums_tensor(sums, expected.device) != expected).nonzero().cpu()  # one wait, at the end
     if mismatched.numel():
@@ -351,8 +352,10 @@ def _check_compatible(manager: KVCacheManager, meta: dict[str, Any], preamble: w
     blocks_bytes = byte_pages(manager.collection.blocks).shape[1]
     scale_bytes = 0 if scales is None else byte_pages(scales).shape[1]
     if (preamble.page_bytes, preamble.scale_bytes) != (blocks_bytes, scale_bytes):
-        theirs, ours = (preamble.page_bytes, preamble.scale_bytes), (blocks_bytes, scale_bytes)
-        return f"pages of {theirs[0]}+{theirs[1]} bytes (blocks+scales), this cache's are {ours[0]}+{ours[1]}"
+        return (
+            f"pages of {preamble.page_bytes}+{preamble.scale_bytes} bytes (blocks+scales), this cache's are "
+            f"{blocks_bytes}+{scale_bytes}"
+        )
     return None
 
 

@@ -1,7 +1,7 @@
 """KV-state checkpoints across tensor-parallel sizes: each rank saves its heads, any size loads them.
 
-Rank r of a tensor-parallel group saves its own file (`manager.save(shard_path(path, manager.tp_shard),
-ids)`): an ordinary checkpoint whose `params` metadata carries the manager's `TPShard` (`tp_size`,
+Rank r of a tensor-parallel group saves its own file (`save_sequences(manager, shard_path(path,
+manager.tp_shard), ids)`): an ordinary checkpoint whose `params` metadata carries the manager's `TPShard` (`tp_size`,
 `tp_rank`, `kv_head_start`, `total_kv_heads`). Every rank's file holds the same lengths, tables and token ids
 (the ranks' page decisions are identical) and its own heads of each page. Loading at another size
 reads, for the heads the target holds, the files that hold them, and copies those head columns of
@@ -133,6 +133,7 @@ def _paged_tensors(params: KVCacheParams) -> list[tuple[str, torch.dtype, int]]:
     `scales` of an FP8 cache; both `[pages, planes, layers, page_tokens, kv_heads, last dim]`."""
     tensors = [("blocks", params.dtype, params.head_dim)]
     if params.has_scales_tensor:
+        assert params.scale_dtype is not None  # (KVCacheParams sets it for a scales tensor)
         tensors.append(("scales", params.scale_dtype, params.scales_per_head))
     return tensors
 
@@ -164,7 +165,7 @@ def _stream_heads(source: _Source, pools: list[torch.Tensor], pages: torch.Tenso
                         read_into(f, start + a * page_bytes, chunk)
                     except SafetensorsFormatError as exc:  # cut short since its header was read
                         raise CheckpointError(f"{info.tensor_files[piece]}: {exc}") from None
-                    crc = zlib.crc32(memoryview(chunk.view(torch.uint8).numpy()).cast("B"), crc)
+                    crc = zlib.crc32(chunk.view(torch.uint8).numpy().data.cast("B"), crc)
                     index = pages[first + a : first + a + n].to(pool.device)
                     columns = indexable(chunk)[:, :, :, :, source.file_heads].to(pool.device)
                     target[index, :, :, : info.page_tokens, source.target_heads] = columns
@@ -231,6 +232,7 @@ def load_cache_sharded(
     info, sources = plan_shards(paths, target, tp_shard(full, tp_size, tp_rank))
     check_allocation(info, target, device)
     batch = len(info.cache_lengths)
+    collection: PagedKVCacheCollection | ContinuousBatchingKVCacheCollection
     if info.kind == CONTINUOUS:
         collection = ContinuousBatchingKVCacheCollection(target, batch, info.max_seq_len, device)
     else:

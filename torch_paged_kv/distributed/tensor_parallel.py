@@ -123,7 +123,7 @@ class TensorParallelKVCacheManager(KVCacheManager):
         self.tp_rank, self.tp_size = rank, size
         self.overlap = bool(overlap)
         self.steps_prepared = 0
-        self._in_flight: tuple[int, torch.Tensor, object] | None = None
+        self._in_flight: tuple[int, torch.Tensor, dist.Work] | None = None
 
     def prepare_step(
         self, seq_ids: Sequence, num_new_tokens: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None
@@ -132,6 +132,7 @@ class TensorParallelKVCacheManager(KVCacheManager):
         started; with `overlap` it completes while the model runs and `commit_step` checks it."""
         self._check_pending()  # an abandoned step's check still counts
         step = super().prepare_step(seq_ids, num_new_tokens, token_ids)
+        assert isinstance(step, StepTensors)  # a tensor-parallel cache has one layer group
         self.steps_prepared += 1
         if self.verify_every and self.steps_prepared % self.verify_every == 0:
             if self.overlap:
@@ -166,12 +167,13 @@ class TensorParallelKVCacheManager(KVCacheManager):
             h.update(np.array(self.page_pool.free_pages(), dtype=np.int64).tobytes())
         return int.from_bytes(h.digest(), "little")
 
-    def _start(self, digest: int) -> tuple[int, torch.Tensor, object]:
+    def _start(self, digest: int) -> tuple[int, torch.Tensor, dist.Work]:
         both = torch.tensor([digest, -digest], dtype=torch.int64)
         work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.cpu_group, async_op=True)
+        assert work is not None  # (async_op: a handle)
         return digest, both, work
 
-    def _check(self, digest: int, both: torch.Tensor, work: object) -> None:
+    def _check(self, digest: int, both: torch.Tensor, work: dist.Work) -> None:
         work.wait()
         high, low = int(both[0]), -int(both[1])
         if high != low:

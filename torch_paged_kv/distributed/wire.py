@@ -35,7 +35,7 @@ order (S: sender, R: receiver); every message is one tensor, sizes known to both
 
 Checksums: `SUM64` (`sum64`, a position-weighted 64-bit sum; the default) or `CRC32` (zlib's CRC-32
 of the bytes, on the host: stronger against reordered bytes, several times slower). SUM64 has two
-implementations, one per place the bytes are: host bytes in C++ (`ops/cpu/wire_copy.cpp`: `sum64`
+implementations, one per place the bytes are: host bytes in C++ (`native/wire_copy.cpp`: `sum64`
 of bytes in place, and `copy_sum64`, which moves pages into or out of a message and sums it in the
 same pass), device bytes in torch reductions (`sum64_tensor`: no copy to the host, no wait). Where
 the C++ library cannot be built, host bytes take the torch route too. Both give the same value
@@ -44,7 +44,9 @@ the C++ library cannot be built, host bytes take the torch route too. Both give 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -54,7 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..ops.cpu import build
+from ..native import build
 
 MAGIC = 0x4B5650_41474553  # "KVPAGES"
 VERSION = 2
@@ -319,7 +321,7 @@ def sum64(payload: torch.Tensor) -> int:
     if payload.dtype != torch.uint8 or not payload.is_contiguous():
         raise ValueError(f"payload: expected a contiguous uint8 tensor, got {payload.dtype}")
     if payload.device.type == "cpu" and has_copy_sum64():
-        return build.library().pkv_wire_sum(payload.data_ptr(), payload.numel())
+        return _library().pkv_wire_sum(payload.data_ptr(), payload.numel())
     return int(sum64_tensor(payload).item()) & _MASK
 
 
@@ -358,8 +360,9 @@ def message_checksum(payload: torch.Tensor, kind: int) -> int | torch.Tensor:
 
 def checksums_tensor(sums: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
     """`message_checksum`s in order as int64 `[len(sums)]` (uint64 bits) on `device`."""
-    if sums and isinstance(sums[0], torch.Tensor):  # (all of one kind: the messages share a device)
-        return torch.stack(sums).to(device)
+    tensors = [s for s in sums if isinstance(s, torch.Tensor)]
+    if tensors:  # (all of one kind: the messages share a device)
+        return torch.stack(tensors).to(device)
     return torch.from_numpy(np.array(sums, dtype=np.uint64).view(np.int64)).to(device)
 
 
@@ -367,15 +370,32 @@ def has_copy_sum64() -> bool:
     """Whether `copy_sum64` and `sum64` of host bytes run in C++ here: the CPU library builds (the
     answer is kept for the process; else host bytes take the torch route)."""
     try:
-        build.library()
+        _library()
     except build.BuildError:
         return False
     return True
 
 
+SIGNATURES: build.Signatures = {
+    # segments (int64 [n, 3]), n, message, payload bytes, to_message -> the payload's sum64
+    "pkv_wire_copy": (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
+        ctypes.c_uint64,
+    ),
+    "pkv_wire_sum": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint64),  # data, bytes -> sum64
+}
+"""The native library's wire functions (`native/wire_copy.cpp`)."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The native library with the wire's functions declared (raises `build.BuildError`)."""
+    return build.declare(build.library(), SIGNATURES)
+
+
 def copy_sum64(segments: np.ndarray, payload: torch.Tensor, to_payload: bool) -> int:
     """Copy `segments` into the CPU uint8 tensor `payload` (contiguous; `to_payload`) or out of it and
-    return `sum64(payload)`, in one pass over the bytes (`ops/cpu/wire_copy.cpp`).
+    return `sum64(payload)`, in one pass over the bytes (`native/wire_copy.cpp`).
 
     `segments`: int64 `[n, 3]` rows (offset in `payload`, host address, bytes) in payload order,
     covering `payload` without gaps or overlaps (the addresses are the caller's to get right).
@@ -386,15 +406,16 @@ def copy_sum64(segments: np.ndarray, payload: torch.Tensor, to_payload: bool) ->
     starts = np.cumsum(np.append(0, segments[:, 2]))
     if (segments[:, 2] < 0).any() or not np.array_equal(segments[:, 0], starts[:-1]) or starts[-1] != payload.numel():
         raise ValueError(f"segments: expected runs covering the payload's {payload.numel()} bytes in order")
-    lib = build.library()
-    return lib.pkv_wire_copy(segments.ctypes.data, len(segments), payload.data_ptr(), payload.numel(), int(to_payload))
+    return _library().pkv_wire_copy(
+        segments.ctypes.data, len(segments), payload.data_ptr(), payload.numel(), int(to_payload)
+    )
 
 
 def checksum(payload: torch.Tensor, kind: int) -> int:
     """The checksum `kind` (CRC32 or SUM64) of a uint8 tensor `payload` (contiguous)."""
     if kind == CRC32:
         host = payload if payload.device.type == "cpu" else payload.cpu()
-        return zlib.crc32(memoryview(host.numpy()))
+        return zlib.crc32(host.numpy().data)
     return sum64(payload)
 
 

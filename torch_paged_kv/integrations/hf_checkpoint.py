@@ -96,7 +96,8 @@ def load_paged_cache(
                 f"{info.path}: the file holds a cache of {p}, but this config and these options make {ours[0][0]}"
             )
         raise CheckpointError(
-            f"{info.path}: the file holds a cache of layer groups {saved}, but this config and these options make {ours}"
+            f"{info.path}: the file holds a cache of layer groups {saved}, but this config and these options "
+            f"make {ours}"
         )
     if rows > cache.max_batch_size:
         raise ValueError(f"max_batch_size: the file holds {rows} rows, more than {cache.max_batch_size}")
@@ -114,7 +115,7 @@ def load_paged_cache(
             f"this config uses attn_implementation={cache.config._attn_implementation!r}"
         )
     per_row = info.pages_per_row()
-    for g, (group, pool) in enumerate(zip(info.groups, cache.pages, strict=True)):
+    for g, group in enumerate(info.groups):
         firsts = info.first_held_per_row(g)
         if sum(per_row) - sum(firsts) != group.num_pages:
             raise CheckpointError(f"{info.path}: rows share pages, which a PagedCache never does")

@@ -26,6 +26,9 @@ the rope as bf16 (`row = kv_lora_rank + 2 * rope_dim` bytes: MAX's rope-aware ro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -66,6 +69,7 @@ def flash_attention(
     scales: Tensor | None = None,
     sinks: Tensor | None = None,
     attention_chunk_size: int = -1,
+    tree_mask: Tensor | None = None,
 ) -> Tensor:
     """Attention of the new queries over each sequence's `cache_lengths[b] + new_b` keys -> `[total_new,
     num_q_heads, head_dim]`.
@@ -77,6 +81,10 @@ def flash_attention(
     `softcap > 0` applies `softcap * tanh(score / softcap)` after scaling. `sinks` (fp32
     `[num_q_heads]`, GPT-OSS's attention sinks) adds one logit per query head to each row's softmax
     denominator and nothing to its output: `out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))`.
+    `tree_mask` (int64 `[total_new]`, speculative decoding's tree verification) restricts which of its
+    sequence's new tokens each query sees: bit t of query row r's entry set iff it may see the
+    sequence's new token t (t < 64; a tree step has at most 64 new tokens per sequence); cached keys
+    are unaffected, and every other rule still applies (list a draft token after its ancestors).
     Accumulates in fp32 (an FP8 cache is dequantized on read; `q` is then fp32, fp16 or bf16).
     """
     return torch.ops.paged_kv.flash_attention.default(
@@ -93,6 +101,7 @@ def flash_attention(
         scales,
         sinks,
         attention_chunk_size,
+        tree_mask,
     )
 
 
@@ -183,7 +192,7 @@ def mla_attention(
     )
 
 
-OPS = {
+OPS: dict[str, Callable[..., Any]] = {
     "store_kv": store_kv,
     "flash_attention": flash_attention,
     "gather_kv": gather_kv,
@@ -193,7 +202,7 @@ OPS = {
 }
 """op name -> its typed public function (what `library.py` registers)."""
 
-MUTATED = {
+MUTATED: dict[str, tuple[str, ...]] = {
     "store_kv": ("blocks", "scales"),
     "flash_attention": (),
     "gather_kv": (),

@@ -24,5 +24,6 @@ _register(
     {op: (unpacked(getattr(reference_mla if op in dispatch.MLA_OPS else reference, op)), None) for op in dispatch.OPS},
 )
 _register("cpu", cpu.unavailable_reason, cpu.KERNELS)
+dispatch.register_value_check("cpu", cpu.VALUE_CHECK)
 _register("triton", triton_kernels.unavailable_reason, triton_kernels.KERNELS)
 _register("cute", cute.unavailable_reason, cute.KERNELS)

@@ -2,7 +2,9 @@
 
 Backends register kernels with `register_kernel(backend, op, fn, supports)`; `fn` takes the op's
 argument record (`records.py`) and may assume it passed validation. `supports(record)` says whether
-the kernel covers a particular call (shapes, dtypes, arch); without it every call is covered.
+the kernel covers a particular call (shapes, dtypes, arch); without it every call is covered. A
+backend may also register a fast version of the step's value checks for tensors of one device type
+(`register_value_check`), which `validate.py` asks first.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ ENV_VAR = "TORCH_PAGED_KV_BACKEND"
 Kernel = Callable[[Any], Any]  # the op's record -> its result
 Supports = Callable[[Any], bool]  # the op's record -> whether the kernel covers the call
 Declines = Callable[[Any], "str | None"]  # KVCacheParams -> why caches like these are not covered, or None
+ValueCheck = Callable[..., bool]
+"""(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len) -> whether
+the step passes every value check `validate.check_store_kv_data` (`reads_all` 0) or
+`check_read_data` (1; W + 1 within a sliding window of W) makes. True settles it; False means: let
+validate.py's checks say what is wrong."""
 
 
 class BackendUnavailableError(RuntimeError):
@@ -36,6 +43,7 @@ class BackendUnavailableError(RuntimeError):
 _kernels: dict[tuple[str, str], tuple[Kernel, Supports | None]] = {}
 _declines: dict[tuple[str, str], Declines] = {}
 _availability: dict[str, Callable[[torch.device], str | None]] = {}
+_value_checks: dict[str, ValueCheck] = {}
 
 
 def register_backend(name: str, unavailable_reason: Callable[[torch.device], str | None]) -> None:
@@ -58,6 +66,16 @@ def register_kernel(
     _kernels[(backend, op)] = (fn, supports)
     if declines is not None:
         _declines[(backend, op)] = declines
+
+
+def register_value_check(device_type: str, check: ValueCheck) -> None:
+    """Register `check` as the fast value check of steps whose tensors are on `device_type` devices."""
+    _value_checks[device_type] = check
+
+
+def value_check(device_type: str) -> ValueCheck | None:
+    """The fast value check registered for `device_type`, or None."""
+    return _value_checks.get(device_type)
 
 
 def _reason(backend: str, op: str, device: torch.device, args: tuple | None) -> str | None:

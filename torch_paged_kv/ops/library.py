@@ -45,11 +45,14 @@ def schema(name: str) -> str:
 def check_record(name: str, record: type[tuple]) -> None:
     """Raise `TypeError` unless `record` has exactly the parameters of `api.<name>`: names in order,
     annotations and defaults (the record is what every backend reads; api.py is the signature)."""
-    params = inspect.signature(api.OPS[name]).parameters.values()
-    want = [(p.name, p.annotation, p.default) for p in params]
-    empty = inspect.Parameter.empty
-    annotations = {f: getattr(t, "__forward_arg__", t) for f, t in record.__annotations__.items()}  # (ForwardRefs)
-    got = [(f, annotations.get(f), record._field_defaults.get(f, empty)) for f in record._fields]
+
+    def parameters(fn: Callable[..., Any]) -> list[tuple[str, Any, Any]]:
+        return [
+            (p.name, getattr(p.annotation, "__forward_arg__", p.annotation), p.default)  # (a record's ForwardRefs)
+            for p in inspect.signature(fn).parameters.values()
+        ]
+
+    want, got = parameters(api.OPS[name]), parameters(record)
     if got != want:
         raise TypeError(
             f"records.{record.__name__} must list api.{name}'s parameters (name, annotation, default) in "
@@ -136,6 +139,8 @@ def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.d
         validate.check_read_data(
             a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0], None, a.sliding_window
         )
+        if a.tree_mask is not None:
+            validate.check_tree_data(a.input_row_offsets)
     return a.blocks.device
 
 

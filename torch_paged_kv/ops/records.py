@@ -41,6 +41,7 @@ class FlashAttentionArgs(NamedTuple):
     scales: Tensor | None = None
     sinks: Tensor | None = None
     attention_chunk_size: int = -1
+    tree_mask: Tensor | None = None
 
 
 class GatherKVArgs(NamedTuple):

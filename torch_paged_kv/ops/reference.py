@@ -227,6 +227,7 @@ def flash_attention(
     scales: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk_size: int = -1,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total, num_q_heads, head_dim = q.shape
     batch = cache_lengths.shape[0]
@@ -241,7 +242,7 @@ def flash_attention(
     chunk = attention_chunk_size
     # no mask where every query sees every key below its sequence's length
     unbounded = (sliding_window <= 0 or sliding_window >= max_kv) and (chunk <= 0 or chunk >= max_kv)
-    if total == batch and max_new == 1:  # decode: one new token per sequence, no query padding
+    if total == batch and max_new == 1 and tree_mask is None:  # decode: one new token per row, no padding
         # its one query sits at the last position, so causality hides nothing
         allowed = None if min_kv == max_kv and unbounded else _decode_allowed(kv_len, key_pos, sliding_window, chunk)
         q_rows = q.float().reshape(batch, num_q_heads, 1, head_dim)
@@ -251,20 +252,34 @@ def flash_attention(
     seq, tok = _row_coordinates(input_row_offsets, total)
     q_padded = q.new_zeros(batch, max_new, num_q_heads, head_dim, dtype=torch.float32)
     q_padded[seq, tok] = q.float()
+    tree = None
+    if tree_mask is not None:  # each query's bits over its sequence's new tokens, padded like q
+        tree = tree_mask.new_zeros(batch, max_new)
+        tree[seq, tok] = tree_mask
     out = torch.empty_like(q_padded)
     # No mask when it would allow every key: equal lengths, each query seeing its whole sequence.
-    sees_all = min_kv == max_kv and not causal and unbounded
+    sees_all = min_kv == max_kv and not causal and unbounded and tree is None
     explicit = softcap > 0 or sinks is not None  # (fp32 scores in memory, not SDPA's)
     per_query = batch * max_kv * (4 * num_q_heads if explicit else 1)  # mask bytes, or fp32 scores
     rows = max(1, CHUNK_BUDGET_BYTES // per_query)
     for start in range(0, max_new, rows):
         stop = min(start + rows, max_new)
-        allowed = (
-            None if sees_all else _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window, chunk)
-        )
+        allowed = None
+        if not sees_all:
+            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window, chunk)
+            if tree is not None:
+                allowed = allowed & _tree_allowed(tree[:, start:stop], cache_lengths, key_pos)
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap, sinks).transpose(1, 2)
     return out[seq, tok].to(q.dtype)
+
+
+def _tree_allowed(tree: torch.Tensor, lengths: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """`[batch, 1, n, max_kv]`: the keys each query's tree bits (`tree` `[batch, n]` int64) let it see:
+    every cached key, and new token t (key position `lengths + t`) where bit t (< 64) is set."""
+    t = key_pos[None, :] - lengths[:, None].long()  # [batch, max_kv]: the key's index among the new tokens
+    bits = torch.bitwise_right_shift(tree[:, :, None], t.clamp(0, 63)[:, None, :]) & 1
+    return ((t < 0)[:, None, :] | ((t < 64)[:, None, :] & (bits == 1)))[:, None]
 
 
 def step_lengths(

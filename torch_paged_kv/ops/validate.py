@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..layout import NULL_PAGE
-from .cpu import kernels as cpu_kernels
+from . import dispatch
 from .records import (
     CopyPagesArgs,
     FlashAttentionArgs,
@@ -41,7 +42,7 @@ def data_checks_enabled(device: torch.device) -> bool:
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
-def _fail(name: str, message: str) -> None:
+def _fail(name: str, message: str) -> NoReturn:
     raise ValueError(f"{name}: {message}")
 
 
@@ -238,6 +239,22 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
     chunk = a.attention_chunk_size
     if not isinstance(chunk, int) or isinstance(chunk, bool):
         _fail("attention_chunk_size", f"expected an int (<= 0 disables it), got {chunk!r}")
+    tree = a.tree_mask
+    if tree is not None:
+        if not isinstance(tree, Tensor) or tree.dim() != 1 or tree.dtype != torch.int64:
+            _fail(
+                "tree_mask",
+                f"expected a 1-D int64 tensor [total_new] (one bit mask per query row), got {_describe(tree)}",
+            )
+        _require(
+            tree.shape[0] == q.shape[0],
+            "tree_mask",
+            lambda: f"expected {q.shape[0]} entries like q, got {tree.shape[0]}",
+        )
+        if tree.device != blocks.device:
+            _fail("tree_mask", f"expected device {blocks.device} (that of blocks), got {tree.device}")
+        if tree.stride(0) != 1 and tree.shape[0] > 1:
+            _fail("tree_mask", f"expected unit stride (kernels index it densely), got stride {tree.stride(0)}")
 
 
 def _describe(t: object) -> str:
@@ -284,40 +301,34 @@ def _check_mla_split(latent_name: str, rope_name: str, rank: int, rope_dim: int,
         )
 
 
-def check_store_latent_meta(a: StoreLatentArgs) -> None:
-    latent, k_rope, blocks = a.latent, a.k_rope, a.blocks
+def _check_mla_call(
+    a: StoreLatentArgs | MLAAttentionArgs, latent: tuple[str, Tensor], rope: tuple[str, Tensor], dims: int
+) -> None:
+    """An MLA op's shape checks: its pool, its (name, rows) of latent-width and rope-width rows
+    (`[total_new, width]` for the store, `[total_new, heads, width]` for the queries), which fill one
+    row of the pool between them, its scales and its step."""
+    (latent_name, x), (rope_name, r), blocks = latent, rope, a.blocks
     _check_blocks(blocks, a.layer_idx, planes=(1,))
-    _check_mla_rows("latent", latent, blocks, 2)
-    _check_mla_rows("k_rope", k_rope, blocks, 2)
-    _check_mla_split("latent", "k_rope", latent.shape[1], k_rope.shape[1], blocks)
-    _check_scales(blocks, a.scales, latent.shape[1])
+    _check_mla_rows(latent_name, x, blocks, dims)
+    _check_mla_rows(rope_name, r, blocks, dims)
+    _check_mla_split(latent_name, rope_name, x.shape[-1], r.shape[-1], blocks)
+    _check_scales(blocks, a.scales, x.shape[-1])
     _check_step(blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
-    if k_rope.dtype != latent.dtype:
-        _fail("k_rope", f"expected dtype {latent.dtype} like latent, got {k_rope.dtype}")
+    if r.dtype != x.dtype:
+        _fail(rope_name, f"expected dtype {x.dtype} like {latent_name}, got {r.dtype}")
+    if dims == 3 and r.shape[1] != x.shape[1]:
+        _fail(rope_name, f"expected {x.shape[1]} heads like {latent_name}, got {r.shape[1]}")
     _require(
-        k_rope.shape[0] == latent.shape[0],
-        "k_rope",
-        lambda: f"expected {latent.shape[0]} rows like latent, got {k_rope.shape[0]}",
+        r.shape[0] == x.shape[0], rope_name, lambda: f"expected {x.shape[0]} rows like {latent_name}, got {r.shape[0]}"
     )
+
+
+def check_store_latent_meta(a: StoreLatentArgs) -> None:
+    _check_mla_call(a, ("latent", a.latent), ("k_rope", a.k_rope), 2)
 
 
 def check_mla_attention_meta(a: MLAAttentionArgs) -> None:
-    q_nope, q_rope, blocks = a.q_nope, a.q_rope, a.blocks
-    _check_blocks(blocks, a.layer_idx, planes=(1,))
-    _check_mla_rows("q_nope", q_nope, blocks, 3)
-    _check_mla_rows("q_rope", q_rope, blocks, 3)
-    _check_mla_split("q_nope", "q_rope", q_nope.shape[2], q_rope.shape[2], blocks)
-    _check_scales(blocks, a.scales, q_nope.shape[2])
-    _check_step(blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
-    if q_rope.dtype != q_nope.dtype:
-        _fail("q_rope", f"expected dtype {q_nope.dtype} like q_nope, got {q_rope.dtype}")
-    if q_rope.shape[1] != q_nope.shape[1]:
-        _fail("q_rope", f"expected {q_nope.shape[1]} heads like q_nope, got {q_rope.shape[1]}")
-    _require(
-        q_rope.shape[0] == q_nope.shape[0],
-        "q_rope",
-        lambda: f"expected {q_nope.shape[0]} rows like q_nope, got {q_rope.shape[0]}",
-    )
+    _check_mla_call(a, ("q_nope", a.q_nope), ("q_rope", a.q_rope), 3)
     if not a.softmax_scale > 0 or a.softmax_scale == float("inf"):
         _fail("softmax_scale", f"expected a finite positive float, got {a.softmax_scale!r}")
 
@@ -425,24 +436,30 @@ def _check_pages(blocks: Tensor, lookup_table: Tensor, first_tok: np.ndarray, en
         )
 
 
-def _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len=None):
-    """The CPU kernels' one-pass version of the value checks (about 1 us where numpy takes tens): a
-    yes settles it; on a no, or off the CPU, or before the kernels are loaded, the checks below run
-    and say what is wrong. `reads_all`: 0 (False) for a store (the new tokens' pages), 1 (True) for a
-    read of every cached token, `W + 1` for a read within a sliding window of W (cache_ops.h's step_ok)."""
-    return (
-        blocks.device.type == "cpu"
-        and cpu_kernels.loaded()
-        and cpu_kernels.step_ok(
-            blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len
-        )
+def _fast_yes(
+    blocks: Tensor,
+    cache_lengths: Tensor,
+    lookup_table: Tensor,
+    input_row_offsets: Tensor,
+    total_rows: int | None,
+    reads_all: int,
+    max_kv_len: int | None = None,
+) -> bool:
+    """The fast value check a backend registered for `blocks`' device type (`dispatch.ValueCheck`; the
+    CPU kernels' one pass takes about 1 us where numpy takes tens): a yes settles it; on a no, or where
+    none is registered, the checks below run and say what is wrong. `reads_all`: 0 (False) for a store
+    (the new tokens' pages), 1 (True) for a read of every cached token, `W + 1` for a read within a
+    sliding window of W (native/cache_ops.h's step_ok)."""
+    check = dispatch.value_check(blocks.device.type)
+    return check is not None and check(
+        blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len
     )
 
 
 def check_store_kv_data(
     key: Tensor, blocks: Tensor, cache_lengths: Tensor, lookup_table: Tensor, input_row_offsets: Tensor
 ) -> None:
-    if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], False):
+    if _fast_yes(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], False):
         return
     lengths, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, key.shape[0], "key")
     _check_pages(blocks, lookup_table, lengths, kv_len)
@@ -462,7 +479,7 @@ def check_read_data(
     position `cache_length - W + 1` (the first query's oldest key) on. Pages before that may be the null
     page: a sliding-window layer group's manager gives them back once no later query can see them."""
     reads = sliding_window + 1 if sliding_window > 0 else 1
-    if _cpu_says_ok(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads, max_kv_len):
+    if _fast_yes(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads, max_kv_len):
         return
     lengths, kv_len = _check_lengths(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, "q")
     if max_kv_len is not None and kv_len.size and kv_len.max() > max_kv_len:
@@ -470,6 +487,20 @@ def check_read_data(
         _fail("max_kv_len", f"sequence {b} holds {kv_len[b]} tokens, more than max_kv_len={max_kv_len}")
     first = np.maximum(lengths - (sliding_window - 1), 0) if sliding_window > 0 else np.zeros_like(kv_len)
     _check_pages(blocks, lookup_table, first, kv_len)
+
+
+TREE_TOKENS = 64
+"""Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
+
+
+def check_tree_data(input_row_offsets: Tensor) -> None:
+    """A step with a `tree_mask`: no sequence has more new tokens than its bits can name."""
+    new = np.diff(_host(input_row_offsets))
+    if new.size and new.max() > TREE_TOKENS:
+        b = int(new.argmax())
+        _fail(
+            "tree_mask", f"sequence {b} has {new[b]} new tokens; a tree step names at most {TREE_TOKENS} per sequence"
+        )
 
 
 def check_copy_pages_data(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:

@@ -1,7 +1,8 @@
 """CPU backend: every op as a compiled C++ kernel that reads K/V in place from the pages.
 
-`kernels.cpp` is compiled on first use with the system C++ compiler and cached on disk (`build.py`);
-each op is one ctypes call (`kernels.py`). Without a working compiler the backend is unavailable and
+The C++ sources live in `native/` (`kernels.cpp`, compiled on first use with the system C++ compiler
+and cached on disk by `native/build.py`); each op is one ctypes call (`kernels.py`), its argument
+struct declared in `args.py`. Without a working compiler the backend is unavailable and
 CPU calls fall back to `reference` (a forced `cpu` raises instead). See docs/cpu.md.
 """
 
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ...native import build
 from ..records import GatherKVArgs
-from . import build, kernels
+from . import kernels
 
 _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
 
@@ -35,6 +37,10 @@ def _gather_in_its_dtype(a: GatherKVArgs) -> bool:
     another dtype runs on the reference backend."""
     return a.out_dtype is None or a.out_dtype == (torch.float32 if a.scales is not None else a.blocks.dtype)
 
+
+VALUE_CHECK = kernels.step_ok
+"""The step's value checks in one C++ pass (`dispatch.ValueCheck`): what `ops/backends.py` registers
+for CPU tensors."""
 
 KERNELS = {op: (getattr(kernels, op), _gather_in_its_dtype if op == "gather_kv" else None) for op in _OPS}
 """op -> (kernel, supports): what `ops/backends.py` registers as backend "cpu"."""

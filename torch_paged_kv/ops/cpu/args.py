@@ -16,8 +16,10 @@ import ctypes
 import struct
 
 _PTR, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+Field = tuple[str, "type[ctypes.c_void_p | ctypes.c_int64 | ctypes.c_double]"]
+"""A Structure field here: (name, its ctypes type); no bit fields."""
 
-_POOL = [
+_POOL: list[Field] = [
     ("blocks", _PTR),
     ("num_pages", _INT),
     ("num_layers", _INT),
@@ -31,7 +33,7 @@ _POOL = [
 ]
 """args.h's PKV_POOL_FIELDS: the pool, the layer, an FP8 pool's format and scales."""
 
-_STEP = [
+_STEP: list[Field] = [
     ("cache_lengths", _PTR),
     ("table", _PTR),
     ("table_stride", _INT),
@@ -77,6 +79,7 @@ class FlashAttentionStruct(ctypes.Structure):
         ("window", _INT),
         ("chunk", _INT),
         ("sinks", _PTR),
+        ("tree", _PTR),
         ("min_split", _INT),
         ("want_items", _INT),
         ("min_work", _INT),
@@ -148,7 +151,7 @@ def layout_of(structure: type[ctypes.Structure]) -> Layout:
     """A Structure's layout, as ctypes lays it out (the platform's C rules)."""
     fields = tuple(
         (name, _kind(ctype), getattr(structure, name).offset, getattr(structure, name).size)
-        for name, ctype in structure._fields_
+        for name, ctype, *_ in structure._fields_
     )
     return ctypes.sizeof(structure), fields
 
@@ -209,3 +212,16 @@ def packer(structure: type[ctypes.Structure]) -> struct.Struct:
 
 PACKERS = {name: packer(structure) for name, structure in STRUCTURES.items()}
 """entry -> the packer of its arguments."""
+
+SIGNATURES = {  # name -> (argument types, result type): what `kernels.load` declares on the library
+    "pkv_vector_width": ([], ctypes.c_int),
+    "pkv_openmp": ([], ctypes.c_int),
+    "pkv_parallel_losses": ([], ctypes.c_int64),
+    "pkv_bf16_dot": ([], ctypes.c_int),
+    "pkv_fp8_byte_tables": ([], ctypes.c_int),
+    "pkv_args_layout": ([], ctypes.c_char_p),
+    **{f"pkv_{name}": ([ctypes.c_char_p], ctypes.c_int) for name in ("flash_attention", "store_kv", "step_ok")},
+    **{f"pkv_{name}": ([ctypes.c_char_p], None) for name in ("gather_kv", "copy_pages")},
+}
+"""The library's functions the `cpu` backend calls: probes of the build, and one entry per struct of
+`STRUCTURES`, which takes that struct's packed bytes."""

@@ -16,9 +16,9 @@ import ctypes
 
 import torch
 
+from ...native import build
 from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
-from . import build
-from .args import PACKERS, check_layout
+from .args import PACKERS, SIGNATURES, check_layout
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -43,7 +43,7 @@ def load() -> ctypes.CDLL:
     structs checked against `args.py`'s (raises `args.ArgsLayoutError` where they differ)."""
     global _lib
     if _lib is None:
-        lib = build.library()
+        lib = build.declare(build.library(), SIGNATURES)
         check_layout(lib.pkv_args_layout().decode())
         _lib = lib
     return _lib
@@ -55,12 +55,15 @@ def step_ok(
     lookup_table: torch.Tensor,
     input_row_offsets: torch.Tensor,
     total_rows: int | None,
-    reads_all: bool,
+    reads_all: int,
     max_kv_len: int | None = None,
 ) -> bool:
     """Whether the step passes every value check that `validate.check_store_kv_data` (`reads_all`
-    False) or `check_read_data` (True) makes, in one pass over the index tensors (CPU tensors, library
-    loaded). False means: let those checks find what is wrong."""
+    0) or `check_read_data` (1; W + 1 within a sliding window of W) makes, in one pass over the index
+    tensors (CPU tensors). False means: let those checks find what is wrong; so does a call before
+    the library is loaded (this check never loads it)."""
+    if _lib is None:
+        return False
     table_shape = lookup_table.shape
     two_d = len(table_shape) == 2
     return bool(
@@ -146,12 +149,13 @@ def _flash_attention_call(lib: ctypes.CDLL, q: torch.Tensor, a: FlashAttentionAr
     # contiguous, as the fake says (empty_like is the cheaper call, where q is contiguous itself)
     out = torch.empty_like(q) if q.is_contiguous() else q.new_empty(q.shape)
     os_ = out.stride()
-    sinks = a.sinks
+    sinks, tree = a.sinks, a.tree_mask
     status = lib.pkv_flash_attention(
         _FLASH_ATTENTION.pack(
             DTYPE_CODES[q.dtype], q.data_ptr(), qs[0], qs[1], q.shape[0], q.shape[1], out.data_ptr(), os_[0], os_[1],
             *_pool_and_step(a), a.softmax_scale, a.softcap, a.causal, a.sliding_window, a.attention_chunk_size,
-            0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
+            0 if sinks is None else sinks.data_ptr(), 0 if tree is None else tree.data_ptr(), MIN_SPLIT_KEYS,
+            WANT_ITEMS, MIN_WORK_PER_THREAD,
             torch.get_num_threads(),
         )
     )  # fmt: skip

@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import warnings
 from typing import Any
 
 import torch
+
+from .arch import ARCHS, UNVERIFIED_ARCH_ENV, device_arch, device_index, unverified_reason
+
+__all__ = [
+    "ARCHS",
+    "KERNELS",
+    "UNVERIFIED_ARCH_ENV",
+    "device_arch",
+    "device_index",
+    "unavailable_reason",
+    "unverified_reason",
+]
 
 _warned: list[bool] = []
 
@@ -21,36 +32,6 @@ _warned: list[bool] = []
 @functools.cache
 def cutlass_missing() -> bool:
     return importlib.util.find_spec("cutlass") is None or importlib.util.find_spec("cutlass.cute") is None
-
-
-ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-"""Compute capability -> the arch-specific target the kernels are built for (which runs on that
-exact capability only: sm_100a code does not run on a 10.3 B300)."""
-
-
-def device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@functools.cache
-def device_arch(index: int) -> str | None:
-    """ "sm_90a" (H100/H200) or "sm_100a" (B200) for CUDA device `index`, else None."""
-    return ARCHS.get(torch.cuda.get_device_capability(index))
-
-
-UNVERIFIED_ARCH_ENV = "TORCH_PAGED_KV_CUTE_SM100"
-"""Set to 1 to run the sm_100a kernels anyway (the Blackwell session that verifies them)."""
-
-
-def unverified_reason(arch: str | None) -> str | None:
-    """Why the kernels for `arch` must not run yet: the sm_100a (TMA gather4) kernels are compiled
-    and PTX/SASS-checked in CI but have never run on a Blackwell GPU; None for other arches."""
-    if arch != "sm_100a" or os.environ.get(UNVERIFIED_ARCH_ENV) == "1":
-        return None
-    return (
-        "the sm_100a (TMA gather4) kernels compile and pass the PTX/SASS checks but have never run on "
-        f"a Blackwell GPU; Triton runs instead ({UNVERIFIED_ARCH_ENV}=1 runs them, to verify them)"
-    )
 
 
 def unavailable_reason(device: torch.device) -> str | None:

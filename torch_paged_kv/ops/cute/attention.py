@@ -14,7 +14,8 @@ import torch
 
 from .. import splits as split_rule
 from ..records import FlashAttentionArgs
-from . import device_arch, device_index, unverified_reason, variants
+from . import grids, variants
+from .arch import device_arch, device_index, unverified_reason
 from .operand import KVCacheMHAOperand
 
 PROGRAMS_PER_SM = 2
@@ -24,12 +25,12 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def supports(a: FlashAttentionArgs) -> bool:
     """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only.
-    Not covered (Triton runs them): softcap, attention sinks, chunked attention, FP8 caches (see
+    Not covered (Triton runs them): softcap, attention sinks, chunked attention, tree masks, FP8 caches (see
     cute._flash_attention_declines)."""
     q = a.q
     if q.device.type != "cuda" or a.softcap > 0 or a.scales is not None or a.sinks is not None:
         return False
-    if a.attention_chunk_size > 0:
+    if a.attention_chunk_size > 0 or a.tree_mask is not None:
         return False
     return covers(device_arch(device_index(q.device)), q, a.blocks, a.cache_lengths.shape[0])
 
@@ -47,8 +48,8 @@ def covers(arch: str | None, q: torch.Tensor, blocks: torch.Tensor, batch: int) 
     group = q_heads // kv_heads
     return (
         0 < rows == batch
-        and variants.grid_fits(variants.decode_grid(rows, kv_heads, split_rule.MAX_SPLITS))  # CUDA's launch limits
-        and variants.grid_fits(variants.combine_grid(rows, q_heads))
+        and grids.grid_fits(grids.decode_grid(rows, kv_heads, split_rule.MAX_SPLITS))  # CUDA's launch limits
+        and grids.grid_fits(grids.combine_grid(rows, q_heads))
         and head_dim in variants.HEAD_DIMS
         and group in variants.GROUPS
         and group * head_dim <= variants.MAX_GROUP_DIM  # compiled and checked
@@ -63,6 +64,7 @@ def flash_attention(a: FlashAttentionArgs) -> torch.Tensor:
     operand = KVCacheMHAOperand.from_blocks(a.blocks, a.cache_lengths, a.lookup_table, a.layer_idx)
     index = device_index(q.device)
     arch = device_arch(index)
+    assert arch is not None  # (supports: an sm_90a / sm_100a device)
     dtype = _DTYPES[q.dtype]
     rows, q_heads, head_dim = q.shape
     key = variants.decode_key(arch, dtype, head_dim, operand.page_size, q_heads // operand.num_kv_heads)

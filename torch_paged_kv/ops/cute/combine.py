@@ -1,6 +1,6 @@
 """Split-KV merge: out = sum_s 2^(lse_s - M) * out_s / sum_s 2^(lse_s - M), written in the output dtype.
 
-One CTA of `head_dim` threads per (query row, query head), rows on grid x (`variants.combine_grid`);
+One CTA of `head_dim` threads per (query row, query head), rows on grid x (`grids.combine_grid`);
 `lse` is base 2, `-inf` for empty splits (a row whose splits are all empty gets zeros, as the
 reference gives a query that sees no key).
 """
@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from . import variants
+from . import grids
 
 
 class SplitCombine:
@@ -31,13 +31,13 @@ class SplitCombine:
         stream: cute.typing.Any = None,
     ) -> None:
         self.kernel(mOutPartial, mLse, mOut, num_splits).launch(
-            grid=list(variants.combine_grid(mOut.shape[0], mOut.shape[1])), block=[self.head_dim, 1, 1], stream=stream
+            grid=list(grids.combine_grid(mOut.shape[0], mOut.shape[1])), block=[self.head_dim, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mOutPartial: cute.Tensor, mLse: cute.Tensor, mOut: cute.Tensor, num_splits: Int32) -> None:
         d, _, _ = cute.arch.thread_idx()
-        row, head, _ = cute.arch.block_idx()  # variants.combine_grid: query rows on x
+        row, head, _ = cute.arch.block_idx()  # grids.combine_grid: query rows on x
         m_all = -Float32.inf
         for s in cutlass.range(num_splits, unroll=1):
             m_all = cutlass.max(m_all, mLse[s, row, head])

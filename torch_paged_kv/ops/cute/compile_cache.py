@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any
 
 CACHE_DIR_ENV = "TORCH_PAGED_KV_CUTE_CACHE_DIR"
-_SOURCES = ("operand.py", "decode_sm90.py", "decode_sm100.py", "combine.py", "compile_cache.py", "variants.py")
+_SOURCES = (
+    "operand.py",
+    "decode_sm90.py",
+    "decode_sm100.py",
+    "combine.py",
+    "grids.py",
+    "compile_cache.py",
+    "variants.py",
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Paged decode attention for Hopper (sm_90a): TMA page boxes, warp-specialised, split-KV.
 
-One CTA per (query row, kv_head, split), query rows on grid x (`variants.decode_grid`). The producer
+One CTA per (query row, kv_head, split), query rows on grid x (`grids.decode_grid`). The producer
 warp walks the CTA's key tiles and brings each tile's K and V rows into a `stages`-deep shared-memory
 ring with plain TMA from the cache's row view: one `box_rows x head_dim` box per page
 (`box_rows = min(page_size, tile_n)`), signalled on a full mbarrier; tiles past the sequence's last
@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync
 
-from . import variants
+from . import grids
 from .operand import KVCacheMHAOperand
 
 
@@ -102,7 +102,7 @@ class PagedDecodeSm90:
             causal,
             num_splits,
         ).launch(
-            grid=list(variants.decode_grid(mQ.shape[0], num_kv_heads, num_splits)),
+            grid=list(grids.decode_grid(mQ.shape[0], num_kv_heads, num_splits)),
             block=[self.threads, 1, 1],
             stream=stream,
         )
@@ -137,7 +137,7 @@ class PagedDecodeSm90:
     ) -> None:
         N, D, G, C = self.tile_n, self.head_dim, self.group, self.consumer_warps
         tidx, _, _ = cute.arch.thread_idx()
-        row, kv_head, split = cute.arch.block_idx()  # variants.decode_grid: query rows on x
+        row, kv_head, split = cute.arch.block_idx()  # grids.decode_grid: query rows on x
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
 

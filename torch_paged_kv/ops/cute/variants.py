@@ -1,4 +1,5 @@
-"""Which kernel variants exist, their tile configs, and how each is compiled from fake tensors.
+"""Which kernel variants exist, their tile configs, and how each is compiled from fake tensors
+(the kernel modules, imported when a variant is compiled; they import only `grids` from here).
 
 Nothing here needs a GPU: compiling for `arch` passes `--gpu-arch`, so PTX for sm_90a and sm_100a
 can be produced on any machine with nvidia-cutlass-dsl installed.
@@ -20,24 +21,6 @@ PAGE_SIZES = {"sm_90a": (8, 16, 32, 64, 128, 256), "sm_100a": (1, 2, 4, 8, 16, 3
 MIN_TMA_PAGE = 8  # sm90: smaller pages would cost one TMA box per few rows; they go to Triton
 MAX_GROUP_DIM = 2048  # group * head_dim: per-lane registers for q and the accumulator
 CONSUMER_WARPS = 4
-MAX_GRID = (2**31 - 1, 65535, 65535)
-"""CUDA's launch limits on grid x, y and z."""
-
-
-def decode_grid(rows: Any, kv_heads: Any, splits: Any) -> tuple[Any, Any, Any]:
-    """The decode kernel's grid: one CTA per (query row, KV head, split). Query rows, the one
-    dimension without a small bound (a decode batch), go on x; `attention.supports` checks the rest."""
-    return rows, kv_heads, splits
-
-
-def combine_grid(rows: Any, q_heads: Any) -> tuple[Any, Any, Any]:
-    """The split merge's grid: one CTA per (query row, query head), rows on x."""
-    return rows, q_heads, 1
-
-
-def grid_fits(grid: tuple[int, int, int]) -> bool:
-    """Whether CUDA can launch `grid` (every dimension within `MAX_GRID`)."""
-    return all(0 < n <= limit for n, limit in zip(grid, MAX_GRID, strict=True))
 
 
 def tile_config(head_dim: int) -> tuple[int, int]:
@@ -109,11 +92,11 @@ def build(key: KernelKey, ptx_dir: str | None = None) -> Any:
             SplitCombine(dtype, key.head_dim), out_partial, lse, out, Int32(1), stream, options=_options(key, ptx_dir)
         )
 
-    if key.arch == "sm_100a":
-        from .decode_sm100 import PagedDecodeSm100 as Kernel
-    else:
-        from .decode_sm90 import PagedDecodeSm90 as Kernel
-    kernel = Kernel(dtype, key.head_dim, key.page_size, key.group, key.tile_n, key.stages, key.consumer_warps)
+    from .decode_sm90 import PagedDecodeSm90
+    from .decode_sm100 import PagedDecodeSm100
+
+    kernel_class = PagedDecodeSm100 if key.arch == "sm_100a" else PagedDecodeSm90
+    kernel = kernel_class(dtype, key.head_dim, key.page_size, key.group, key.tile_n, key.stages, key.consumer_warps)
     batch, pool_rows = cute.sym_int32(), cute.sym_int32()
     q = make_fake_compact_tensor(dtype, (rows, heads, key.head_dim), stride_order=(2, 1, 0), assumed_align=16)
     row_view = make_fake_compact_tensor(

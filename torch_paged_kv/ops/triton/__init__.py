@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..records import MLAAttentionArgs, StoreLatentArgs, unpacked
+from ..records import MLAAttentionArgs, StoreLatentArgs
 
 _OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
 
@@ -82,8 +82,10 @@ def _declines(params: Any) -> str | None:
     return None
 
 
-KERNELS = {op: (_lazy(op, op), _lazy(op, "supports"), _declines) for op in _OPS}
-"""op -> (kernel, supports, declines): what `ops/backends.py` registers as backend "triton". Each module's
+KERNELS: dict[str, tuple[Callable[[Any], Any], ...]] = {
+    op: (_lazy(op, op), _lazy(op, "supports"), _declines) for op in _OPS
+}
+"""op -> (kernel, supports[, declines]): what `ops/backends.py` registers as backend "triton". Each module's
 `supports` refuses, from shapes alone, the calls its kernels cannot launch (CUDA's grid limits) or
 compute (attention's head_dim, FP8 granules that are not a power of two)."""
 
@@ -109,18 +111,5 @@ def _mla_attention_supports(a: MLAAttentionArgs) -> bool:
     return _power_of_two(a.q_nope.shape[2], 16, 512) and a.q_rope.shape[2] <= 256
 
 
-def _lazy_positional(module: str, name: str) -> Callable[[tuple], Any]:
-    """As `_lazy`, for the MLA entry points, which take the op's arguments as `api.py` does."""
-    found: list[Callable[[tuple], Any]] = []
-
-    def run(a: tuple) -> Any:
-        if not found:
-            found.append(unpacked(getattr(importlib.import_module(f"{__name__}.{module}"), name)))
-        return found[0](a)
-
-    run.__name__ = f"{module}_{name}"
-    return run
-
-
-KERNELS["store_latent"] = (_lazy_positional("mla_store", "store_latent"), _store_latent_supports)
-KERNELS["mla_attention"] = (_lazy_positional("mla_attention", "mla_attention"), _mla_attention_supports)
+KERNELS["store_latent"] = (_lazy("mla_store", "store_latent"), _store_latent_supports)
+KERNELS["mla_attention"] = (_lazy("mla_attention", "mla_attention"), _mla_attention_supports)

@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
+from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, MLAAttentionArgs, StoreKVArgs, StoreLatentArgs
 from .common import Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
@@ -43,7 +43,7 @@ HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8, 16)
 MODES = ("decode-split", "decode", "prefill")
 WIDE_SLOT = 2**23  # "decode-slot": continuous-batching slots whose in-page offsets pass int32 (WIDE_PAGE)
-OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap", "sinks", "chunk", "sinks+chunk")
+OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap", "sinks", "chunk", "sinks+chunk", "tree")
 KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
 
@@ -139,6 +139,7 @@ def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) ->
         softcap=30.0 if "softcap" in option else 0.0,
         sinks=torch.empty(q.shape[1], device="meta") if "sinks" in option else None,
         attention_chunk_size=8192 if "chunk" in option else -1,
+        tree_mask=torch.empty(q.shape[0], dtype=torch.int64, device="meta") if option == "tree" else None,
     )
     return plan_flash_attention(args)[1]
 
@@ -156,6 +157,7 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
             ("bf16", 64, 4, "decode-slot", "causal"),
             ("bf16", 128, 8, "decode-split", "sinks"),
             ("bf16", 128, 4, "prefill", "sinks+chunk"),
+            ("bf16", 128, 4, "prefill", "tree"),
         ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):
@@ -175,9 +177,12 @@ MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static"
 MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V2/V3
 
 
-def _mla_paged(
-    dtype: torch.dtype, cache: str, batch: int, new: int, context: int, page_size: int = 64
-) -> tuple[torch.Tensor, ...]:
+MLAStep = tuple[
+    torch.Tensor, "torch.Tensor | None", torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+]
+
+
+def _mla_paged(dtype: torch.dtype, cache: str, batch: int, new: int, context: int, page_size: int = 64) -> MLAStep:
     """Meta tensors of an MLA step: blocks, scales (or None), the step tensors, new rows."""
     pool_dtype, granules = MLA_CACHES[cache]
     pool_dtype = pool_dtype or dtype
@@ -187,11 +192,13 @@ def _mla_paged(
     scales = None
     if granules == "static":
         scales = torch.empty(1, device="meta")
-    elif granules is not None:
+    elif isinstance(granules, int):
         scales = torch.empty(*blocks.shape[:5], granules, device="meta")
-    index = [torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))]
-    rows = [torch.empty(batch * new, n, dtype=dtype, device="meta") for n in (MLA_RANK, MLA_ROPE)]
-    return blocks, scales, *index, *rows
+    lengths, table, offsets = (
+        torch.empty(shape, dtype=torch.int32, device="meta") for shape in ((batch,), (batch, width), (batch + 1,))
+    )
+    latent, rope = (torch.empty(batch * new, n, dtype=dtype, device="meta") for n in (MLA_RANK, MLA_ROPE))
+    return blocks, scales, lengths, table, offsets, latent, rope
 
 
 def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
@@ -223,14 +230,15 @@ def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
         blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
         q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
         q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
-        launches = plan_mla_attention(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
+        launches = plan_mla_attention(a)
         for launch in launches[1]:
             yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
     for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
         if quick and cache == "fp8-g128":
             continue
         blocks, scales, lengths, table, offsets, latent, rope = _mla_paged(DTYPES[dtype], cache, 64, 1, 1024)
-        for launch in plan_store_latent(latent, rope, blocks, lengths, table, offsets, LAYER, scales):
+        for launch in plan_store_latent(StoreLatentArgs(latent, rope, blocks, lengths, table, offsets, LAYER, scales)):
             yield f"store_latent {dtype} {cache}", launch
 
 
@@ -290,7 +298,10 @@ def _fp8_variants(quick: bool) -> list[tuple[str, Launch]]:
         for i, launch in enumerate(plan_copy_pages(CopyPagesArgs(blocks, pages, pages, scales))):
             found.append((f"copy_pages {cache} pass{i + 1}", launch))
     modes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
-    quick_cases = (("e4m3-token", "bf16", "decode-split"), ("e5m2-static", "bf16", "prefill"))
+    quick_cases: tuple[tuple[str, str, str], ...] = (
+        ("e4m3-token", "bf16", "decode-split"),
+        ("e5m2-static", "bf16", "prefill"),
+    )
     quick_cases += (("e4m3-token", "fp32", "decode-split"), ("e4m3-g32", "fp32", "prefill"))
     for cache, q_dtype, mode in itertools.product(tuple(FP8_CACHES), ("bf16", "fp16", "fp32"), modes):
         if quick and (cache, q_dtype, mode) not in quick_cases:
@@ -388,7 +399,8 @@ def _report(arch: int, name: str, launch: Launch, keep: Path | None) -> bool:
     print(f"sm{arch:<3} {name:<58} {c.regs:>4} {c.spills:>6} {c.tensor_cores or '-':>5} {c.seconds:>6.2f}", flush=True)
     if keep:
         _keep(keep, arch, name, c.asm)
-    if narrow := narrow_offset_products(c.asm["ttir"], offset_args(launch)):
+    ttir = c.asm["ttir"]
+    if narrow := narrow_offset_products(ttir if isinstance(ttir, str) else ttir.decode(), offset_args(launch)):
         print(f"sm{arch:<3} {name:<58} FAILED: i32 multiply of a layer/page offset: {narrow[0][:120]}", flush=True)
         return False
     return True

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import compat  # noqa: F401  (fixes triton < 3.7's interpreter for numpy >= 2.4)
-
 MAX_GRID = (2**31 - 1, 65535, 65535)
 """CUDA's launch limits on grid x, y and z: a dimension that grows with the cache goes on x."""
 
@@ -88,6 +86,21 @@ def page_at(table_row, pos, end, page_size, table_width, num_pages, WRITE: tl.co
         ok = ok & (pos >= 0)
     page = tl.load(table_row + col, mask=ok, other=0)
     return page, ok & (page >= (1 if WRITE else 0)) & (page < num_pages)  # real_page, as (ok & lo) & hi
+
+
+@triton.jit
+def new_row_page(
+    row, cache_lengths, lookup_table, input_row_offsets, batch, num_pages, table_width, table_stride, page_size,
+    STEPS: tl.constexpr,
+):  # fmt: skip
+    """Where new row `row` of a step is written: (its position in its sequence, the page holding that
+    position, whether a kernel may write there: `page_at` for a write). Its sequence is found in
+    `STEPS` binary-search steps (`owning_sequence`)."""
+    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
+    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
+    table_row = lookup_table + seq.to(tl.int64) * table_stride
+    page, ok = page_at(table_row, pos, table_width * page_size, page_size, table_width, num_pages, True)
+    return pos, page, ok
 
 
 def blocks_strides(blocks: torch.Tensor) -> tuple[int, int, int, int]:

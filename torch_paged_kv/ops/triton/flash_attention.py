@@ -67,6 +67,7 @@ def _attention_kernel(
     sliding_window,
     sinks,
     chunk,
+    tree,
     GROUP: tl.constexpr,
     GROUP_P: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -77,6 +78,7 @@ def _attention_kernel(
     SOFTCAP: tl.constexpr,
     SINK: tl.constexpr,
     CHUNK: tl.constexpr,
+    TREE: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -109,6 +111,8 @@ def _attention_kernel(
     row_ok = (tok < new) & (m % GROUP_P < GROUP) & (q_rows >= 0) & (q_rows < total)
     pos = cache_len + tok
     dim = tl.arange(0, HEAD_DIM)
+    if TREE:  # each query row's bits over its sequence's new tokens
+        tree_bits = tl.load(tree + q_rows, mask=row_ok, other=0)
     qt = tl.load(
         q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :], mask=row_ok[:, None], other=0.0
     )
@@ -186,6 +190,10 @@ def _attention_kernel(
             allowed = allowed & (pos[:, None] - j[None, :] < sliding_window)
         if CHUNK:
             allowed = allowed & (j[None, :] // chunk == pos[:, None] // chunk)
+        if TREE:  # new token t (key cache_len + t) only where the query's bit t (< 64) is set
+            t = j - cache_len
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(t, 0), 63).to(tl.int64)[None, :]) & 1
+            allowed = allowed & ((t < 0)[None, :] | ((t < 64)[None, :] & (bit != 0)))
         s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # base-2 softmax: times log2(e)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -336,6 +344,7 @@ def plan_flash_attention(a: FlashAttentionArgs) -> tuple[torch.Tensor, list[Laun
                 int(sliding_window),
                 q if sinks is None else sinks,  # (not read without sinks)
                 max(int(chunk_size), 1),
+                q if a.tree_mask is None else a.tree_mask,  # (not read without a tree)
             ),
             dict(
                 GROUP=group,
@@ -347,6 +356,7 @@ def plan_flash_attention(a: FlashAttentionArgs) -> tuple[torch.Tensor, list[Laun
                 WINDOW=window,
                 SOFTCAP=a.softcap > 0,
                 SINK=sinks is not None,
+                TREE=a.tree_mask is not None,
                 CHUNK=chunk,
                 SPLIT=splits > 1,
                 UPCAST=interpret,

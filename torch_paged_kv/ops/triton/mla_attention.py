@@ -19,11 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, is_interpreted, owning_sequence, search_steps
+from ..records import MLAAttentionArgs
+from .common import Launch, is_interpreted, owning_sequence, page_at, search_steps
 from .flash_attention import num_splits
 from .fp8 import fp8_bits_to_float
 from .mla_merge import plan_mla_merge
-from .mla_store import mla_views, quant_mode, view_strides
+from .mla_store import granules, mla_views, quant_mode, view_strides
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch or total compiles nothing
@@ -132,10 +133,7 @@ def _mla_attention_kernel(
     scales += layer_idx.to(tl.int64) * scales_stride_layer
     for j0 in range(start, k_hi, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        col = j // page_size
-        key_ok = (j < k_hi) & (col < table_width)
-        page = tl.load(table_row + col, mask=key_ok, other=0)
-        key_ok = key_ok & (page >= 0) & (page < num_pages)  # never read outside blocks
+        page, key_ok = page_at(table_row, j, k_hi, page_size, table_width, num_pages, False)  # inside blocks
         offset = j % page_size
         if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
             offset = offset.to(tl.int64)
@@ -221,22 +219,12 @@ def _blocks_for(
     return block_h, max(1, rows // block_h), block_n, warps
 
 
-def plan_mla_attention(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    scales: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, list[Launch]]:
+def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
     """The output, allocated, and the launches that fill it (attention, then the split merge)."""
+    q_nope, q_rope, blocks, scales, lookup_table = a.q_nope, a.q_rope, a.blocks, a.scales, a.lookup_table
     total, heads, rank = q_nope.shape
     rope = q_rope.shape[2]
-    batch, page_size = cache_lengths.shape[0], blocks.shape[3]
+    batch, page_size = a.cache_lengths.shape[0], blocks.shape[3]
     out = torch.empty((total, heads, rank), dtype=q_nope.dtype, device=q_nope.device)
     if total == 0 or batch == 0:
         return out, []
@@ -270,9 +258,9 @@ def plan_mla_attention(
                 latent_cache,
                 rope_cache,
                 pool_scales,
-                cache_lengths,
+                a.cache_lengths,
                 lookup_table,
-                input_row_offsets,
+                a.input_row_offsets,
                 batch,
                 total,
                 heads,
@@ -280,7 +268,7 @@ def plan_mla_attention(
                 width,
                 table_stride,
                 page_size,
-                layer_idx,
+                a.layer_idx,
                 q_nope.stride(0),
                 q_nope.stride(1),
                 q_rope.stride(0),
@@ -291,7 +279,7 @@ def plan_mla_attention(
                 *view_strides(rope_cache),
                 *view_strides(pool_scales, scales_kind == 1),
                 splits,
-                float(softmax_scale),
+                float(a.softmax_scale),
             ),
             dict(
                 BLOCK_H=block_h,
@@ -300,9 +288,9 @@ def plan_mla_attention(
                 RANK=rank,
                 ROPE=rope,
                 ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
-                GROUPS=scales.shape[5] if scales_kind == 1 else 1,
+                GROUPS=granules(scales),
                 **quant,
-                CAUSAL=bool(causal),
+                CAUSAL=bool(a.causal),
                 SPLIT=splits > 1,
                 WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
                 UPCAST=interpret,
@@ -317,21 +305,8 @@ def plan_mla_attention(
     return out, launches
 
 
-def mla_attention(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    softmax_scale: float,
-    causal: bool = True,
-    scales: torch.Tensor | None = None,
-) -> torch.Tensor:
-    out, launches = plan_mla_attention(
-        q_nope, q_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, softmax_scale, causal, scales
-    )
+def mla_attention(a: MLAAttentionArgs) -> torch.Tensor:
+    out, launches = plan_mla_attention(a)
     for launch in launches:
         launch()
     return out

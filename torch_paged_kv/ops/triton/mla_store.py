@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Launch, owning_sequence, search_steps
+from ..records import StoreLatentArgs
+from .common import Launch, new_row_page, search_steps
 from .fp8 import FORMATS, float_to_fp8_bits, quantize_granules
 
 
@@ -33,7 +34,10 @@ def mla_views(blocks: torch.Tensor, rank: int, scales: torch.Tensor | None) -> t
 
 def view_strides(view: torch.Tensor, per_granule: bool = True) -> tuple[int, int, int]:
     """(page, layer, token) strides of a `mla_views` view, in its elements (zeros for a static scale)."""
-    return tuple(view.stride()[:3]) if per_granule else (0, 0, 0)
+    if not per_granule:
+        return 0, 0, 0
+    page, layer, token = view.stride()[:3]
+    return page, layer, token
 
 
 def quant_mode(blocks: torch.Tensor, scales: torch.Tensor | None) -> dict:
@@ -43,6 +47,11 @@ def quant_mode(blocks: torch.Tensor, scales: torch.Tensor | None) -> dict:
         return dict(FP8=False, MANT=0, BIAS=0, FP8_MAX=0.0, SCALES=0)
     mant, bias, top = FORMATS[blocks.dtype]
     return dict(FP8=True, MANT=mant, BIAS=bias, FP8_MAX=top, SCALES=1 if scales.dim() == 6 else 2)
+
+
+def granules(scales: torch.Tensor | None) -> int:
+    """The `GROUPS` constexpr: scale granules per row (1 for one scale per token, a static scale or none)."""
+    return scales.shape[5] if scales is not None and scales.dim() == 6 else 1
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch compiles nothing
@@ -85,14 +94,12 @@ def _store_latent_kernel(
     STEPS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
-    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
-    col = pos // page_size
-    page = tl.load(lookup_table + seq.to(tl.int64) * table_stride + tl.minimum(tl.maximum(col, 0), table_width - 1))
     # What data checks rule out (`.unchecked` calls skip them) writes nothing: a position before the
-    # sequence (bad offsets or lengths: `//` rounds toward 0, so col is 0 for the first page_size - 1
-    # of them) or past its table, a page id outside `blocks`, the null page 0.
-    in_range = (pos >= 0) & (col < table_width) & (page > 0) & (page < num_pages)
+    # sequence or past its table, a page id outside `blocks`, the null page 0.
+    pos, page, in_range = new_row_page(
+        row, cache_lengths, lookup_table, input_row_offsets, batch, num_pages, table_width, table_stride, page_size,
+        STEPS,
+    )  # fmt: skip
     offset = (pos % page_size).to(tl.int64)  # times the token stride: a slot can span 2**31 elements
     dim = tl.arange(0, RANK)
     latent_ok = dim < tl.where(in_range, RANK, 0)  # (scalar & block masks break the interpreter)
@@ -125,19 +132,11 @@ def _store_latent_kernel(
         tl.store(rope_cache + rope_slot + r, kr.to(rope_cache.dtype.element_ty), mask=rope_ok)
 
 
-def plan_store_latent(
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> list[Launch]:
+def plan_store_latent(a: StoreLatentArgs) -> list[Launch]:
+    latent, k_rope, blocks, scales, lookup_table = a.latent, a.k_rope, a.blocks, a.scales, a.lookup_table
     total, rank = latent.shape
     rope = k_rope.shape[1]
-    batch = cache_lengths.shape[0]
+    batch = a.cache_lengths.shape[0]
     if total == 0 or batch == 0:
         return []
     latent = latent if latent.stride(1) == 1 else latent.contiguous()
@@ -156,15 +155,15 @@ def plan_store_latent(
                 latent_cache,
                 rope_cache,
                 pool_scales,
-                cache_lengths,
+                a.cache_lengths,
                 lookup_table,
-                input_row_offsets,
+                a.input_row_offsets,
                 batch,
                 blocks.shape[0],
                 width,
                 table_stride,
                 blocks.shape[3],
-                layer_idx,
+                a.layer_idx,
                 latent.stride(0),
                 k_rope.stride(0),
                 *view_strides(latent_cache),
@@ -175,7 +174,7 @@ def plan_store_latent(
                 RANK=rank,
                 ROPE=rope,
                 ROPE_P=triton.next_power_of_2(max(rope, 1)),
-                GROUPS=scales.shape[5] if scales_kind == 1 else 1,
+                GROUPS=granules(scales),
                 **quant,
                 STEPS=search_steps(batch),
             ),
@@ -183,17 +182,6 @@ def plan_store_latent(
     ]
 
 
-def store_latent(
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
-    blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    layer_idx: int,
-    scales: torch.Tensor | None = None,
-) -> None:
-    for launch in plan_store_latent(
-        latent, k_rope, blocks, cache_lengths, lookup_table, input_row_offsets, layer_idx, scales
-    ):
+def store_latent(a: StoreLatentArgs) -> None:
+    for launch in plan_store_latent(a):
         launch()

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..records import StoreKVArgs
-from .common import Launch, blocks_strides, grid_fits, owning_sequence, page_at, search_steps
+from .common import Launch, blocks_strides, grid_fits, new_row_page, search_steps
 from .fp8 import covered, float_to_fp8_bits, quantization, quantize_granules
 
 
@@ -54,11 +54,11 @@ def _store_kv_kernel(
     FMAX: tl.constexpr,
 ):
     row = tl.program_id(0)
-    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
-    pos = tl.load(cache_lengths + seq) + row - tl.load(input_row_offsets + seq)
     # A page id outside `blocks` or the null page 0 (possible only if data checks were off) writes nothing.
-    table_row = lookup_table + seq.to(tl.int64) * table_stride
-    page, in_range = page_at(table_row, pos, table_width * page_size, page_size, table_width, num_pages, True)
+    pos, page, in_range = new_row_page(
+        row, cache_lengths, lookup_table, input_row_offsets, batch, num_pages, table_width, table_stride, page_size,
+        STEPS,
+    )  # fmt: skip
 
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < tl.where(in_range, ROW, 0)  # (scalar & block masks break the interpreter)
@@ -130,7 +130,7 @@ def plan_store_kv(a: StoreKVArgs) -> list[Launch]:
     value = value if value.stride(2) == 1 else value.contiguous()
     row = num_kv_heads * head_dim
     quant = quantization(blocks, a.scales)
-    grid, block = _grid(total, row, quant.constexprs["GRAN"])
+    grid, block = _grid(total, row, int(quant.constexprs["GRAN"]))
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     return [
         Launch(

@@ -1,5 +1,7 @@
 """Compile `kernels.cpp` (with the headers it includes) and `wire_copy.cpp` once per machine into one
-shared library, cache it on disk, load it with ctypes.
+shared library, cache it on disk, load it with ctypes. `library()` returns the library as loaded:
+each caller declares the functions it calls (`declare`): the `cpu` backend its op entries
+(`ops/cpu/args.py`), the distributed wire its copy and checksum (`distributed/wire.py`).
 
 The library has no torch headers (it compiles in seconds and does not depend on torch's C++ ABI):
 the system C++ compiler (`$CXX`, else `c++`, `g++` or `clang++` on `PATH`) builds it with `-O3
@@ -28,6 +30,7 @@ import sys
 import tempfile
 import threading
 import warnings
+from typing import Any
 
 SOURCE = pathlib.Path(__file__).with_name("kernels.cpp")
 SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
@@ -35,7 +38,7 @@ SOURCES = (SOURCE, SOURCE.with_name("wire_copy.cpp"))
 LIBRARY_NAME = "paged_kv_cpu"
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-fno-math-errno"]
 # Tried in order: the first set the compiler accepts is used (no OpenMP: one thread).
-VARIANT_FLAGS = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
+VARIANT_FLAGS: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-fopenmp"], ["-march=native"], [])
 EXTRA_FLAGS_ENV = "TORCH_PAGED_KV_CPU_FLAGS"
 """Compiler flags appended to each variant (split on spaces), e.g. `-mno-avx512f` to build and test
 the AVX2 path on an AVX-512 machine; part of the cache key like every flag."""
@@ -148,7 +151,7 @@ def _build_and_load() -> ctypes.CDLL:
                 errors.append(f"{' '.join(flags) or '(no extra flags)'}: {_first_error(error)} (in full: {failed})")
                 continue
         try:
-            lib = _declare(ctypes.CDLL(str(path)))
+            lib = ctypes.CDLL(str(path))
         except OSError as exc:
             errors.append(f"{path}: {exc}")
             continue
@@ -182,26 +185,13 @@ def _write_atomically(target: pathlib.Path, text: str) -> None:
     os.replace(tmp, target)
 
 
-SIGNATURES = {  # name -> (argument types, result type); an op entry takes its packed argument struct (args.py)
-    "pkv_vector_width": ([], ctypes.c_int),
-    "pkv_openmp": ([], ctypes.c_int),
-    "pkv_parallel_losses": ([], ctypes.c_int64),
-    "pkv_bf16_dot": ([], ctypes.c_int),
-    "pkv_fp8_byte_tables": ([], ctypes.c_int),
-    "pkv_args_layout": ([], ctypes.c_char_p),
-    **{name: ([ctypes.c_char_p], ctypes.c_int) for name in ("pkv_flash_attention", "pkv_store_kv", "pkv_step_ok")},
-    **{name: ([ctypes.c_char_p], None) for name in ("pkv_gather_kv", "pkv_copy_pages")},
-    # segments (int64 [n, 3]), n, message, payload bytes, to_message -> the payload's sum64
-    "pkv_wire_copy": (
-        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int],
-        ctypes.c_uint64,
-    ),
-    "pkv_wire_sum": ([ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint64),  # data, bytes -> sum64
-}
+Signatures = dict[str, tuple[list[Any], Any]]
+"""Function name -> (ctypes argument types, result type), as a caller declares its functions."""
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    for name, (argtypes, restype) in SIGNATURES.items():
+def declare(lib: ctypes.CDLL, signatures: Signatures) -> ctypes.CDLL:
+    """Set the argument and result types of `lib`'s functions named in `signatures`; returns `lib`."""
+    for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
         fn.restype = restype

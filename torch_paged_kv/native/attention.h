@@ -186,6 +186,7 @@ int run_flash_attention(const PkvFlashAttentionArgs& in) {
   a.scales = in.scales;
   a.scale_groups = in.scale_groups;
   a.sinks = in.sinks;
+  a.tree = in.tree;
   a.chunk = std::max<int64_t>(in.chunk, 0);
   const Tuning tune{in.min_split, in.want_items, in.min_work};
   const int nthreads = static_cast<int>(in.threads), dtype = a.dtype, fp8 = a.fp8;

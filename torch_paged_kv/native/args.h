@@ -79,6 +79,7 @@
   X(int64_t, window)                          \
   X(int64_t, chunk)                           \
   X(const float*, sinks)                      \
+  X(const int64_t*, tree)                     \
   X(int64_t, min_split)                       \
   X(int64_t, want_items)                      \
   X(int64_t, min_work)                        \

@@ -49,6 +49,7 @@ struct AttnArgs {
   int64_t scale_groups;  // scales per token and kv head (0: the static pair)
   const float* sinks;    // one logit per query head joining each row's softmax denominator, or null
   int64_t chunk;         // chunked local attention: keys in the query's chunk of this many positions (0: off)
+  const int64_t* tree;   // a tree step: per query row, bit t set iff it sees its sequence's new token t; or null
 
   // 1 / the softmax denominator of a row of query head `q_head` whose scores have max m and sum of
   // exp(score - m) l: the head's sink logit joins the sum (0 where the row saw nothing).
@@ -128,6 +129,17 @@ inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int6
 constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for
 constexpr int64_t BLOCK_BYTES = 128 << 10;  // K + V bytes of one key block of an item (L2-sized)
 
+// A tree step: row `token` of item `it` sees its sequence's new token t (key position cached + t)
+// only where bit t of its tree mask is set (t < 64); scores s[a0, a1) are those of keys k0 + a0 ...
+inline void mask_tree(const AttnArgs& a, const Item& it, int64_t token, int64_t k0, int64_t a0, int64_t a1, float* s) {
+  const int64_t cached = a.cache_lengths[it.b];
+  const uint64_t bits = static_cast<uint64_t>(a.tree[a.offsets[it.b] + it.q0 + token]);
+  for (int64_t t = std::max(a0, cached - k0); t < a1; ++t) {
+    const int64_t j = k0 + t - cached;  // the key's index among the new tokens
+    if (j >= 64 || !((bits >> j) & 1u)) s[t] = -std::numeric_limits<float>::infinity();
+  }
+}
+
 // Row r of an item: kv head h0 + r / per_head; within the head, new token q0 + (r % per_head) / group
 // and q head (kv head) * group + r % group. A head's rows are contiguous, so a row tile never
 // straddles two heads (two different K/V row sets).
@@ -167,7 +179,8 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
   const RowMap map{group, per_head};
   Scratch& sc = tls_scratch;
   sc.reserve(rows, Dp);
-  const bool keys_major = !is_fp8<DT>() && per_head >= keys_major_rows<DT>();
+  // (a tree step's masks are per key: the dot-product tiles, whose scores are masked row by row)
+  const bool keys_major = !is_fp8<DT>() && per_head >= keys_major_rows<DT>() && a.tree == nullptr;
   const int64_t rp = round_up(per_head, W);  // keys-major: rows per head, padded
   if (keys_major) {
     const int64_t padded = heads * rp;
@@ -416,6 +429,7 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
       }
       std::fill(s, s + a0, ninf);
       std::fill(s + a1, s + nv, ninf);
+      if (a.tree != nullptr) mask_tree(a, it, map.token(r), k0, a0, a1, s);
       vf vmax = splat(ninf);
       for (int t = 0; t < nv; t += W) {
         vf x = load_f32(s + t);

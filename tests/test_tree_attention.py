@@ -1,0 +1,121 @@
+"""`flash_attention`'s `tree_mask` (speculative decoding's tree verification) on every backend that
+runs on CPU (`reference`, `cpu`, `triton` under the interpreter), against the fp64 oracle on
+contiguous K/V (`testing.attention_fp64`, written from the op contract alone)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import torch_paged_kv as pk
+from torch_paged_kv import ops
+from torch_paged_kv.ops.cpu import kernels as cpu_kernels
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, attention_fp64, make_paged_batch
+
+
+@pytest.fixture(params=["reference", "cpu", "triton"])
+def backend(request, force_backend):
+    force_backend(request.param)
+    return request.param
+
+
+def _int64(bits: int) -> int:
+    """An unsigned 64-bit pattern as the int64 holding it."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def tree_bits(parents: list[int]) -> list[int]:
+    """Each draft token's mask of itself and its ancestors, from `parents` (-1: a root, whose parent is
+    the last cached token; else an earlier draft's index)."""
+    bits: list[int] = []
+    for i, parent in enumerate(parents):
+        assert parent < i
+        bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
+    return [_int64(b) for b in bits]
+
+
+def random_tree(n: int, rng: random.Random) -> list[int]:
+    return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+
+
+def _tree_step(cached: list[int], new: list[int], seed: int, **options):
+    rng = random.Random(seed)
+    b = make_paged_batch(cached, new, page_size=4, group=2, head_dim=32, seed=seed, **options)
+    mask = torch.tensor([m for n in new for m in tree_bits(random_tree(n, rng))], dtype=torch.int64)
+    return b, mask
+
+
+def _attend(b, tree_mask, **options):
+    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+    return pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=tree_mask, **options)
+
+
+def _expected(b, tree_mask, **options):
+    return attention_fp64(b.q, b.keys, b.values, b.cache_lengths.tolist(), 0.3, tree_mask=tree_mask, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_random_trees_match_fp64(backend, dtype):
+    """A ragged batch of trees (one with no cache, one of 64 drafts: bit 63 is the sign bit), a plain
+    decode row among them (its mask is bit 0)."""
+    b, mask = _tree_step([5, 0, 17, 40], [9, 12, 1, 64], seed=3, dtype=dtype)
+    out = _attend(b, mask)
+    torch.testing.assert_close(out.double(), _expected(b, mask), **ATTENTION_TOLERANCE[dtype])
+
+
+def test_a_chain_is_causal_attention(backend):
+    """The tree of one branch (each draft sees every earlier one) is plain causal attention."""
+    b = make_paged_batch([5, 0, 17], [7, 3, 5], page_size=4, group=2, head_dim=32, seed=5)
+    chain = torch.tensor([m for n in [7, 3, 5] for m in tree_bits(list(range(-1, n - 1)))], dtype=torch.int64)
+    out = _attend(b, chain)
+    plain = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3)
+    torch.testing.assert_close(out, plain, **ATTENTION_TOLERANCE[torch.float32])
+    torch.testing.assert_close(out.double(), _expected(b, None), **ATTENTION_TOLERANCE[torch.float32])
+
+
+def test_trees_with_a_window_sinks_and_split_key_ranges(backend, monkeypatch):
+    """Long cached prefixes (the cpu kernels told to split key ranges at 16 keys; the interpreter
+    splits past 256), a sliding window and attention sinks on top of the tree."""
+    monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
+    b, mask = _tree_step([600, 300], [6, 1], seed=7)
+    sinks = torch.randn(b.q.shape[1], generator=torch.Generator().manual_seed(1))
+    out = _attend(b, mask, sliding_window=200, sinks=sinks)
+    expected = _expected(b, mask, sliding_window=200, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
+
+
+def test_a_tree_of_more_than_64_drafts_is_refused(backend):
+    b = make_paged_batch([3, 2], [65, 1], page_size=4, group=2, head_dim=32, seed=2)
+    mask = torch.full((66,), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^tree_mask: sequence 0 has 65 new tokens"):
+        pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask)
+    # unchecked, draft 64 and later are simply never seen: no read or shift past the bits
+    out = ops.flash_attention_unchecked(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (torch.ones(7, dtype=torch.int32), "1-D int64"),
+        (torch.ones(7, 1, dtype=torch.int64), "1-D int64"),
+        (torch.ones(6, dtype=torch.int64), "expected 7 entries like q"),
+    ],
+)
+def test_bad_tree_masks_are_rejected(force_backend, mask, message):
+    force_backend("reference")
+    b = make_paged_batch([3, 2], [6, 1], page_size=4, group=2, head_dim=32)
+    with pytest.raises(ValueError, match=f"^tree_mask: .*{message}"):
+        pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask)
+
+
+def test_step_plan_passes_the_tree(backend):
+    b, mask = _tree_step([5, 9], [4, 6], seed=11)
+    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+    plan = pk.StepPlan(b.blocks, pk.StepTensors(*b.step), first_layer=0)
+    plan.flash_attention(b.q, 0, 0.3, tree_mask=mask)
+    out = plan.flash_attention(b.q, b.layer_idx, 0.3, tree_mask=mask)  # a later layer: the kept kernel
+    torch.testing.assert_close(out.double(), _expected(b, mask), **ATTENTION_TOLERANCE[torch.float32])
