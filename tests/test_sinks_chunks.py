@@ -122,3 +122,29 @@ def test_step_plan_keeps_one_kernel_per_variant(backend):
         _check(b, plan.flash_attention(b.q, b.layer_idx, 0.3, sinks=sinks), sinks=sinks)
         _check(b, plan.flash_attention(b.q, b.layer_idx, 0.3))
     assert len(plan.kernels) == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"sinks": True}, "attention sinks"),
+        ({"attention_chunk_size": 4}, "chunked attention"),
+        ({"tree_mask": True}, "tree masks"),
+        ({"softcap": 30.0}, "softcap"),
+        ({}, "need CUDA tensors"),
+    ],
+)
+def test_a_forced_cute_backend_names_the_option_its_kernels_lack(monkeypatch, force_backend, options, named):
+    """CuTe declines sinks, chunks, trees and softcap (Triton runs them); forced, its refusal names the
+    option (the backend made available here so that the option check, not the device, refuses)."""
+    from torch_paged_kv.ops import dispatch
+    from torch_paged_kv.ops.records import FlashAttentionArgs
+
+    b = make_paged_batch([5, 3], [1, 1], page_size=4, num_kv_heads=2, head_dim=8, group=2, seed=3)
+    sinks = _sinks(4, 1) if options.pop("sinks", False) else None
+    tree = torch.ones(2, dtype=torch.int64) if options.pop("tree_mask", False) else None
+    a = FlashAttentionArgs(b.q, b.blocks, *b.step, b.layer_idx, 0.1, sinks=sinks, tree_mask=tree, **options)
+    monkeypatch.setitem(dispatch._availability, "cute", lambda device: None)
+    force_backend("cute")
+    with pytest.raises(pk.BackendUnavailableError, match=f"does not cover this flash_attention call: .*{named}"):
+        dispatch.select("flash_attention", b.q.device, a)

@@ -28,6 +28,7 @@ ENV_VAR = "TORCH_PAGED_KV_BACKEND"
 
 Kernel = Callable[[Any], Any]  # the op's record -> its result
 Supports = Callable[[Any], bool]  # the op's record -> whether the kernel covers the call
+WhyNot = Callable[[Any], "str | None"]  # the op's record -> what of the call the kernel lacks, or None
 Declines = Callable[[Any], "str | None"]  # KVCacheParams -> why caches like these are not covered, or None
 ValueCheck = Callable[..., bool]
 """(blocks, cache_lengths, lookup_table, input_row_offsets, total_rows, reads_all, max_kv_len) -> whether
@@ -42,6 +43,7 @@ class BackendUnavailableError(RuntimeError):
 
 _kernels: dict[tuple[str, str], tuple[Kernel, Supports | None]] = {}
 _declines: dict[tuple[str, str], Declines] = {}
+_why_not: dict[tuple[str, str], WhyNot] = {}
 _availability: dict[str, Callable[[torch.device], str | None]] = {}
 _value_checks: dict[str, ValueCheck] = {}
 
@@ -54,11 +56,17 @@ def register_backend(name: str, unavailable_reason: Callable[[torch.device], str
 
 
 def register_kernel(
-    backend: str, op: str, fn: Kernel, supports: Supports | None = None, declines: Declines | None = None
+    backend: str,
+    op: str,
+    fn: Kernel,
+    supports: Supports | None = None,
+    declines: Declines | None = None,
+    why_not: WhyNot | None = None,
 ) -> None:
     """Register `fn` as `backend`'s implementation of `op`. `declines(params)` (optional) says why the
     kernel does not cover caches of those `KVCacheParams` (what `backend_info(device, params)` reports);
-    it must agree with `supports`, which decides each call."""
+    it must agree with `supports`, which decides each call. `why_not(record)` (optional) names what of
+    a call that `supports` refuses the kernel lacks (a forced backend's error says it)."""
     if op not in OPS:
         raise ValueError(f"op: unknown op {op!r}; expected one of {OPS}")
     if backend not in _availability:
@@ -66,6 +74,8 @@ def register_kernel(
     _kernels[(backend, op)] = (fn, supports)
     if declines is not None:
         _declines[(backend, op)] = declines
+    if why_not is not None:
+        _why_not[(backend, op)] = why_not
 
 
 def register_value_check(device_type: str, check: ValueCheck) -> None:
@@ -90,7 +100,8 @@ def _reason(backend: str, op: str, device: torch.device, args: tuple | None) -> 
         return f"backend {backend!r} has no {op} kernel"
     supports = entry[1]
     if args is not None and supports is not None and not supports(args):
-        return f"backend {backend!r} does not cover this {op} call (shapes/dtypes)"
+        lacking = _why_not[(backend, op)](args) if (backend, op) in _why_not else None
+        return f"backend {backend!r} does not cover this {op} call: {lacking or 'its shapes/dtypes'}"
     return None
 
 

@@ -68,6 +68,12 @@ def _flash_attention_supports(a: Any) -> bool:
     return supports(a)
 
 
+def _flash_attention_unsupported(a: Any) -> str | None:
+    from .attention import unsupported_option
+
+    return unsupported_option(a)
+
+
 def _flash_attention_declines(params: Any) -> str | None:
     if params.quantized:
         return (
@@ -77,5 +83,12 @@ def _flash_attention_declines(params: Any) -> str | None:
     return None
 
 
-KERNELS = {"flash_attention": (_flash_attention, _flash_attention_supports, _flash_attention_declines)}
-"""op -> (kernel, supports): what `ops/backends.py` registers as backend "cute"."""
+KERNELS = {
+    "flash_attention": (
+        _flash_attention,
+        _flash_attention_supports,
+        _flash_attention_declines,
+        _flash_attention_unsupported,
+    )
+}
+"""op -> (kernel, supports, declines, why_not): what `ops/backends.py` registers as backend "cute"."""

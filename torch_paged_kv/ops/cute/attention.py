@@ -24,15 +24,28 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def supports(a: FlashAttentionArgs) -> bool:
-    """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only.
-    Not covered (Triton runs them): softcap, attention sinks, chunked attention, tree masks, FP8 caches (see
-    cute._flash_attention_declines)."""
-    q = a.q
-    if q.device.type != "cuda" or a.softcap > 0 or a.scales is not None or a.sinks is not None:
-        return False
-    if a.attention_chunk_size > 0 or a.tree_mask is not None:
-        return False
-    return covers(device_arch(device_index(q.device)), q, a.blocks, a.cache_lengths.shape[0])
+    """Decode-shaped calls (one query row per sequence) the kernels cover; decided from shapes only."""
+    return unsupported_option(a) is None and covers(
+        device_arch(device_index(a.q.device)), a.q, a.blocks, a.cache_lengths.shape[0]
+    )
+
+
+def unsupported_option(a: FlashAttentionArgs) -> str | None:
+    """The call's option that the kernels lack (Triton runs such calls), or None: what a forced
+    `TORCH_PAGED_KV_BACKEND=cute` names when it refuses."""
+    missing = (
+        (a.softcap > 0, "softcap"),
+        (a.sinks is not None, "attention sinks"),
+        (a.attention_chunk_size > 0, "chunked attention (attention_chunk_size)"),
+        (a.tree_mask is not None, "tree masks (tree_mask)"),
+        (a.scales is not None, "FP8 caches (scales)"),
+    )
+    for lacking, what in missing:
+        if lacking:
+            return f"the CuTe decode kernels have no {what}; Triton runs such calls"
+    if a.q.device.type != "cuda":
+        return f"the CuTe kernels need CUDA tensors, got {a.q.device.type}"
+    return None
 
 
 def covers(arch: str | None, q: torch.Tensor, blocks: torch.Tensor, batch: int) -> bool:
