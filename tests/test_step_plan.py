@@ -131,3 +131,18 @@ def test_the_first_layer_checks_the_step_values_and_changes_nothing():
     with pytest.raises(ValueError, match="^lookup_table:"):
         plan.flash_attention(batches[0].q, 0, 0.3)
     assert torch.equal(shared.blocks, before) and not plan.kernels  # nothing kept from a failed step
+
+
+def test_a_plan_over_fp8_blocks_without_scales_points_to_step_plan_of():
+    """StepPlan(blocks, step) over an FP8 pool forgets its scales: refused at construction, naming
+    `scales` and the constructor that passes them; StepPlan.of(collection, step) is accepted."""
+    params = pk.KVCacheParams(
+        torch.float8_e4m3fn, num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, quantization_granularity=8
+    )
+    collection = pk.PagedKVCacheCollection(params, 8, 2, 16)
+    manager = pk.KVCacheManager(collection)
+    manager.claim("a")
+    step = manager.prepare_step(["a"], [3])
+    with pytest.raises(ValueError, match=r"scales: .*StepPlan\.of\(collection, step\)"):
+        pk.StepPlan(collection.blocks, step)
+    assert pk.StepPlan.of(collection, step).scales is collection.scales

@@ -33,6 +33,7 @@ from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollect
 from .layer_groups import LayerGroups
 from .ops import library, validate
 from .ops.records import FlashAttentionArgs, GatherKVArgs, StoreKVArgs
+from .params import FP8_DTYPES
 
 _OPS = torch.ops.paged_kv
 
@@ -70,6 +71,13 @@ class StepPlan:
     # "rows": the new rows the first layer's checked call took (= input_row_offsets[-1]); every later
     # layer must take as many (a shape check: its kernel trusts the step tensors' values)
     step_rows: dict[str, int | torch.SymInt] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.blocks.dtype in FP8_DTYPES and self.scales is None:
+            raise ValueError(
+                f"scales: an FP8 cache ({self.blocks.dtype}) needs its scales tensor; "
+                "StepPlan.of(collection, step) passes the collection's"
+            )
 
     @classmethod
     def of(
