@@ -36,8 +36,12 @@ def rewind_tokens(pools: Sequence[PagePool], table: PageTable, seq: SequenceStat
         return
     new_length = length - int(n)
     _check_held(table, seq, new_length, "n")
-    _make_private(pools, table, seq.slot, _partial(table, new_length))
+    keep = table.pages_for(new_length)  # the pages past it go back first: a copy may take one of them
+    freed = [sum(pool.refcounts[p] == 1 for p in g.rows[seq.slot, keep : g.num_pages[seq.slot]] if p != NULL_PAGE)
+             for pool, g in zip(pools, table.groups, strict=True)]  # fmt: skip
+    held = _plan_private(pools, table, seq.slot, _partial(table, new_length), freed)
     _truncate(pools, table, seq, new_length, forget=False)
+    _make_private(pools, table, seq.slot, held)
 
 
 def accept_path(
@@ -65,7 +69,8 @@ def accept_path(
     record = ids is not None and known >= start  # the given ids replace the step's
     unchanged = 0 if record else int(moved[0]) if moved.size else len(path)  # positions start + unchanged.. change
     first = (start + unchanged) // table.page_size  # pages from here on are written or rekeyed
-    _make_private(pools, table, slot, list(range(first, table.pages_for(new_length))))
+    held = _plan_private(pools, table, slot, list(range(first, table.pages_for(new_length))), [0] * len(pools))
+    _make_private(pools, table, slot, held)
     if moved.size:
         for group in table.groups:
             _move(group.collection, group.rows[slot], start + path[moved], start + moved)
@@ -116,15 +121,23 @@ def _check_held(table: PageTable, seq: SequenceState, length: int, name: str) ->
             )
 
 
-def _make_private(pools: Sequence[PagePool], table: PageTable, slot: int, entries: list[int]) -> None:
-    """Make table entries `entries` of `slot` safe to overwrite in every group, all or nothing: a page
-    someone else holds is replaced by a copy of it (`OutOfPagesError` before anything changed when a
-    group lacks the pages), a page only `slot` holds leaves the prefix cache."""
+def _plan_private(
+    pools: Sequence[PagePool], table: PageTable, slot: int, entries: list[int], freed: list[int]
+) -> list[list[int]]:
+    """The pages of table entries `entries` of `slot` in each group (the null page left out), after
+    checking that every group can copy the ones someone else holds (`OutOfPagesError` otherwise;
+    `freed[g]`: pages of group g that become available before the copies are made)."""
     held = []
-    for pool, group in zip(pools, table.groups, strict=True):
+    for pool, group, extra in zip(pools, table.groups, freed, strict=True):
         pages = [p for p in group.rows[slot, entries].tolist() if p != NULL_PAGE]
-        pool.require(sum(pool.refcounts[p] > 1 for p in pages))
+        pool.require(sum(pool.refcounts[p] > 1 for p in pages) - extra)
         held.append(pages)
+    return held
+
+
+def _make_private(pools: Sequence[PagePool], table: PageTable, slot: int, held: list[list[int]]) -> None:
+    """Make `slot`'s pages `held[g]` (`_plan_private`'s) safe to overwrite: a page someone else holds is
+    replaced by a copy of it, a page only `slot` holds leaves the prefix cache."""
     for pool, group, pages in zip(pools, table.groups, held, strict=True):
         shared = [p for p in pages if pool.refcounts[p] > 1]
         for p in pages:
