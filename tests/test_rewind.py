@@ -48,10 +48,15 @@ def store(m: KVCacheManager, steps, rows: list[torch.Tensor]) -> None:
     """Store `rows[g]` (`[n, 2, layers, heads, head_dim]`, the step's new tokens) into group g."""
     steps = [steps] if isinstance(steps, tpk.StepTensors) else steps
     for c, step, kv in zip(m.collections, steps, rows, strict=True):
-        for layer in range(c.params.num_layers):
-            dtype = torch.float32 if c.params.quantized else c.params.dtype  # FP8: store_kv quantizes
-            k, v = (kv[:, plane, layer].to(dtype).contiguous() for plane in (0, 1))
-            tpk.store_kv(k, v, c.blocks, *step, layer, scales=c.scales)
+        p = c.params
+        kv = kv.to(torch.float32 if p.quantized else p.dtype)  # FP8: the ops quantize
+        for layer in range(p.num_layers):
+            if p.is_mla:  # (an MLA pool: `[n, 1, layers, 1, kv_lora_rank + rope_dim]`)
+                latent, rope = kv[:, 0, layer, 0, : p.kv_lora_rank], kv[:, 0, layer, 0, p.kv_lora_rank :]
+                tpk.store_latent(latent.contiguous(), rope.contiguous(), c.blocks, *step, layer, scales=c.scales)
+            else:
+                k, v = (kv[:, plane, layer].contiguous() for plane in (0, 1))
+                tpk.store_kv(k, v, c.blocks, *step, layer, scales=c.scales)
 
 
 def path_of(parents: list[int], node: int) -> list[int]:
@@ -240,7 +245,23 @@ ORACLE = dataclasses.replace(PARAMS, head_dim=8, page_size=8)
 LAYOUTS = {  # window 6: after 20 + 6 tokens the group holds page 2 on, as after 21..26 (not 20)
     "full": lambda p: ([p], [[0, 1]]),
     "full + sliding": lambda p: ([p, dataclasses.replace(p, num_layers=1, sliding_window=6)], [[0, 2], [1]]),
+    "mla": lambda p: ([_mla_like(p)], [[0, 1]]),
 }
+
+
+def _mla_like(p: tpk.KVCacheParams) -> tpk.KVCacheParams:
+    """An MLA cache (latent 16, rope 8) of `p`'s dtype and quantization."""
+    quant = {"quantization_granularity": p.quantization_granularity} if p.has_scales_tensor else {}
+    if p.static_scales is not None:
+        quant = {"static_scales": p.static_scales[:1]}
+    return tpk.KVCacheParams.mla(p.dtype, 2, p.page_size, kv_lora_rank=16, rope_dim=8, **quant)
+
+
+def _row_width(p: tpk.KVCacheParams) -> int:
+    """Elements of a token's row given to the store op (an MLA row: latent then rope, in float)."""
+    return p.kv_lora_rank + p.rope_dim if p.is_mla else p.head_dim
+
+
 DTYPES = {
     "fp32": {"dtype": torch.float32},
     "bf16": {"dtype": torch.bfloat16},
@@ -265,7 +286,10 @@ def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype
     params, layers = LAYOUTS[layout](dataclasses.replace(ORACLE, **DTYPES[dtype]))
     gen = torch.Generator().manual_seed(7)
     prompt_len, tokens = 20, 6
-    kv = [torch.randn(prompt_len + tokens, 2, p.num_layers, p.num_kv_heads, p.head_dim, generator=gen) for p in params]
+    kv = [
+        torch.randn(prompt_len + tokens, p.num_planes, p.num_layers, p.num_kv_heads, _row_width(p), generator=gen)
+        for p in params
+    ]
     for kept in ([0, 1, 3, 5], [0, 2, 4], [5], [3, 1], [0, 1, 2, 3, 4, 5], []):
         managers = []
         for _ in range(2):
@@ -278,7 +302,7 @@ def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype
         spec, plain = managers
         store(spec, spec.prepare_step(["s"], [tokens]), [x[prompt_len:] for x in kv])  # tree order
         spec.commit_step()
-        if not kept and layout != "full":  # 20 tokens need page 1 of the sliding group, dropped at 26
+        if not kept and layout == "full + sliding":  # 20 tokens need page 1 of the sliding group, dropped at 26
             before = snapshot(spec)
             with pytest.raises(ValueError, match="^kept:.*layer group 1"):
                 spec.accept("s", kept)
