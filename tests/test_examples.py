@@ -43,3 +43,10 @@ def test_hf_mla_generate_matches_dynamic_cache_in_both_attention_modes():
     assert "PagedCache + sdpa    : 2 rows x 8 tokens, identical to DynamicCache" in out
     assert "PagedCache + paged_kv: 2 rows x 8 tokens, identical to DynamicCache" in out
     assert "PagedCache float32 (latent + rope row)" in out
+
+
+def test_tree_speculative_decoding_gives_plain_greedy_tokens():
+    out = _run("tree_speculative.py", "--new-tokens", "24", "--device", "cpu")
+    assert "identical to plain greedy decoding: 2 sequences x 24 tokens" in out
+    rate = float(out.split("acceptance rate: ")[1].split()[0])
+    assert 0 < rate < 1  # some drafts kept, some rejected: both paths of accept ran

@@ -15,6 +15,7 @@ import torch
 
 from .collection import PagedKVCacheCollection, StepTensors
 from .layout import NULL_PAGE
+from .ops import copy_pages
 
 
 class GroupTable:
@@ -98,6 +99,12 @@ class GroupTable:
                 dropped += entries[entries != NULL_PAGE].tolist()
                 self.rows[slot, a:b] = NULL_PAGE
         return moved.tolist(), dropped
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages `src[i]` to `dst[i]` in the collection (every layer, K and V, FP8 scales)."""
+        c = self.collection
+        src_pages, dst_pages = (torch.tensor(p, dtype=torch.int32, device=c.device) for p in (src, dst))
+        copy_pages(c.blocks, src_pages, dst_pages, c.scales)
 
     # -- upload ----------------------------------------------------------------------------------
     def step_tensors(self, batch: int) -> StepTensors:

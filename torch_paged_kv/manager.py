@@ -5,40 +5,39 @@ or dropped. It drives a cache of one or more layer groups (layer_groups.py: one 
 with its own geometry and page pool). State lives in objects it owns: a `PagePool` per group
 (refcounts, free pages, the prefix cache: page_pool.py) and one `PageTable` (per-sequence slot:
 lengths, token ids, and per group the pages and the upload of a step into that group's step
-tensors: page_table.py, group_table.py). `prepare_step` fills the step tensors in place for the
+tensors: page_table.py, group_table.py), kept with the read-only queries in manager_state.py.
+`prepare_step` fills the step tensors in place for the
 sequences of one step, all or nothing across groups; the model runs; `commit_step` advances the
 lengths, caches the pages that became full (one sha256 per page that fills, the same key in every
 group) and drops, in sliding-window groups, the pages that left the window of every later query.
 Sequences filled elsewhere come in through `reserve` (reservation.py), host copies through
-offload.py; KV checkpoints of a manager's sequences are
+offload.py, prefix hits are found by prefix_hit.py, speculative decoding's `rewind` and `accept`
+run in rewind.py; KV checkpoints of a manager's sequences are
 `sequence_checkpoint.save_sequences` / `load_sequences`, a layer above.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import cast
 
 import numpy as np
-import torch
 
 from . import offload as host
-from .checkpoint import mark_driven
-from .collection import PagedKVCacheCollection, StepTensors
-from .layer_groups import LayerGroups
+from .collection import StepTensors
 from .layout import NULL_PAGE
-from .ops import copy_pages
-from .page_pool import OutOfPagesError, PagePool, page_key, root_key, token_array
-from .page_table import PageTable
-from .params import KVCacheParams, TPShard, normalized_shard
+from .manager_state import ManagerState
+from .page_pool import OutOfPagesError, token_array
+from .prefix_hit import match_prefix
 from .reservation import Incoming, Reservation
-from .sequences import Sequences, SequenceState, cache_full_pages, check_unique
+from .rewind import accept_path, rewind_tokens
+from .sequences import cache_full_pages, check_unique
 from .step_rows import PreparedStep, StepRows, UploadedRows, check_lengths, check_num_new, check_token_ids
 
 __all__ = ["KVCacheManager", "OutOfPagesError", "Reservation", "StepRows"]
 
 
-class KVCacheManager:
+class KVCacheManager(ManagerState):
     """Pages of a paged KV cache for sequences named by any hashable id: one `PagedKVCacheCollection`,
     or the collections of a `LayerGroups` (one per layer group; each sequence has pages in every group).
 
@@ -55,137 +54,9 @@ class KVCacheManager:
     of the model's KV heads the pool holds (a tensor-parallel rank's; None: all; one group only);
     checkpoints and transfers record and check it, the manager itself does not use it.
 
-    Rewinding a sequence (speculative decoding) is not here yet; it would lower the length, unref
-    the pages past it in every group and drop their prefix keys, in the pattern of `commit_step`
-    run backwards: a sliding-window group can rewind only as far as the pages it still holds
-    (`KVCacheParams.first_held_page` of the shorter length).
+    Speculative decoding: `rewind` drops a sequence's last tokens, `accept` keeps a tree step's
+    accepted path (rewind.py, docs/manager.md).
     """
-
-    def __init__(
-        self,
-        collection: PagedKVCacheCollection | LayerGroups,
-        enable_prefix_caching: bool = True,
-        hash_salt: bytes | None = None,
-        *,
-        tp_shard: TPShard | None = None,
-    ) -> None:
-        if isinstance(collection, PagedKVCacheCollection):
-            groups = LayerGroups.of(collection)
-        elif isinstance(collection, LayerGroups):
-            groups = collection
-        else:
-            raise ValueError(
-                f"collection: expected a PagedKVCacheCollection or LayerGroups, got {type(collection).__name__}"
-            )
-        if hash_salt is not None and not isinstance(hash_salt, bytes):
-            raise ValueError(f"hash_salt: expected bytes or None, got {type(hash_salt).__name__}")
-        if tp_shard is not None and len(groups) > 1:
-            raise ValueError("tp_shard: a tensor-parallel cache has one layer group")
-        self.groups = groups
-        self.collections = groups.collections
-        self.tp_shard = normalized_shard(self.collections[0].params, tp_shard)
-        for c in self.collections:
-            mark_driven(c, "torch_paged_kv.save_sequences(manager, path, seq_ids)")
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.page_size = groups.page_size
-        self.max_seq_len = groups.max_seq_len
-        self.prefix_cache_hits = 0
-        self.prefix_cache_misses = 0
-        named = len(groups) > 1  # out-of-pages errors name the group
-        self.page_pools = [PagePool(c.num_pages, g if named else None) for g, c in enumerate(self.collections)]
-        self.page_table = PageTable(self.collections)
-        self._windowed = [g for g, c in enumerate(self.collections) if c.params.sliding_window is not None]
-        self._left_window: list[np.ndarray | None] = [None] * len(groups)  # step rows whose entries went null
-        self._root = root_key(hash_salt)
-        self._seqs = Sequences()
-        self._pending: PreparedStep | None = None
-        self._uploaded: UploadedRows | None = None
-        self._reservation: Reservation | None = None
-
-    # -- queries -------------------------------------------------------------------------------
-    @property
-    def collection(self) -> PagedKVCacheCollection:
-        """The collection of a cache of one layer group (ValueError for several: see `collections`)."""
-        if len(self.collections) != 1:
-            raise ValueError(f"collection: this cache has {len(self.collections)} layer groups; use collections[g]")
-        return self.collections[0]
-
-    @property
-    def page_pool(self) -> PagePool:
-        """The page pool of a cache of one layer group (ValueError for several: see `page_pools`)."""
-        if len(self.page_pools) != 1:
-            raise ValueError(f"page_pool: this cache has {len(self.page_pools)} layer groups; use page_pools[g]")
-        return self.page_pools[0]
-
-    @property
-    def sequences(self) -> list:
-        """Ids of the claimed sequences (offloaded ones included), in claim order."""
-        return list(self._seqs)
-
-    def cache_length(self, seq_id: Hashable) -> int:
-        """Tokens cached for `seq_id` (committed steps only)."""
-        return int(self.page_table.lengths[self._seqs.get(seq_id, "seq_id").slot])
-
-    def pages(self, seq_id: Hashable, group: int = 0) -> list[int]:
-        """Table entries of `seq_id` in layer group `group`, in order (page i holds tokens `i*page_size..`;
-        the null page where a sliding-window group dropped it; empty while offloaded)."""
-        return self.page_table.groups[self._group(group)].pages(self._seqs.get(seq_id, "seq_id").slot)
-
-    def token_ids(self, seq_id: Hashable) -> list[int] | None:
-        """Token ids of `seq_id` known from position 0 (a claimed prompt may run past its length), or None."""
-        return self.page_table.token_ids(self._seqs.get(seq_id, "seq_id").slot)
-
-    def prefix_keys(self, seq_id: Hashable) -> list[bytes]:
-        """Prefix-cache keys of `seq_id`'s leading full pages (chained sha256, see page_pool.py)."""
-        return list(self._seqs.get(seq_id, "seq_id").keys)
-
-    def committed_rows(self, seq_ids: Sequence, group: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Cache lengths (int64 `[n]`) and host table rows of layer group `group` (int32 `[n, width]`) of
-        distinct sequences on device and not in the prepared step (else ValueError naming `seq_ids`)."""
-        slots = self._resolve(list(seq_ids), step=False)[1]
-        return self.page_table.lengths[slots], self.page_table.groups[self._group(group)].rows[slots]
-
-    @property
-    def prepared_sequences(self) -> list:
-        """Ids of the rows of the prepared step not yet committed (empty when there is none)."""
-        return [] if self._pending is None else [s.seq_id for s in self._pending.seqs]
-
-    @property
-    def prepared_rows(self) -> StepRows | None:
-        """The rows of the prepared step not yet committed (None when there is none)."""
-        p = self._pending
-        return None if p is None else StepRows(p.slots, p.num_new, p.new_lengths)
-
-    @property
-    def prefix_root(self) -> bytes:
-        """Parent key of every sequence's first page (from `hash_salt`): keys chain from it."""
-        return self._root
-
-    def num_free_pages(self, group: int = 0) -> int:
-        """Pages an allocation in layer group `group` can use now: unused pages plus evictable cached pages."""
-        return self.page_pools[self._group(group)].available()
-
-    def num_cached_pages(self, group: int = 0) -> int:
-        """Pages of layer group `group` in the prefix cache (referenced or evictable)."""
-        return len(self.page_pools[self._group(group)].key_of)
-
-    def kv_bytes_in_use(self) -> int:
-        """Bytes of K/V (and FP8 scales) that the pages some sequence holds take, summed over the groups
-        (cached pages nobody holds are not in use: an allocation may take them)."""
-        return sum(
-            pool.in_use() * c.params.page_bytes for pool, c in zip(self.page_pools, self.collections, strict=True)
-        )
-
-    def is_offloaded(self, seq_id: Hashable) -> bool:
-        return self._seqs.get(seq_id, "seq_id").host_pages is not None
-
-    def check_new_ids(self, seq_ids: Sequence, name: str = "seq_ids") -> None:
-        """ValueError naming `name` unless `seq_ids` are hashable, distinct and not in use."""
-        self._seqs.check_new_ids(list(seq_ids), name)
-
-    def fresh_ids(self, count: int) -> list:
-        """`count` ids `("loaded", n)` no sequence has, counting on from the last ones added."""
-        return self._seqs.fresh_ids(count)
 
     # -- sequences -----------------------------------------------------------------------------
     def claim(self, seq_id: Hashable, prompt_tokens: Sequence[int] | None = None) -> int:
@@ -203,7 +74,8 @@ class KVCacheManager:
         keys: list[bytes] = []
         if self.enable_prefix_caching and prompt_tokens is not None:
             max_pages = (len(prompt) - 1) // self.page_size  # leave at least one token to compute
-            pages, keys = self._match_prefix(prompt, max_pages)
+            params = [c.params for c in self.collections]
+            pages, keys = match_prefix(self.page_pools, params, self._root, prompt, max_pages)
             for pool, group_pages in zip(self.page_pools, pages, strict=True):
                 for page in group_pages:
                     if page != NULL_PAGE:
@@ -246,11 +118,7 @@ class KVCacheManager:
                     pool.ref(page)
             if partial:
                 group_pages += pool.allocate(1)
-                c = group.collection
-                copied, copy = (
-                    torch.tensor([p], dtype=torch.int32, device=c.device) for p in (src_pages[full], group_pages[-1])
-                )
-                copy_pages(c.blocks, copied, copy, c.scales)
+                group.copy_pages(src_pages[full : full + 1], group_pages[-1:])
             pages.append(group_pages)
         known = int(table.known[src.slot])
         tokens = table.tokens[src.slot, : min(known, length)] if known >= 0 else None
@@ -349,6 +217,7 @@ class KVCacheManager:
         table = self.page_table
         old_lengths = table.lengths[step.slots]
         table.lengths[step.slots] = step.new_lengths
+        table.step_start[step.slots] = old_lengths  # what `accept` reorders
         if self.enable_prefix_caching:
             known = table.known[step.slots]
             if step.token_ids is not None:
@@ -369,17 +238,8 @@ class KVCacheManager:
     def offload(self, seq_ids: Sequence) -> None:
         """Move sequences' pages to CPU memory (pinned when the pool is on a GPU) and free them."""
         self._check_unlocked()
-        seqs = self._resolve(list(seq_ids), step=False)[0]
-        table = self.page_table
-        for seq in seqs:
-            length = table.lengths[seq.slot : seq.slot + 1]
-            copies = []
-            for pool, group in zip(self.page_pools, table.groups, strict=True):
-                first, used = int(group.first_held(length)[0]), table.pages_for(int(length[0]))
-                copies.append(host.read_pages(group.collection, group.pages(seq.slot)[first:used]))
-                pool.unref(reversed(group.held(seq.slot)))
-                group.set_pages(seq.slot, [])
-            seq.host_pages = copies
+        for seq in self._resolve(list(seq_ids), step=False)[0]:
+            seq.host_pages = host.offload_slot(self.page_pools, self.page_table, seq.slot)
         self._uploaded = None  # their table rows changed
 
     def restore(self, seq_ids: Sequence) -> None:
@@ -394,82 +254,39 @@ class KVCacheManager:
             if seq.host_pages is None:
                 raise ValueError(f"seq_ids: sequence {seq.seq_id!r} is not offloaded")
             host_pages.append(seq.host_pages)
-        table = self.page_table
-        firsts = [group.first_held(table.lengths[[seq.slot for seq in seqs]]).tolist() for group in table.groups]
-        copies = [
-            [(held[g], seq.keys[first:]) for seq, held, first in zip(seqs, host_pages, firsts[g], strict=True)]
-            for g in range(len(table.groups))
-        ]
-        for pool, group_copies in zip(self.page_pools, copies, strict=True):
-            pool.require(host.restore_need(pool, group_copies))
-        restored = [
-            host.restore_pages(pool, group.collection, group_copies)
-            for pool, group, group_copies in zip(self.page_pools, table.groups, copies, strict=True)
-        ]
-        for i, seq in enumerate(seqs):
+        host.restore_slots(self.page_pools, self.page_table, [s.slot for s in seqs], host_pages, [s.keys for s in seqs])
+        for seq in seqs:
             seq.host_pages = None
-            for g, group in enumerate(table.groups):
-                group.set_pages(seq.slot, [NULL_PAGE] * firsts[g][i] + restored[g][i])
 
-    # -- helpers -------------------------------------------------------------------------------
-    def _check_unlocked(self) -> None:
-        reservation = self._reservation
-        if reservation is not None and reservation.open:
-            raise RuntimeError("KVCacheManager: a reservation is open (reserve); commit or abort it first")
+    # -- speculative decoding ------------------------------------------------------------------
+    def rewind(self, seq_id: Hashable, n: int) -> None:
+        """Drop the last `n` committed tokens of `seq_id` (rejected drafts), all or nothing.
 
-    def _group(self, group: int) -> int:
-        if not isinstance(group, int) or not 0 <= group < len(self.collections):
-            raise ValueError(f"group: expected a layer group 0..{len(self.collections) - 1}, got {group!r}")
-        return group
+        Pages past the new length go back to their pools (shared and cached ones keep their other
+        holders and keys); a partial last page that others hold or the prefix cache keys is copied
+        or unpublished first, so nobody sees it change; token ids and prefix keys past it are
+        forgotten. `ValueError` naming `n` unless `0 <= n <= cache_length(seq_id)`, or when a
+        sliding-window group already dropped pages the shorter sequence needs; naming `seq_id` when
+        it is unknown, offloaded or in the prepared step; `OutOfPagesError` when a copy finds no page.
+        """
+        self._check_unlocked()
+        rewind_tokens(self.page_pools, self.page_table, self._on_device(seq_id), n)
+        self._uploaded = None  # its table rows changed
 
-    def _resolve(self, ids: list, step: bool = True) -> tuple[list[SequenceState], np.ndarray]:
-        """Sequences and slots of `ids`: the rows of a step, or sequences not in the prepared step."""
-        prepared = () if self._pending is None else self._pending.seqs
-        seqs = self._seqs.resolve(ids, prepared, self.groups.max_batch_size if step else None)
-        return seqs, np.array([seq.slot for seq in seqs], dtype=np.int64)
+    def accept(self, seq_id: Hashable, kept: Sequence[int], token_ids: Sequence[int] | None = None) -> None:
+        """After a tree verify step of `seq_id` (its last `commit_step`, n new tokens at positions
+        L..L+n-1 in tree order), keep its new tokens `kept` (indices < n, in path order) at positions
+        L..L+len(kept)-1 and drop the others, all or nothing.
 
-    def _match_prefix(self, prompt: np.ndarray, max_pages: int) -> tuple[list[list[int]], list[bytes]]:
-        """Each group's pages of the longest cached prefix of `prompt` (whole pages, at most
-        `max_pages`) that every group can continue from, and its keys (docs/manager.md): a group
-        without a window needs every page of the prefix cached; a sliding-window group only the
-        pages from the first one it holds at that length (`first_held_page`); the rest are the null page."""
-        pools, params = self.page_pools, [c.params for c in self.collections]
-        keys: list[bytes] = []
-        parent = self._root
-
-        def key(i: int) -> bytes:  # keys are computed as far as they are asked for
-            nonlocal parent
-            while len(keys) <= i:
-                j = len(keys)
-                parent = page_key(parent, prompt[j * self.page_size : (j + 1) * self.page_size])
-                keys.append(parent)
-            return keys[i]
-
-        hit = max_pages
-        for pool, p in zip(pools, params, strict=True):
-            if p.sliding_window is None:  # a full group: the prefix cached from page 0 on
-                n = 0
-                while n < hit and pool.lookup(key(n)) is not None:
-                    n += 1
-                hit = n
-        changed = True
-        while changed:  # a sliding group may shorten the hit, which moves the pages others need
-            changed = False
-            for pool, p in zip(pools, params, strict=True):
-                if p.sliding_window is not None:
-                    n = _sliding_hit(pool, p, hit, key)
-                    changed |= n < hit
-                    hit = n
-        pages = []
-        for pool, p in zip(pools, params, strict=True):
-            first = p.first_held_page(hit * self.page_size)
-            pages.append([NULL_PAGE] * first + [pool.page_of[key(i)] for i in range(first, hit)])
-        return pages, keys[:hit]
-
-    def _add(
-        self, seq_id: Hashable, pages: list[list[int]], length: int, tokens: np.ndarray | None, keys: list[bytes]
-    ) -> SequenceState:
-        return self._seqs.add(seq_id, self.page_table.add(pages, length, tokens), keys)
+        Their K/V move in every group, layer and plane (FP8 scales with them); the step's token ids
+        move with them, or `token_ids` (the kept tokens' ids) are recorded; full pages are keyed
+        anew. `ValueError` naming `kept` (not distinct indices < n, or past what a sliding window
+        kept), `token_ids`, or `seq_id` (no step to accept since its last commit, rewind or accept).
+        """
+        self._check_unlocked()
+        seq = self._on_device(seq_id)
+        accept_path(self.page_pools, self.page_table, self._root, seq, kept, token_ids)
+        self._uploaded = None  # its table rows changed
 
     def _add_reserved(self, request: Incoming, rows: list[list[list[int]]]) -> None:
         """A reservation's commit: register its sequences in `rows[g]`' pages and key their full pages."""
@@ -481,15 +298,3 @@ class KVCacheManager:
         ]
         known = [min(n, int(self.page_table.known[s.slot])) for s, n in zip(seqs, r.lengths, strict=True)]
         cache_full_pages(self.page_pools, self.page_table, self._root, seqs, [n // self.page_size for n in known])
-
-
-def _sliding_hit(pool: PagePool, params: KVCacheParams, hit: int, key: Callable[[int], bytes]) -> int:
-    """The longest hit of at most `hit` pages whose pages from `params.first_held_page` on are all
-    cached in `pool` (a sliding-window group's test, scanned from the end as vLLM's)."""
-    while hit > 0:
-        first = params.first_held_page(hit * params.page_size)
-        miss = next((i for i in range(hit - 1, first - 1, -1) if pool.lookup(key(i)) is None), None)
-        if miss is None:
-            return hit
-        hit = miss  # a hit ending at or before the missing page
-    return 0

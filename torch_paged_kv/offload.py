@@ -1,4 +1,4 @@
-"""Host copies of pages: what `KVCacheManager.offload` keeps and `restore` puts back into a pool.
+"""Host copies of pages: what `KVCacheManager.offload` keeps and `restore` puts back into the pools.
 
 A host copy is one tensor per page tensor of the collection (`blocks`, and `scales` for a
 per-granule FP8 cache), `[pages, ...]` in the sequence's page order, pinned when the pool is on a
@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 
 from .collection import PagedKVCacheCollection
+from .layout import NULL_PAGE
 from .ops.quant import indexable
 from .page_pool import PagePool
+from .page_table import PageTable
 
 HostCopy = list[torch.Tensor]
 """One host tensor per page tensor of the collection, `[pages, ...]`."""
@@ -70,3 +72,37 @@ def restore_pages(
             pool.register(page, key)
         restored.append(pages)
     return restored
+
+
+def offload_slot(pools: list[PagePool], table: PageTable, slot: int) -> list[HostCopy]:
+    """Host copies of what `slot` holds in each group (from the first page a sliding window keeps to its
+    last used one); its pages go back to the pools and its table rows empty."""
+    length = table.lengths[slot : slot + 1]
+    copies = []
+    for pool, group in zip(pools, table.groups, strict=True):
+        first, used = int(group.first_held(length)[0]), table.pages_for(int(length[0]))
+        copies.append(read_pages(group.collection, group.pages(slot)[first:used]))
+        pool.unref(reversed(group.held(slot)))
+        group.set_pages(slot, [])
+    return copies
+
+
+def restore_slots(
+    pools: list[PagePool], table: PageTable, slots: list[int], host: list[list[HostCopy]], keys: list[list[bytes]]
+) -> None:
+    """Put `slots[i]` back from its host copies `host[i]` (one per group; `keys[i]`: the prefix keys of
+    its leading full pages), all or nothing over every group (`OutOfPagesError` before any change)."""
+    firsts = [group.first_held(table.lengths[slots]).tolist() for group in table.groups]
+    copies = [
+        [(held[g], k[first:]) for held, k, first in zip(host, keys, firsts[g], strict=True)]
+        for g in range(len(table.groups))
+    ]
+    for pool, group_copies in zip(pools, copies, strict=True):
+        pool.require(restore_need(pool, group_copies))
+    restored = [
+        restore_pages(pool, group.collection, group_copies)
+        for pool, group, group_copies in zip(pools, table.groups, copies, strict=True)
+    ]
+    for i, slot in enumerate(slots):
+        for g, group in enumerate(table.groups):
+            group.set_pages(slot, [NULL_PAGE] * firsts[g][i] + restored[g][i])

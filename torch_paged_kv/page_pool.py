@@ -140,6 +140,13 @@ class PagePool:
                 del self.page_of[self.key_of.pop(page)]
                 self.free.append(page)
 
+    def unpublish(self, page: int) -> None:
+        """Take a referenced `page` out of the prefix cache (its contents are about to change); a page
+        not cached is left alone."""
+        key = self.key_of.pop(page, None)
+        if key is not None:
+            del self.page_of[key]
+
     def ref(self, page: int) -> None:
         """One more owner of `page` (a cached page stops being evictable)."""
         if self.refcounts[page] == 0:

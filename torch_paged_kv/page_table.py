@@ -1,6 +1,7 @@
 """`PageTable`: the host state of a manager's sequences, one slot (row) each, over its layer groups.
 
-Per slot, in int64 numpy arrays: the cached length and the token ids known from position 0 (for
+Per slot, in int64 numpy arrays: the cached length, the length before the last committed step (what
+`KVCacheManager.accept` reorders; -1: none) and the token ids known from position 0 (for
 prefix-cache keys; -1: unknown), shared by every group; and per group (`groups[g]`, a
 `group_table.GroupTable`) the slot's pages in that group's pool and the upload of a step's rows into
 that group's step tensors. A decode step costs a few vectorised numpy operations per group.
@@ -37,6 +38,7 @@ class PageTable:
         self.lengths = np.zeros(0, dtype=np.int64)
         self.known = np.zeros(0, dtype=np.int64)  # token ids known from position 0; -1: unknown
         self.tokens = np.zeros((0, 0), dtype=TOKEN_DTYPE)  # [slot, :known]: the ids (columns double)
+        self.step_start = np.zeros(0, dtype=np.int64)  # length before the last committed step; -1: none
         self._free: list[int] = []
         self._grow(first.max_batch_size)
 
@@ -56,6 +58,7 @@ class PageTable:
             self._grow(len(self.lengths))
         slot = self._free.pop()
         self.lengths[slot] = length
+        self.step_start[slot] = -1
         if tokens is None:
             self.known[slot] = -1
         else:
@@ -80,6 +83,7 @@ class PageTable:
         zeros = np.zeros(extra, dtype=np.int64)
         self.lengths = np.concatenate([self.lengths, zeros])
         self.known = np.concatenate([self.known, zeros])
+        self.step_start = np.concatenate([self.step_start, zeros - 1])
         self.tokens = np.concatenate([self.tokens, np.zeros((extra, self.tokens.shape[1]), dtype=TOKEN_DTYPE)])
         for group in self.groups:
             group.grow(extra)
