@@ -133,10 +133,8 @@ def _check_step(blocks: Tensor, cache_lengths: Tensor, lookup_table: Tensor, inp
     )
 
 
-def _check_rows(name: str, t: Tensor, blocks: Tensor, heads: int | None = None) -> None:
-    """New rows `[total_new, heads, head_dim]` in `blocks`' dtype (an FP8 cache: fp32/fp16/bf16)."""
-    if not isinstance(t, Tensor) or t.dim() != 3:
-        fail(name, "expected a 3-D tensor [total_new, heads, head_dim]")
+def _check_row_dtype_device(name: str, t: Tensor, blocks: Tensor) -> None:
+    """New rows `t` in `blocks`' dtype (an FP8 cache takes fp32/fp16/bf16 rows) and on its device."""
     if blocks.dtype in FP8_DTYPES:
         if t.dtype not in FLOAT_DTYPES:
             fail(name, f"expected float32/float16/bfloat16 for an FP8 cache ({blocks.dtype}), got {t.dtype}")
@@ -144,6 +142,13 @@ def _check_rows(name: str, t: Tensor, blocks: Tensor, heads: int | None = None) 
         fail(name, f"expected dtype {blocks.dtype} (that of blocks), got {t.dtype}")
     if t.device != blocks.device:
         fail(name, f"expected device {blocks.device} (that of blocks), got {t.device}")
+
+
+def _check_rows(name: str, t: Tensor, blocks: Tensor, heads: int | None = None) -> None:
+    """New rows `[total_new, heads, head_dim]` in `blocks`' dtype (an FP8 cache: fp32/fp16/bf16)."""
+    if not isinstance(t, Tensor) or t.dim() != 3:
+        fail(name, "expected a 3-D tensor [total_new, heads, head_dim]")
+    _check_row_dtype_device(name, t, blocks)
     if t.shape[2] != blocks.shape[5]:
         fail(name, f"expected head_dim {blocks.shape[5]}, got {t.shape[2]}")
     if heads is not None and t.shape[1] != heads:
@@ -253,13 +258,7 @@ def _check_mla_rows(name: str, t: Tensor, blocks: Tensor, dims: int) -> None:
     if not isinstance(t, Tensor) or t.dim() != dims:
         shape = "[total_new, width]" if dims == 2 else "[total_new, num_heads, width]"
         fail(name, f"expected a {dims}-D tensor {shape}, got {_shape_of(t)}")
-    if blocks.dtype in FP8_DTYPES:
-        if t.dtype not in FLOAT_DTYPES:
-            fail(name, f"expected float32/float16/bfloat16 for an FP8 cache ({blocks.dtype}), got {t.dtype}")
-    elif t.dtype != blocks.dtype:
-        fail(name, f"expected dtype {blocks.dtype} (that of blocks), got {t.dtype}")
-    if t.device != blocks.device:
-        fail(name, f"expected device {blocks.device} (that of blocks), got {t.device}")
+    _check_row_dtype_device(name, t, blocks)
     _check_inference(name, t)
 
 
