@@ -25,7 +25,7 @@ from harness import forced_backend, report
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_paged_kv  # noqa: F401  (registers the ops)
-from torch_paged_kv.ops import dispatch, library, reference, validate
+from torch_paged_kv.ops import dispatch, library, reference, shape_checks, validate
 from torch_paged_kv.ops.cpu import kernels
 from torch_paged_kv.ops.records import RECORDS
 from torch_paged_kv.testing import make_paged_batch
@@ -101,8 +101,9 @@ def main() -> None:
             )
             row(f"{op}, no dispatcher", backend, without_dispatcher(op, op_args))
     records = {"store_kv": RECORDS["store_kv"](*store), "flash_attention": RECORDS["flash_attention"](*attn)}
-    row("  shape checks, store_kv", "-", lambda: validate.check_store_kv_meta(records["store_kv"]))
-    row("  shape checks, flash_attention", "-", lambda: validate.check_flash_attention_meta(records["flash_attention"]))
+    row("  shape checks, store_kv", "-", lambda: shape_checks.check_store_kv_meta(records["store_kv"]))
+    attention = records["flash_attention"]
+    row("  shape checks, flash_attention", "-", lambda: shape_checks.check_flash_attention_meta(attention))
     row("  value checks, store_kv", "-", lambda: validate.check_store_kv_data(store[0], b.blocks, *b.step))
     row("  value checks, flash_attention", "-", lambda: validate.check_read_data(b.blocks, *b.step, b.q.shape[0]))
     attn_record = records["flash_attention"]

@@ -278,7 +278,7 @@ def test_inconsistent_tables_raise_checkpoint_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry, lengths, message
 ) -> None:
     """A file whose checksums are right but whose lookup table or lengths do not describe its pages."""
-    real_plan = checkpoint._plan
+    real_plan = checkpoint.write.plan_save
 
     def bad_plan(*args):
         plan = real_plan(*args)
@@ -288,7 +288,7 @@ def test_inconsistent_tables_raise_checkpoint_error(
             plan.cache_lengths = torch.tensor(lengths, dtype=torch.int32)
         return plan
 
-    monkeypatch.setattr(checkpoint, "_plan", bad_plan)
+    monkeypatch.setattr(checkpoint.write, "plan_save", bad_plan)
     save_cache(make_paged(seed=8), tmp_path / "bad.safetensors")
     for read in (read_info, load_cache):
         with pytest.raises(CheckpointError, match=message):

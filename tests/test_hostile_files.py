@@ -268,13 +268,13 @@ def test_an_mla_file_into_a_kv_manager_says_so(tmp_path: Path) -> None:
 def test_a_file_cut_short_after_its_header_was_read_is_a_checkpoint_error(tmp_path: Path, monkeypatch) -> None:
     """Between reading the headers and the pages, another process truncates the file."""
     save_cache(make_paged(seed=6), tmp_path / "kv.safetensors")
-    real = checkpoint.read_info
+    real = checkpoint.load.read_info
 
     def then_truncated(path):
         info = real(path)
         os.truncate(path, os.path.getsize(path) - 100)
         return info
 
-    monkeypatch.setattr(checkpoint, "read_info", then_truncated)
+    monkeypatch.setattr(checkpoint.load, "read_info", then_truncated)  # what `verify` calls
     with pytest.raises(CheckpointError, match="truncated: end of file"):
         verify(tmp_path / "kv.safetensors")

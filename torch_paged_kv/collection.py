@@ -100,7 +100,9 @@ class _Collection:
     def page_tensors(self) -> list[torch.Tensor]:
         """The tensors indexed by physical page: `blocks`, and the per-granule `scales` of an FP8 cache
         (what moves with a page when it is copied, offloaded, saved or sent)."""
-        return [self.blocks] + ([self.scales] if self.params.has_scales_tensor else [])
+        if self.scales is None or not self.params.has_scales_tensor:  # none, or a static scale per plane
+            return [self.blocks]
+        return [self.blocks, self.scales]
 
     def step_tensors(self, batch: int) -> StepTensors:
         """Views of the first `batch` rows of the step tensors (no copy)."""

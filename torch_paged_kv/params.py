@@ -64,6 +64,9 @@ class KVCacheParams:
     every token.
 
     Instances are immutable, hashable, comparable and round-trip through `to_dict`/`from_dict`.
+    Construction normalises the optional fields: `kv_lora_rank` and `rope_dim` are set exactly for
+    an MLA cache, `quantization_granularity` and `scale_dtype` exactly for one with a scales tensor
+    (`has_scales_tensor`), `static_scales` exactly for a per-tensor FP8 cache.
 
     `num_kv_heads` is what the cache holds: a tensor-parallel rank's cache holds some of the model's
     KV heads, and which ones is a `TPShard` kept next to the params (by its manager, in checkpoints
@@ -208,7 +211,7 @@ class KVCacheParams:
     @property
     def quantized_width(self) -> int:
         """Elements of a head's row that an FP8 cache quantizes: head_dim, or an MLA cache's latent."""
-        return self.kv_lora_rank if self.is_mla else self.head_dim
+        return self.head_dim if self.kv_lora_rank is None else self.kv_lora_rank  # set exactly for MLA
 
     @property
     def quantized(self) -> bool:
@@ -224,7 +227,8 @@ class KVCacheParams:
     def scales_per_head(self) -> int:
         """Scales per token and head: `head_dim / quantization_granularity` (MLA: `kv_lora_rank / ...`;
         0 without a scales tensor)."""
-        return self.quantized_width // self.quantization_granularity if self.has_scales_tensor else 0
+        granularity = self.quantization_granularity  # set exactly with a scales tensor
+        return 0 if granularity is None else self.quantized_width // granularity
 
     def first_held_page(self, length: int) -> int:
         """The first page a sequence of `length` tokens still needs: the one holding position

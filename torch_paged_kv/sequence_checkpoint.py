@@ -1,6 +1,6 @@
 """KV checkpoints of a manager's sequences: `save_sequences` and `load_sequences` (`torch_paged_kv.*`).
 
-Above both the manager and checkpoint.py: a save writes the sequences' lengths and table rows with
+Above both the manager and checkpoint/: a save writes the sequences' lengths and table rows with
 `checkpoint.save_cache(rows=...)` and their known token ids as user metadata (`METADATA_KEY`); a
 load checks the file against the live cache, reserves pages (`KVCacheManager.reserve`), streams
 the stored pages into them (`checkpoint.load_pages`) and commits, all or nothing.

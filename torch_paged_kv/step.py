@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .layer_groups import LayerGroups
-from .ops import library, validate
+from .ops import library, shape_checks
 from .ops.records import FlashAttentionArgs, GatherKVArgs, StoreKVArgs
 from .params import FP8_DTYPES
 
@@ -94,7 +94,7 @@ class StepPlan:
         if layer_idx == self.first_layer:
             self.step_rows["rows"] = t.shape[0]
         elif "rows" in self.step_rows:
-            validate.check_step_rows(name, t, self.step_rows["rows"], layer_idx, self.first_layer)
+            shape_checks.check_step_rows(name, t, self.step_rows["rows"], layer_idx, self.first_layer)
 
     def _direct(self, variant: tuple, layer_idx: int, *tensors: Tensor) -> Callable[..., Any] | None:
         """The kernel to call directly at this later layer, or None (call the op). `variant` is the op's
@@ -126,7 +126,7 @@ class StepPlan:
         kernel = self._direct(("store_kv",), layer_idx, key, value)
         a = StoreKVArgs(key, value, self.blocks, *self.step, layer_idx, self.scales)
         if kernel is not None:
-            validate.check_store_kv_rows(a)
+            shape_checks.check_store_kv_rows(a)
             kernel(a)
             return
         self._call(("store_kv",), layer_idx, a, key, value)
@@ -158,7 +158,7 @@ class StepPlan:
             attention_chunk_size, tree_mask,
         )  # fmt: skip
         if kernel is not None:
-            validate.check_flash_attention_rows(a)
+            shape_checks.check_flash_attention_rows(a)
             return kernel(a)
         return self._call(variant, layer_idx, a, *tensors)
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import api, dispatch, validate
+from . import api, dispatch, shape_checks, validate
 from .records import (
     RECORDS,
     CopyPagesArgs,
@@ -86,36 +86,36 @@ def _register_fake(name: str) -> Callable[[Callable], Callable]:
 
 @_register_fake("store_kv")
 def _store_kv_fake(a: StoreKVArgs) -> None:
-    validate.check_store_kv_meta(a)
+    shape_checks.check_store_kv_meta(a)
 
 
 @_register_fake("flash_attention")
 def _flash_attention_fake(a: FlashAttentionArgs) -> Tensor:
-    validate.check_flash_attention_meta(a)
+    shape_checks.check_flash_attention_meta(a)
     return a.q.new_empty(a.q.shape)  # contiguous, as every backend returns it (empty_like would keep q's strides)
 
 
 @_register_fake("gather_kv")
 def _gather_kv_fake(a: GatherKVArgs) -> tuple[Tensor, Tensor]:
-    validate.check_gather_kv_meta(a)
+    shape_checks.check_gather_kv_meta(a)
     shape = (a.cache_lengths.shape[0], a.max_kv_len, a.blocks.shape[4], a.blocks.shape[5])
-    dtype = validate.gather_dtype(a.blocks, a.out_dtype)
+    dtype = shape_checks.gather_dtype(a.blocks, a.out_dtype)
     return a.blocks.new_empty(shape, dtype=dtype), a.blocks.new_empty(shape, dtype=dtype)
 
 
 @_register_fake("copy_pages")
 def _copy_pages_fake(a: CopyPagesArgs) -> None:
-    validate.check_copy_pages_meta(a)
+    shape_checks.check_copy_pages_meta(a)
 
 
 @_register_fake("store_latent")
 def _store_latent_fake(a: StoreLatentArgs) -> None:
-    validate.check_store_latent_meta(a)
+    shape_checks.check_store_latent_meta(a)
 
 
 @_register_fake("mla_attention")
 def _mla_attention_fake(a: MLAAttentionArgs) -> Tensor:
-    validate.check_mla_attention_meta(a)
+    shape_checks.check_mla_attention_meta(a)
     return a.q_nope.new_empty(a.q_nope.shape)  # contiguous whatever q_nope's strides (as every backend returns it)
 
 
@@ -127,14 +127,14 @@ def _mla_attention_fake(a: MLAAttentionArgs) -> Tensor:
 
 
 def _check_store_kv(a: StoreKVArgs, value_checks: bool) -> torch.device:
-    validate.check_store_kv_meta(a)
+    shape_checks.check_store_kv_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_store_kv_data(a.key, a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
     return a.blocks.device
 
 
 def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.device:
-    validate.check_flash_attention_meta(a)
+    shape_checks.check_flash_attention_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_read_data(
             a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0], None, a.sliding_window
@@ -145,28 +145,28 @@ def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.d
 
 
 def _check_gather_kv(a: GatherKVArgs, value_checks: bool) -> torch.device:
-    validate.check_gather_kv_meta(a)
+    shape_checks.check_gather_kv_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, None, a.max_kv_len)
     return a.blocks.device
 
 
 def _check_copy_pages(a: CopyPagesArgs, value_checks: bool) -> torch.device:
-    validate.check_copy_pages_meta(a)
+    shape_checks.check_copy_pages_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_copy_pages_data(a.blocks, a.src_pages, a.dst_pages)
     return a.blocks.device
 
 
 def _check_store_latent(a: StoreLatentArgs, value_checks: bool) -> torch.device:
-    validate.check_store_latent_meta(a)
+    shape_checks.check_store_latent_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_store_kv_data(a.latent, a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets)
     return a.blocks.device
 
 
 def _check_mla_attention(a: MLAAttentionArgs, value_checks: bool) -> torch.device:
-    validate.check_mla_attention_meta(a)
+    shape_checks.check_mla_attention_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q_nope.shape[0])
     return a.blocks.device

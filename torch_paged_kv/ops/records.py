@@ -3,8 +3,8 @@
 `library.py` builds an op's record once per call, from the arguments the dispatcher passes (the
 record fills the schema's defaults), and hands it to the validation, to each backend's `supports`
 and to its kernel. An argument added to an op touches its record, `api.py` (the public signature,
-which the record must match: `library.py` checks it at import), `validate.py` and the kernels that
-read it. Records are tuples: `op(*record)` calls the op with them.
+which the record must match: `library.py` checks it at import), `shape_checks.py` and the kernels
+that read it. Records are tuples: `op(*record)` calls the op with them.
 """
 
 from __future__ import annotations

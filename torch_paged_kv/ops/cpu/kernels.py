@@ -1,8 +1,9 @@
 """The `cpu` backend's op entry points: one ctypes call into the compiled kernels each.
 
-Each takes its op's argument record (`ops/records.py`), validated (`ops/validate.py`). Tensors are passed as data
-pointers with their strides in elements; index tensors are int32 with unit stride in their last
-dimension (validated), `blocks` is contiguous. The threads used are torch's (`torch.get_num_threads()`).
+Each takes its op's argument record (`ops/records.py`), validated (`ops/shape_checks.py`,
+`ops/validate.py`). Tensors are passed as data pointers with their strides in elements; index
+tensors are int32 with unit stride in their last dimension (validated), `blocks` is contiguous.
+The threads used are torch's (`torch.get_num_threads()`).
 
 Each call packs its arguments into one `bytes` laid out as the entry's argument struct (`args.py`,
 checked against the library's `args.h` when it loads) and passes that: ctypes converts one argument

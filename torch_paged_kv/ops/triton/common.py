@@ -65,6 +65,66 @@ def owning_sequence(input_row_offsets, batch, target, TILE: tl.constexpr, PAD: t
 
 
 @triton.jit
+def query_tile(input_row_offsets, batch, tile, BLOCK_Q: tl.constexpr, STEPS: tl.constexpr):
+    """Query tile `tile` of an attention grid in which every sequence starts a tile of its own (the
+    tile count is bounded by `total // BLOCK_Q + batch`): (its sequence, the sequence's first new
+    row, its new-token count, the tile's first new token). A tile whose first token is at or past
+    the count holds no query."""
+    seq = owning_sequence(input_row_offsets, batch, tile, BLOCK_Q, 1, STEPS)
+    row0 = tl.load(input_row_offsets + seq)
+    new = tl.load(input_row_offsets + seq + 1) - row0
+    q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q
+    return seq, row0, new, q_start
+
+
+@triton.jit
+def tile_rows(q_start, row0, new, total, first_head, head_end, HEADS_P: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The `BLOCK_M` rows of a query tile: row m is new token `q_start + m // HEADS_P` and head
+    `first_head + m % HEADS_P`. Returns (token, head, row of q, whether the row is real: a new token,
+    a head below `head_end`, and a row inside q whatever the offsets say, since an `.unchecked`
+    call's need not match q)."""
+    m = tl.arange(0, BLOCK_M)
+    tok = q_start + m // HEADS_P
+    head = first_head + m % HEADS_P
+    q_rows = (row0 + tok).to(tl.int64)
+    row_ok = (tok < new) & (head < head_end) & (q_rows >= 0) & (q_rows < total)
+    return tok, head, q_rows, row_ok
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One key tile of the online softmax, in base 2: `s` the tile's scores times log2(e), -inf where
+    masked; `m_i` and `l_i` each row's running max and sum. Returns (the tile's probabilities against
+    the new max, the factor that rescales what was accumulated, the new max, the new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def store_rows(
+    o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_heads,
+    row0, tok, q_rows, head, row_ok, DIM: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """Write a query tile's normalised output `o` ([rows, DIM] fp32): to `out` in its dtype, or, for
+    split `split` of a split-KV launch, to the fp32 partials `part_out` with each row's log2-sum-exp
+    in `part_lse` (-inf for a row that saw no key) for the merge kernel."""
+    dim = tl.arange(0, DIM)
+    if SPLIT:
+        seen = l_i > 0
+        part_row = (split * total + row0 + tok).to(tl.int64) * num_heads + head
+        tl.store(part_out + part_row[:, None] * DIM + dim[None, :], o, mask=row_ok[:, None])
+        tl.store(
+            part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok
+        )
+    else:
+        out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
+        tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def real_page(page, num_pages, WRITE: tl.constexpr):
     """Whether page id `page` names one of the pool's `num_pages` pages that a kernel may read, or
     write (`WRITE`: never the null page 0). Every K/V kernel guards its page reads and writes with it
@@ -86,6 +146,19 @@ def page_at(table_row, pos, end, page_size, table_width, num_pages, WRITE: tl.co
         ok = ok & (pos >= 0)
     page = tl.load(table_row + col, mask=ok, other=0)
     return page, ok & (page >= (1 if WRITE else 0)) & (page < num_pages)  # real_page, as (ok & lo) & hi
+
+
+@triton.jit
+def key_pages(table_row, j, end, page_size, table_width, num_pages, WIDE_PAGE: tl.constexpr):
+    """The pages holding keys `j` (a block of positions) of a sequence whose lookup-table row starts at
+    `table_row`, for a read: (the pages, the keys' offsets in them, whether each key may be read:
+    `page_at`). `WIDE_PAGE`: offsets inside one page pass 2**31 (a slot of millions of tokens), so
+    they are int64."""
+    page, key_ok = page_at(table_row, j, end, page_size, table_width, num_pages, False)
+    in_page = j % page_size
+    if WIDE_PAGE:
+        in_page = in_page.to(tl.int64)
+    return page, in_page, key_ok
 
 
 @triton.jit

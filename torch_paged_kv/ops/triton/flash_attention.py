@@ -21,7 +21,18 @@ import triton.language as tl
 
 from .. import splits as split_rule
 from ..records import FlashAttentionArgs
-from .common import Launch, blocks_strides, grid_fits, is_interpreted, owning_sequence, page_at, search_steps
+from .common import (
+    Launch,
+    blocks_strides,
+    grid_fits,
+    is_interpreted,
+    key_pages,
+    online_softmax,
+    query_tile,
+    search_steps,
+    store_rows,
+    tile_rows,
+)
 from .flash_merge import plan_merge
 from .fp8 import covered, fp8_bits_to_float, quantization
 
@@ -94,21 +105,13 @@ def _attention_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = owning_sequence(input_row_offsets, batch, tile, BLOCK_Q, 1, STEPS)  # each sequence starts a tile
-    row0 = tl.load(input_row_offsets + seq)
-    new = tl.load(input_row_offsets + seq + 1) - row0
-    q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q
+    seq, row0, new, q_start = query_tile(input_row_offsets, batch, tile, BLOCK_Q, STEPS)
     if q_start >= new:
         return
     cache_len = tl.load(cache_lengths + seq)
     kv_len = cache_len + new
-
-    m = tl.arange(0, BLOCK_M)
-    tok = q_start + m // GROUP_P
-    head = kv_head * GROUP + m % GROUP_P
-    q_rows = (row0 + tok).to(tl.int64)
-    # rows inside q and out whatever the offsets say (an unchecked call's need not match q)
-    row_ok = (tok < new) & (m % GROUP_P < GROUP) & (q_rows >= 0) & (q_rows < total)
+    first_head = kv_head * GROUP
+    tok, head, q_rows, row_ok = tile_rows(q_start, row0, new, total, first_head, first_head + GROUP, GROUP_P, BLOCK_M)
     pos = cache_len + tok
     dim = tl.arange(0, HEAD_DIM)
     if TREE:  # each query row's bits over its sequence's new tokens
@@ -149,10 +152,7 @@ def _attention_kernel(
         out_scale = tl.load(scales + 1)
     for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        page, key_ok = page_at(table_row, j, stop, page_size, table_width, num_pages, False)  # inside blocks
-        in_page = j % page_size
-        if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
-            in_page = in_page.to(tl.int64)
+        page, in_page, key_ok = key_pages(table_row, j, stop, page_size, table_width, num_pages, WIDE_PAGE)
         kv_off = (page.to(tl.int64) * stride_page + in_page * stride_token)[:, None] + dim[None, :]
         k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0)
         v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0)
@@ -195,34 +195,22 @@ def _attention_kernel(
             bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(t, 0), 63).to(tl.int64)[None, :]) & 1
             allowed = allowed & ((t < 0)[None, :] | ((t < 64)[None, :] & (bit != 0)))
         s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # base-2 softmax: times log2(e)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p_v = p
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
         if QUANT == 1 and GROUPS == 1:
-            p_v = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+            p = p * v_scale[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
-    seen = l_i > 0
     if SINK and not SPLIT:  # the head's sink logit joins the denominator (the merge adds it to splits)
         sink = tl.load(sinks + head, mask=row_ok, other=0.0) * 1.4426950408889634
         o = acc / (l_i + tl.exp2(sink - m_i))[:, None]  # a row that saw no key: m_i = -inf, o = 0
     else:
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if QUANT == 2:
         o = o * out_scale
-    if SPLIT:
-        part_row = (split * total + row0 + tok).to(tl.int64) * num_q_heads + head
-        tl.store(part_out + part_row[:, None] * HEAD_DIM + dim[None, :], o, mask=row_ok[:, None])
-        tl.store(
-            part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok
-        )
-    else:
-        out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
-        tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    store_rows(
+        o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_q_heads,
+        row0, tok, q_rows, head, row_ok, HEAD_DIM, SPLIT,
+    )  # fmt: skip
 
 
 def _blocks_for(

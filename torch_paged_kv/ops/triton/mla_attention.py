@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..records import MLAAttentionArgs
-from .common import Launch, is_interpreted, owning_sequence, page_at, search_steps
+from .common import Launch, is_interpreted, key_pages, online_softmax, query_tile, search_steps, store_rows, tile_rows
 from .flash_attention import num_splits
 from .fp8 import fp8_bits_to_float
 from .mla_merge import plan_mla_merge
@@ -89,21 +89,13 @@ def _mla_attention_kernel(
     tile = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
-    seq = owning_sequence(input_row_offsets, batch, tile, BLOCK_Q, 1, STEPS)  # each sequence starts a tile
-    row0 = tl.load(input_row_offsets + seq)
-    new = tl.load(input_row_offsets + seq + 1) - row0
-    q_start = (tile - (row0 // BLOCK_Q + seq)) * BLOCK_Q
+    seq, row0, new, q_start = query_tile(input_row_offsets, batch, tile, BLOCK_Q, STEPS)
     if q_start >= new:
         return
     cache_len = tl.load(cache_lengths + seq)
     kv_len = cache_len + new
-
-    m = tl.arange(0, BLOCK_M)
-    tok = q_start + m // BLOCK_H
-    head = head_block * BLOCK_H + m % BLOCK_H
-    q_rows = (row0 + tok).to(tl.int64)
-    # rows of q (and out) only: offsets that data checks would reject (`.unchecked`) may point past them
-    row_ok = (tok < new) & (head < num_heads) & (q_rows >= 0) & (q_rows < total)
+    first_head = head_block * BLOCK_H
+    tok, head, q_rows, row_ok = tile_rows(q_start, row0, new, total, first_head, num_heads, BLOCK_H, BLOCK_M)
     pos = cache_len + tok
     dim = tl.arange(0, RANK)
     rd = tl.arange(0, ROPE_P)
@@ -133,10 +125,7 @@ def _mla_attention_kernel(
     scales += layer_idx.to(tl.int64) * scales_stride_layer
     for j0 in range(start, k_hi, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        page, key_ok = page_at(table_row, j, k_hi, page_size, table_width, num_pages, False)  # inside blocks
-        offset = j % page_size
-        if WIDE_PAGE:  # offsets inside one page pass 2**31 (a slot of millions of tokens): int64
-            offset = offset.to(tl.int64)
+        page, offset, key_ok = key_pages(table_row, j, k_hi, page_size, table_width, num_pages, WIDE_PAGE)
         slot = page.to(tl.int64) * cache_stride_page + offset * cache_stride_token
         latent = tl.load(latent_cache + slot[:, None] + dim[None, :], mask=key_ok[:, None], other=0)
         rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
@@ -169,27 +158,16 @@ def _mla_attention_kernel(
         if CAUSAL:
             allowed = allowed & (j[None, :] <= pos[:, None])
         s = tl.where(allowed, s * (softmax_scale * 1.4426950408889634), float("-inf"))  # base-2 softmax
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
         if FP8 and (SCALES == 2 or GROUPS == 1):
             p = p * token_scale[None, :]  # the value rows' scale, folded into the probabilities
         acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
-        m_i = m_new
 
-    seen = l_i > 0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    if SPLIT:
-        part_row = (split * total + row0 + tok).to(tl.int64) * num_heads + head
-        tl.store(part_out + part_row[:, None] * RANK + dim[None, :], o, mask=row_ok[:, None])
-        tl.store(
-            part_lse + part_row, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok
-        )
-    else:
-        out_off = (q_rows * out_stride_row + head * out_stride_head)[:, None] + dim[None, :]
-        tl.store(out + out_off, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    store_rows(
+        o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_heads,
+        row0, tok, q_rows, head, row_ok, RANK, SPLIT,
+    )  # fmt: skip
 
 
 def wide_page(*views: torch.Tensor | None) -> bool:
