@@ -52,7 +52,6 @@ from ..params import KVCacheParams
 from ..step import GroupStepPlan
 from .hf_checkpoint import load_paged_cache, save_paged_cache
 from .hf_layer import PagedLayer
-from .hf_pages import DevicePages
 from .hf_pool import CachePool
 from .hf_support import CacheShape, attention_layers, cache_groups, check_config
 
@@ -173,16 +172,6 @@ class PagedCache(Cache):
     def groups(self) -> LayerGroups | None:
         """The layer groups (a `LayerGroups`: one collection per group), once allocated."""
         return None if self.pool is None else self.pool.groups
-
-    @property
-    def pages(self) -> list[DevicePages]:
-        """Each group's page allocator (none before the pools exist)."""
-        return [] if self.pool is None else self.pool.pages
-
-    @property
-    def columns(self) -> torch.Tensor | None:
-        """Columns seen so far, padding included (a 0-dim int64 tensor), once allocated."""
-        return None if self.pool is None else self.pool.columns
 
     @property
     def device(self) -> torch.device | None:
