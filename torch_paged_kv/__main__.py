@@ -103,15 +103,15 @@ def _describe(info: CheckpointInfo) -> str:
     for g, group in enumerate(info.groups):  # a sliding window's rows reference no page below it
         spans = zip(info.pages_per_row(), info.first_held_per_row(g), strict=True)
         references = sum(stop - first for stop, first in spans)
-        pages = (
+        counts = (
             f"{references} referenced by the rows, {group.num_pages} stored "
             f"({references - group.num_pages} references to shared pages)"
         )
         if len(info.groups) == 1:
-            lines.append(f"pages:      {pages}")
+            lines.append(f"pages:      {counts}")
         else:
             params = ", ".join(f"{k}={v}" for k, v in group.params.to_dict().items())
-            lines.append(f"group {g}:    layers {list(group.layers)}: {params}; pages: {pages}")
+            lines.append(f"group {g}:    layers {list(group.layers)}: {params}; pages: {counts}")
     if len(info.files) > 1:
         lines += [f"  file {f.name}: {_size(f.stat().st_size)}" for f in info.files]
     if info.user_metadata:
