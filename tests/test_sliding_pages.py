@@ -87,7 +87,7 @@ def test_the_one_pass_check_agrees_with_the_numpy_check(monkeypatch):
     """cache_ops.h's step_ok never says yes where validate's numpy checks raise, and says yes for the
     tables a window reads within (so the fast path keeps serving sliding-window groups)."""
     assert cpu_kernels.loaded() or cpu_kernels.load()
-    monkeypatch.setattr(validate, "_cpu_says_ok", lambda *args: False)  # validate's own checks only
+    monkeypatch.setattr(validate, "_fast_yes", lambda *args: False)  # validate's own checks only
     agreed = 0
     for window, drop_extra, seed in itertools.product([1, 4, 5, 8, 30], [0, 1], range(3)):
         b = make_paged_batch(CACHED, NEW, page_size=PAGE, seed=seed)
