@@ -75,6 +75,20 @@ CPU_RUNS = {
         "--repeats",
         "1",
     ],
+    "bench_hybrid_memory.py": [
+        "--contexts",
+        "2048",
+        "--chunk",
+        "512",
+        "--batch",
+        "2",
+        "--prompt",
+        "40",
+        "--window",
+        "16",
+        "--steps",
+        "3",
+    ],
 }
 GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py", "bench_mla_gpu.py"]
 

@@ -500,6 +500,13 @@ def test_layer_groups_round_trip_with_window_holes_and_shards(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match="do not fit the target"):
         load_cache(path, expected_params=src.collections[0].params)
     load_cache(path, expected_params=list(src.params))
+    out = _cli("inspect", str(path))
+    assert out.returncode == 0, out.stderr
+    stored = (info.groups[0].num_pages, info.groups[1].num_pages)
+    assert "layers [0, 2]: dtype=bfloat16" in out.stdout and "layers [1]: " in out.stdout
+    assert (
+        f"sliding_window=6; pages: {sum(held)} referenced by the rows, {stored[1]} stored (0 references" in out.stdout
+    )
 
 
 def test_layer_group_metadata_is_checked(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 prompt-lookup decoding verify several draft tokens per step and `crop` the rejected ones. Greedy
 speculative decoding is lossless, so its tokens must be plain greedy decoding's: with `DynamicCache`
 and with `PagedCache` under both attention modes, for a full-attention model, a sliding-window one
-(window crossed) and an FP8 cache (against greedy decoding over the same FP8 cache)."""
+and one of sliding-window and full layers (two layer groups; windows crossed, and the pages that
+left them given back) and an FP8 cache (against greedy decoding over the same FP8 cache)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    DynamicCache,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
 
@@ -26,22 +35,30 @@ TINY = dict(
     initializer_range=0.2,
 )
 NEW_TOKENS = 24
+WINDOW = 6
 
 
 def _model(config_class, model_class, layers: int, seed: int, **overrides):
     torch.manual_seed(seed)
-    return model_class(config_class(num_hidden_layers=layers, **TINY, **overrides)).eval()
+    return model_class(config_class(num_hidden_layers=layers, **{**TINY, **overrides})).eval()
 
 
 @pytest.fixture(scope="module")
 def models():
-    """name -> (target, draft): a full-attention Llama, a Mistral whose window (6) the rows cross."""
+    """name -> (target, draft): a full-attention Llama, a Mistral whose window the rows cross (every
+    layer slides: one group), a Gemma3 whose layer 0 slides and layer 1 attends fully (two groups)."""
     torch.set_num_threads(1)
+    hybrid = dict(sliding_window=WINDOW, sliding_window_pattern=2, head_dim=16, initializer_range=0.05)  # (at 0.2,
+    # this Gemma3 repeats one token, which every draft guesses)
     return {
         "llama": (_model(LlamaConfig, LlamaForCausalLM, 2, 0), _model(LlamaConfig, LlamaForCausalLM, 1, 1)),
         "sliding": (
-            _model(MistralConfig, MistralForCausalLM, 2, 2, sliding_window=6),
-            _model(MistralConfig, MistralForCausalLM, 1, 3, sliding_window=6),
+            _model(MistralConfig, MistralForCausalLM, 2, 2, sliding_window=WINDOW),
+            _model(MistralConfig, MistralForCausalLM, 1, 3, sliding_window=WINDOW),
+        ),
+        "hybrid": (
+            _model(Gemma3TextConfig, Gemma3ForCausalLM, 2, 4, **hybrid),
+            _model(Gemma3TextConfig, Gemma3ForCausalLM, 1, 5, **hybrid),
         ),
     }
 
@@ -81,7 +98,7 @@ SPECULATION = {
 
 @pytest.mark.parametrize("kind", SPECULATION)
 @pytest.mark.parametrize("attn", ["sdpa", "paged_kv"])
-@pytest.mark.parametrize("name", ["llama", "sliding"])
+@pytest.mark.parametrize("name", ["llama", "sliding", "hybrid"])
 def test_speculative_decoding_gives_greedy_tokens(models, name, attn, kind, monkeypatch):
     crops: list[int] = []
     crop = PagedCache.crop
@@ -98,6 +115,13 @@ def test_speculative_decoding_gives_greedy_tokens(models, name, attn, kind, monk
     assert torch.equal(got, expected)
     assert int(cache.get_seq_length()) == _prompt().shape[1] + NEW_TOKENS - 1  # the rejected drafts cropped
     assert any(n < 0 for n in crops), "no draft was ever rejected: the test checks nothing"
+    windows = [p.sliding_window for p in cache.groups.params]
+    assert windows == {"llama": [None], "sliding": [WINDOW], "hybrid": [WINDOW, None]}[name]
+    length = int(cache.groups.collections[0].cache_lengths[0])
+    held = sum((-(-length // 4) - p.first_held_page(length)) * p.page_bytes for p in cache.groups.params)
+    every_layer_full = -(-length // 4) * sum(p.page_bytes for p in cache.groups.params)
+    assert cache.kv_bytes_in_use() == held  # a sliding group holds only its window's pages
+    assert (held < every_layer_full) == (name != "llama")
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged_kv"])

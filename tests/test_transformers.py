@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
-from torch_paged_kv.integrations.hf_cache import attention_layers
+from torch_paged_kv.integrations.hf_support import attention_layers
 from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg, paged_kv_mask
 from torch_paged_kv.ops import validate
 

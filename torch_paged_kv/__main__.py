@@ -100,11 +100,18 @@ def _describe(info: CheckpointInfo) -> str:
         f"collection: {info.kind}, max_seq_len={info.max_seq_len}, pages stored={info.num_pages} "
         f"({info.page_tokens} tokens each, {_size(info.num_pages * page_bytes)})",
     ]
-    references = sum(info.pages_per_row())
-    lines.append(
-        f"pages:      {references} referenced by the rows, {info.num_pages} stored "
-        f"({references - info.num_pages} references to shared pages)"
-    )
+    for g, group in enumerate(info.groups):  # a sliding window's rows reference no page below it
+        spans = zip(info.pages_per_row(), info.first_held_per_row(g), strict=True)
+        references = sum(stop - first for stop, first in spans)
+        counts = (
+            f"{references} referenced by the rows, {group.num_pages} stored "
+            f"({references - group.num_pages} references to shared pages)"
+        )
+        if len(info.groups) == 1:
+            lines.append(f"pages:      {counts}")
+        else:
+            params = ", ".join(f"{k}={v}" for k, v in group.params.to_dict().items())
+            lines.append(f"group {g}:    layers {list(group.layers)}: {params}; pages: {counts}")
     if len(info.files) > 1:
         lines += [f"  file {f.name}: {_size(f.stat().st_size)}" for f in info.files]
     if info.user_metadata:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import hf_mla
-from .hf_cache import PendingKV, token_rows
+from .hf_layer import PendingKV, token_rows
 from .hf_support import attention_chunk_size, check_attention_call
 
 
@@ -62,6 +62,7 @@ def paged_kv_attention(
     pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
     mask = None if attention_mask is None else attention_mask[:, 0, :, 0]  # [batch, new]: real query rows
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
+        assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
         return _uncached_attention(query, key, value, mask, scale), None
     check_attention_call(module, kwargs)
     batch, num_heads, new, _ = query.shape
@@ -69,8 +70,8 @@ def paged_kv_attention(
     step_columns = (pending.latent if isinstance(pending, hf_mla.PendingLatent) else pending.key).shape[2]
     q = token_rows(query)
     ragged = mask is not None and step_columns > 1  # a multi-token step with padding: real tokens only
-    real = mask.reshape(-1).nonzero().squeeze(1) if ragged else None
-    if ragged:
+    real = mask.reshape(-1).nonzero().squeeze(1) if mask is not None and ragged else None
+    if real is not None:
         q = q[real]
     layer_idx = getattr(module, "layer_idx", layer.layer_idx)  # a shared-KV layer gets another layer's PendingKV
     counts = lambda: _new_tokens(mask if ragged else None, batch, new, query.device)
@@ -82,14 +83,14 @@ def paged_kv_attention(
     else:
         if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
             k, v = token_rows(pending.key), token_rows(pending.value)
-            plan.store_kv(k[real] if ragged else k, v[real] if ragged else v, layer.pool_layer)
+            plan.store_kv(k if real is None else k[real], v if real is None else v[real], layer.pool_layer)
         sinks = kwargs.get("s_aux")  # GPT-OSS's per-head sink logits
         out = plan.flash_attention(
             q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0,
             None if sinks is None else sinks.detach().float(), attention_chunk_size(module),
         )  # fmt: skip
     cache.layer_done(layer_idx, batch)
-    if ragged:
+    if real is not None:
         out = q.new_zeros(batch * new, num_heads, out.shape[-1]).index_copy_(0, real, out)
     return out.view(batch, new, num_heads, out.shape[-1]), None
 

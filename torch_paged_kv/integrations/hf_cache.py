@@ -13,10 +13,11 @@ transformers' own caches.
 
 Two ways to attend, picked by `config._attn_implementation`:
 
-- `"paged_kv"`: `update` writes nothing; it hands the attention function a `PendingKV` (the layer
-  and this step's new K/V). The attention function, which also gets the padding mask, stores only
-  the real tokens of each row (ragged `input_row_offsets`) and calls `flash_attention` on the pages.
-  Left padding never reaches the cache, and token i of a row sits at position i (its rotary position).
+- `"paged_kv"`: `update` (`hf_layer.PagedLayer`) writes nothing; it hands the attention function a
+  `PendingKV` (the layer and this step's new K/V). The attention function, which also gets the padding
+  mask, stores only the real tokens of each row (ragged `input_row_offsets`) and calls `flash_attention`
+  on the pages. Left padding never reaches the cache, and token i of a row sits at position i (its
+  rotary position).
 - anything else (`sdpa`, `eager`, ...): `update` stores every column (padding included, like
   `StaticCache`) and returns K/V gathered to `[batch, heads, max_cache_len, head_dim]`; the model's
   own mask hides padding and the unused tail.
@@ -30,6 +31,7 @@ returned `GroupStepPlan` checks each group's step tensors at that group's first 
 last layer that reads the pages advances the lengths and gives back the pages that left a window
 (under `paged_kv` a shared-KV layer reads the pages of the layer it shares, so it may come after the
 last cached layer). Nothing per token lives in Python ints, so a compiled decode step does not recompile.
+What exists once the pools do (groups, their pages, the column count) is one `hf_pool.CachePool`.
 """
 
 from __future__ import annotations
@@ -38,111 +40,27 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..collection import PagedKVCacheCollection, StepTensors
+from ..collection import PagedKVCacheCollection
 from ..layer_groups import LayerGroups
 from ..params import KVCacheParams
-from ..step import GroupStepPlan, StepPlan
-from . import hf_mla
+from ..step import GroupStepPlan
 from .hf_checkpoint import load_paged_cache, save_paged_cache
-from .hf_pages import DevicePages
-from .hf_support import NO_CACHE_LAYER_TYPES, CacheShape, cache_groups, check_config
+from .hf_layer import PagedLayer
+from .hf_pool import CachePool
+from .hf_support import CacheShape, attention_layers, cache_groups, check_config
+
+if TYPE_CHECKING:  # transformers >= 5.23 (models with such layers need it)
+    from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
+
+    CacheLayer = CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer
 
 ATTN_IMPLEMENTATION = "paged_kv"
-
-
-def attention_layers(config: PreTrainedConfig) -> tuple[list[int], list[int]]:
-    """(layers that keep their own K/V, layers with attention), as model layer indices, by
-    transformers' rule: a layer that reuses another's K/V (`kv_sharing_modes[i] == "reuse"`) attends
-    but keeps nothing; a layer without attention (type "moe", "mlp") does neither."""
-    num_layers = config.num_hidden_layers
-    if getattr(config, "num_kv_shared_layers", 0) and not hasattr(config, "kv_sharing_modes"):
-        raise ValueError(
-            f"config: its last {config.num_kv_shared_layers} layers reuse other layers' K/V the way transformers "
-            "before 5.23 does it (through a `shared_layers` dict on the cache), which PagedCache does not "
-            "follow; use transformers >= 5.23 (`kv_sharing_modes`) for this model"
-        )
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
-    modes = getattr(config, "kv_sharing_modes", None) or [None] * num_layers
-    attending = [i for i, kind in enumerate(types) if kind not in NO_CACHE_LAYER_TYPES]
-    return [i for i in attending if modes[i] != "reuse"], attending
-
-
-class PendingKV(NamedTuple):
-    """What `update` returns as keys (and values) under `attn_implementation="paged_kv"`."""
-
-    layer: PagedLayer
-    key: torch.Tensor  # [batch, kv_heads, new, head_dim], rotary already applied
-    value: torch.Tensor
-
-
-class PagedLayer(CacheLayerMixin):
-    """One cached model layer's view of the cache (HF's per-layer cache surface).
-
-    `layer_idx` is the model's layer index, `pool_layer` its index among the cached layers (what the
-    step's `GroupStepPlan` maps to a group and its pool layer). Row operations (reset, crop, reorder,
-    select) touch every layer at once, so `PagedCache` does them.
-    """
-
-    is_compileable = True
-    is_croppable = True
-    is_sliding = False
-
-    def __init__(self, cache: PagedCache, layer_idx: int, pool_layer: int) -> None:
-        super().__init__()
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.pool_layer = pool_layer
-        self.is_initialized = cache.groups is not None
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the pools (for every layer) if they do not exist yet."""
-        self.cache.ensure_pool(key_states)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[Any, Any]:
-        """Paged attention: defer to the attention function. Otherwise store and gather K/V."""
-        cache = self.cache
-        if self.pool_layer == 0:  # the step's first cached layer
-            cache.ensure_pool(key_states)
-            cache.read_attention_mode()
-        if cache.is_mla:
-            return hf_mla.update(self, key_states, value_states, kwargs)
-        if cache.attends_from_pages:
-            pending = PendingKV(self, key_states, value_states)
-            return pending, pending
-        batch, _, new, _ = key_states.shape
-        counts = lambda: torch.full((batch,), new, dtype=torch.int32, device=cache.device)
-        plan = cache.layer_plan(self.layer_idx, batch, new, counts)
-        plan.store_kv(token_rows(key_states), token_rows(value_states), self.pool_layer)
-        keys, values = cache.gather(plan, self.pool_layer, key_states.dtype)
-        cache.layer_done(self.layer_idx, batch)
-        return keys.transpose(1, 2), values.transpose(1, 2)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """K/V always span `max_cache_len` columns (what `update` returns)."""
-        return self.cache.max_cache_len, 0
-
-    def get_seq_length(self) -> torch.Tensor | int:
-        """Columns seen so far (padding included): a 0-dim tensor like `StaticLayer`'s, or the int 0
-        before the pool exists (also like `StaticLayer`)."""
-        return 0 if self.cache.columns is None else self.cache.columns
-
-    def get_max_length(self) -> int:
-        return self.cache.max_cache_len
-
-    get_max_cache_shape = get_max_length  # the abstract name before transformers 5.13
-
-
-def token_rows(states: torch.Tensor) -> torch.Tensor:
-    """`[batch, heads, new, head_dim]` -> `[batch*new, heads, head_dim]` (batch-major rows)."""
-    return states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3])
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -154,7 +72,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def _no_cache_layer() -> CacheLayerMixin:
+def _no_cache_layer() -> DummyLayer:
     """transformers' placeholder for a layer without a cache (shared-KV and attention-free layers)."""
     from transformers.cache_utils import DummyLayer  # transformers >= 5.23; older models have no such layers
 
@@ -218,9 +136,9 @@ class PagedCache(Cache):
         self.max_step_tokens = max_step_tokens
         self.group_shapes: list[CacheShape] = []
         self.group_layers: list[list[int]] = []
-        for shape, layers in cache_groups(cfg, self.cached_layers, max_cache_len):
+        for shape, members in cache_groups(cfg, self.cached_layers, max_cache_len):
             self.group_shapes.append(shape)
-            self.group_layers.append(layers)
+            self.group_layers.append(members)
         self.is_mla = self.group_shapes[0].is_mla
         self.num_kv_heads, self.head_dim = self.group_shapes[0].num_kv_heads, self.group_shapes[0].head_dim  # the
         # config's; a one-group cache takes the keys' at the first step (a model may differ: Falcon's multi_query)
@@ -230,49 +148,73 @@ class PagedCache(Cache):
         self.requested_device = None if device is None else torch.device(device)
         self.requested_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         self.kv_dtype = getattr(torch, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
-        self.quantization = dict(quantization_granularity=quantization_granularity, static_scales=static_scales)
+        self.quantization_granularity, self.static_scales = quantization_granularity, static_scales
         if self.kv_dtype is not None:  # a bad combination fails now, naming the argument, not at the first step
             for shape in self.group_shapes:
                 self._params(self.kv_dtype, shape, 1)
-        self.dtype: torch.dtype | None = None  # the model's (the keys'): known once the pool exists
-        self.groups: LayerGroups | None = None
-        self.pages: list[DevicePages] = []
-        self.columns: torch.Tensor | None = None
-        self.device: torch.device | None = None
-        self.static_addresses_marked = False
+        self.pool: CachePool | None = None  # made at the first step, or now given device and dtype
         self.record_past = False
-        self._plan: GroupStepPlan | None = None  # this step's, made at its first cached layer
-        self._step_columns = 0  # this step's columns (padding included): the column count adds them at its end
         self._attends_from_pages = False
         self.read_attention_mode()
         self.rows = 0  # rows in use: set by each eager step, changed by reorder/select/repeat
         if self.requested_device is not None and self.requested_dtype is not None:
             self._allocate(self.requested_device, self.requested_dtype)
         pool_layer = {layer: j for j, layer in enumerate(self.cached_layers)}
-        layers = [
-            PagedLayer(self, i, pool_layer[i]) if i in pool_layer else _no_cache_layer()
-            for i in range(cfg.num_hidden_layers)
+        self._paged_layers = [PagedLayer(self, i, pool_layer[i]) for i in self.cached_layers]
+        by_index = dict(zip(self.cached_layers, self._paged_layers, strict=True))
+        layers: list[CacheLayer] = [
+            by_index[i] if i in by_index else _no_cache_layer() for i in range(cfg.num_hidden_layers)
         ]
         super().__init__(layers=layers)
+
+    # -- the pool's state (None before it exists) -----------------------------------------------
+    @property
+    def groups(self) -> LayerGroups | None:
+        """The layer groups (a `LayerGroups`: one collection per group), once allocated."""
+        return None if self.pool is None else self.pool.groups
+
+    @property
+    def device(self) -> torch.device | None:
+        """The pools' device, once allocated."""
+        return None if self.pool is None else self.pool.device
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The model's dtype (its keys'), known once the pools exist (an FP8 pool does not say it)."""
+        return None if self.pool is None else self.pool.dtype
+
+    @property
+    def static_addresses_marked(self) -> bool:
+        """Whether dynamo was told that the pools keep their addresses."""
+        return self.pool is not None and self.pool.static_addresses_marked
+
+    def _live(self) -> CachePool:
+        """The pool, during a step (the step's first cached layer made it)."""
+        if self.pool is None:
+            raise RuntimeError("PagedCache: a step reached a layer before the first cached layer allocated the pool")
+        return self.pool
 
     @property
     def collection(self) -> PagedKVCacheCollection | None:
         """The pool of a cache of one layer group (None before it is allocated; ValueError for a cache
         of several: see `groups`)."""
-        if self.groups is None:
+        if self.pool is None:
             return None
-        if len(self.groups) != 1:
-            raise ValueError(f"collection: this cache has {len(self.groups)} layer groups; use groups.collections")
-        return self.groups.collections[0]
+        groups = self.pool.groups
+        if len(groups) != 1:
+            raise ValueError(f"collection: this cache has {len(groups)} layer groups; use groups.collections")
+        return groups.collections[0]
 
     def _params(self, dtype: torch.dtype, shape: CacheShape, num_layers: int) -> KVCacheParams:
         """A group's params: K/V heads, or for an MLA model one latent + rope row per token."""
-        if shape.is_mla:
+        quantization = dict(quantization_granularity=self.quantization_granularity, static_scales=self.static_scales)
+        if shape.kv_lora_rank is not None and shape.rope_dim is not None:  # MLA
             return KVCacheParams.mla(
-                dtype, num_layers, self.page_size, shape.kv_lora_rank, shape.rope_dim, **self.quantization
+                dtype, num_layers, self.page_size, shape.kv_lora_rank, shape.rope_dim, **quantization
             )
         return KVCacheParams(
-            dtype, num_layers, shape.num_kv_heads, shape.head_dim, self.page_size, **self.quantization,
+            dtype, num_layers, shape.num_kv_heads, shape.head_dim, self.page_size,
+            quantization_granularity=self.quantization_granularity, static_scales=self.static_scales,
             sliding_window=shape.sliding_window,
         )  # fmt: skip
 
@@ -287,7 +229,6 @@ class PagedCache(Cache):
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """The pools, one per layer group, sharing the lengths and offsets (each group has its own table)."""
-        self.dtype = dtype
         shapes = list(self.group_shapes)
         if len(shapes) == 1 and not self.is_mla:
             shapes[0] = dataclasses.replace(shapes[0], num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
@@ -298,37 +239,17 @@ class PagedCache(Cache):
         groups = LayerGroups.allocate(
             params, self.group_layers, counts, self.max_batch_size, self.max_cache_len, device
         )
-        first = groups.collections[0]
-        for c in groups.collections[1:]:  # one set of lengths and offsets for every group
-            c.cache_lengths, c.input_row_offsets = first.cache_lengths, first.input_row_offsets
-        self.groups = groups
-        self.pages = [DevicePages(c) for c in groups.collections]
-        self._sliding = [p for p in self.pages if p.window is not None]
-        self.device = first.device
-        self.columns = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._mark_static_addresses()
-
-    def _mark_static_addresses(self) -> None:
-        """Tell dynamo that the pools' tensors keep their addresses (CUDA graphs then use them in place).
-        Dynamo forbids this while compiling (a pool allocated by a compiled first step): the next eager
-        step does it."""
-        if self.static_addresses_marked or torch.compiler.is_compiling():
-            return
-        tensors = [self.columns]
-        for c, pages in zip(self.groups.collections, self.pages, strict=True):
-            tensors += [c.blocks, c.scales, c.cache_lengths, c.input_row_offsets, c.lookup_table, *pages.tensors()]
-        for t in tensors:
-            if t is not None:
-                torch._dynamo.mark_static_address(t)
-        self.static_addresses_marked = True
+        self.pool = CachePool(groups, dtype)
+        self.pool.mark_static_addresses()
 
     def ensure_pool(self, key_states: torch.Tensor) -> None:
         """Check that the model's keys (of the first cached layer) fit the pools (their dtype and device,
         given or already allocated), then allocate the pools on first use (see the class docstring)."""
-        if self.groups is None:
+        pool = self.pool
+        if pool is None:
             dtype, device = self.requested_dtype or key_states.dtype, self.requested_device or key_states.device
         else:
-            dtype, device = self.dtype, self.device
+            dtype, device = pool.dtype, pool.device
         if key_states.dtype != dtype:
             raise ValueError(
                 f"dtype: the pool holds {dtype} but the model's keys are {key_states.dtype}; "
@@ -342,15 +263,16 @@ class PagedCache(Cache):
             )
         heads, head_dim = key_states.shape[1], key_states.shape[3]
         adopt = len(self.group_shapes) == 1 and not self.is_mla  # the keys say what the model caches
-        if self.groups is None:
+        if pool is None:
             if adopt:  # (Falcon: 1 head for 71 queried)
                 self.num_kv_heads, self.head_dim = heads, head_dim
             self._allocate(here, dtype)
-            for layer in self.layers:
+            pool = self._live()
+            for layer in self._paged_layers:
                 layer.is_initialized = True
         else:
-            self._mark_static_addresses()
-        params = self.groups.collections[self.groups.layer_map[0][0]].params
+            pool.mark_static_addresses()
+        params = pool.groups.collections[pool.groups.layer_map[0][0]].params
         if not self.is_mla and (heads, head_dim) != (params.num_kv_heads, params.head_dim):
             raise ValueError(
                 f"config: the model's keys have {heads} heads of {head_dim}, but the pool, allocated from the "
@@ -380,7 +302,7 @@ class PagedCache(Cache):
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of K/V (and FP8 scales) in the pages the rows hold now, every group (a host sync)."""
-        return sum(p.in_use() * p.params.page_bytes for p in self.pages)
+        return 0 if self.pool is None else self.pool.kv_bytes_in_use()
 
     def activate_past_recording(self) -> None:
         """Keep the pages sliding windows would give back until the next `crop` (transformers calls this
@@ -396,39 +318,27 @@ class PagedCache(Cache):
         int32) in `input_row_offsets`, gives the rows the pages their new tokens need, and records the
         step's `columns` (padding included), which `layer_done` adds to the column count. The plan
         checks each group's step tensors at that group's first layer only."""
+        pool = self._live()
         if layer_idx == self.cached_layers[0]:
-            self._begin_step(new_tokens(), columns)
-            self._plan = GroupStepPlan.of(self.groups, self.groups.step_tensors(batch))
-        return self._plan  # the same for every layer of the step (views of the step's rows)
+            counts = new_tokens()
+            if not torch.compiler.is_compiling():
+                self._check_room(pool, counts)
+                self.rows = counts.shape[0]
+            return pool.begin_step(counts, columns)
+        return pool.step_plan()  # the same for every layer of the step (views of the step's rows)
 
     def trailing_plan(self, batch: int, query_counts: torch.Tensor, pool_layer: int) -> GroupStepPlan:
         """A plan for queries that are only the last `query_counts[b]` (`[batch]` int32) of this step's new
         tokens of each row, whose K/V are stored already: transformers trims the hidden states of K/V-sharing
         layers to `logits_to_keep` positions during a prefill. Its call at `pool_layer` checks the step it
         describes in full."""
-        steps = self.groups.step_tensors(batch)
-        lengths, _, offsets = steps[0]
-        new_tokens = offsets[1:] - offsets[:-1]
-        query_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
-        query_offsets[1:] = torch.cumsum(query_counts, 0)
-        group, local = self.groups.layer_map[pool_layer]
-        plans = tuple(
-            StepPlan(c.blocks, StepTensors(lengths + new_tokens - query_counts, step.lookup_table, query_offsets),
-                     c.scales, first_layer=local if g == group else 0)
-            for g, (c, step) in enumerate(zip(self.groups.collections, steps, strict=True))
-        )  # fmt: skip
-        return GroupStepPlan(plans, self.groups.layer_map)
+        return self._live().trailing_plan(batch, query_counts, pool_layer)
 
     def gather(self, plan: GroupStepPlan, pool_layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of cached layer `pool_layer` gathered to `max_cache_len` columns (zeros past each row's
         length). In a sliding-window group the columns below the window read as zeros (the null page,
         unchecked: the model's own sliding mask hides them, as it does for transformers' own caches)."""
-        step_plan, local = plan.at(pool_layer)
-        if self.pages[self.groups.layer_map[pool_layer][0]].window is None:
-            return step_plan.gather_kv(local, self.max_cache_len, dtype)
-        return torch.ops.paged_kv.gather_kv.unchecked(
-            step_plan.blocks, *step_plan.step, local, self.max_cache_len, step_plan.scales, dtype
-        )
+        return self._live().gather(plan, pool_layer, self.max_cache_len, dtype)
 
     def layer_done(self, layer_idx: int, batch: int) -> None:
         """After model layer `layer_idx` is done with the step: the last layer that reads the pages
@@ -439,35 +349,16 @@ class PagedCache(Cache):
         `DynamicCache` layer does before its update (Llama4's no-rope layers scale their queries by it)."""
         last = self.attention_layers[-1] if self.attends_from_pages else self.cached_layers[-1]
         if layer_idx == last:
-            lengths, _, offsets = self.groups.collections[0].step_tensors(batch)
-            grown = lengths + (offsets[1:] - offsets[:-1])
-            if not self.record_past:
-                for pages in self._sliding:
-                    pages.leave_window(lengths, grown, self._step_columns)
-            lengths.copy_(grown)
-            self.columns.add_(self._step_columns)
+            self._live().end_step(batch, keep_past=self.record_past)
 
-    def _begin_step(self, new_tokens: torch.Tensor, columns: int) -> None:
+    def _check_room(self, pool: CachePool, new_tokens: torch.Tensor) -> None:
         batch = new_tokens.shape[0]
-        if not torch.compiler.is_compiling():
-            self._check_room(batch, new_tokens)
-            self.rows = batch
-        first = self.groups.collections[0]
-        offsets = first.input_row_offsets
-        offsets[0] = 0
-        offsets[1 : batch + 1] = torch.cumsum(new_tokens, 0)
-        lengths = first.cache_lengths[:batch]
-        for pages in self.pages:
-            pages.grow(lengths, new_tokens, columns)
-        self._step_columns = columns
-
-    def _check_room(self, batch: int, new_tokens: torch.Tensor) -> None:
         if batch > self.max_batch_size:
             raise ValueError(
                 f"batch: {batch} rows, more than max_batch_size={self.max_batch_size} "
                 "(rows are batch x num_beams under beam search)"
             )
-        lengths = self.groups.collections[0].cache_lengths
+        lengths = pool.lengths
         most, longest = (int(n) for n in torch.stack([new_tokens.max(), (lengths[:batch] + new_tokens).max()]))
         if longest > self.max_cache_len:
             raise ValueError(f"max_cache_len: a row would hold {longest} tokens, more than {self.max_cache_len}")
@@ -481,14 +372,8 @@ class PagedCache(Cache):
     def reset(self) -> None:
         """Forget every row and give back every page (pages are not cleared: nothing reads past a row's length)."""
         self.rows = 0
-        if self.groups is None:
-            return
-        first = self.groups.collections[0]
-        first.cache_lengths.zero_()
-        first.input_row_offsets.zero_()
-        self.columns.zero_()
-        for pages in self.pages:
-            pages.reset()
+        if self.pool is not None:
+            self.pool.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count); the
@@ -497,17 +382,8 @@ class PagedCache(Cache):
         `activate_past_recording()` kept them."""
         if tokens_to_remove > 0:
             raise ValueError(f"tokens_to_remove: pass a negative count of tokens to drop, got {tokens_to_remove}")
-        if self.groups is None:
-            return
-        lengths = self.groups.collections[0].cache_lengths
-        kept = (lengths + tokens_to_remove).clamp_(min=0)
-        host = kept.cpu().numpy().astype("int64")
-        for pages in self.pages:
-            pages.keep(host, check_only=True)
-        for pages in self.pages:
-            pages.keep(host)
-        lengths.copy_(kept)
-        self.columns.copy_((self.columns + tokens_to_remove).clamp_(min=0))
+        if self.pool is not None:
+            self.pool.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes a copy of row `beam_idx[i]`."""
@@ -530,17 +406,8 @@ class PagedCache(Cache):
                 f"rows: {batch} rows, more than max_batch_size={self.max_batch_size} "
                 "(rows are batch x num_beams under beam search)"
             )
-        if self.groups is None:  # nothing stored yet
-            self.rows = batch
-            return
-        rows = rows.to(device=self.device, dtype=torch.int64)
-        lengths = self.groups.collections[0].cache_lengths
-        new_lengths = lengths[rows]
-        order = rows.tolist()
-        for pages in self.pages:
-            pages.select_rows(order)
-        lengths.zero_()
-        lengths[:batch] = new_lengths
+        if self.pool is not None:  # else nothing stored yet
+            self.pool.select_rows(rows)
         self.rows = batch
 
     # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
@@ -559,11 +426,12 @@ class PagedCache(Cache):
         return load_paged_cache(cls, path, config, **options)
 
     def __repr__(self) -> str:
-        if self.groups is None:
+        if self.pool is None:
             return (
                 f"PagedCache(not allocated yet: {self.max_batch_size} rows x {self.max_cache_len} tokens, "
                 f"page_size={self.page_size}, {len(self.group_shapes)} layer group(s))"
             )
-        if len(self.groups) == 1:
-            return f"PagedCache({self.groups.collections[0]!r})"
-        return f"PagedCache({self.groups!r})"
+        groups = self.pool.groups
+        if len(groups) == 1:
+            return f"PagedCache({groups.collections[0]!r})"
+        return f"PagedCache({groups!r})"

@@ -35,17 +35,18 @@ def save_paged_cache(
     progress: bool | None = None,
 ) -> None:
     """Write the rows `cache` holds (row i of the file is row i of the batch) to `path`."""
-    if cache.groups is None or cache.rows == 0:
+    pool = cache.pool
+    if pool is None or cache.rows == 0:
         raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
     state = {
-        "columns": int(cache.columns),
-        "dtype": str(cache.dtype).removeprefix("torch."),
+        "columns": int(pool.columns),
+        "dtype": str(pool.dtype).removeprefix("torch."),
         "real_tokens_only": cache.attends_from_pages,
     }
     save_cache(
-        cache.groups,
+        pool.groups,
         path,
         batch_indices=list(range(cache.rows)),
         metadata={**(metadata or {}), METADATA_KEY: json.dumps(state)},
@@ -88,7 +89,9 @@ def load_paged_cache(
     if device is None or options.get("dtype", defaults["dtype"]) is None:
         raise ValueError("device, dtype: loading allocates the pool now, which needs both (None given)")
     cache = cache_type(config, device=device, **{**defaults, **options})
-    groups = cache.groups
+    pool = cache.pool
+    assert pool is not None  # device and dtype given: allocated by the constructor
+    groups = pool.groups
     saved, ours = [(g.params, g.layers) for g in info.groups], list(zip(groups.params, groups.layers, strict=True))
     if saved != ours:
         if len(saved) == len(ours) == 1:
@@ -108,9 +111,9 @@ def load_paged_cache(
     # never read as real tokens only (the padding cannot be told apart).
     padded = bool((lengths != state["columns"]).any())
     if state["real_tokens_only"] != cache.attends_from_pages and (padded or cache.attends_from_pages):
-        saved = "paged_kv" if state["real_tokens_only"] else "an attention other than paged_kv"
+        filled_under = "paged_kv" if state["real_tokens_only"] else "an attention other than paged_kv"
         raise ValueError(
-            f"config: the cache was filled under {saved}, which stores "
+            f"config: the cache was filled under {filled_under}, which stores "
             f"{'real tokens only' if state['real_tokens_only'] else 'padding too'}; "
             f"this config uses attn_implementation={cache.config._attn_implementation!r}"
         )
@@ -119,16 +122,16 @@ def load_paged_cache(
         firsts = info.first_held_per_row(g)
         if sum(per_row) - sum(firsts) != group.num_pages:
             raise CheckpointError(f"{info.path}: rows share pages, which a PagedCache never does")
-    for g, (group, pool) in enumerate(zip(info.groups, cache.pages, strict=True)):
+    for g, (group, group_pages) in enumerate(zip(info.groups, pool.pages, strict=True)):
         firsts = info.first_held_per_row(g)
         pages = torch.empty(group.num_pages, dtype=torch.int64)  # stored page j + 1 -> its row's own page
-        own = pool.assign(per_row, firsts)
+        own = group_pages.assign(per_row, firsts)
         for b, (n, first) in enumerate(zip(per_row, firsts, strict=True)):
             pages[group.lookup_table[b, first:n].long() - 1] = torch.tensor(own[b], dtype=torch.int64)
-        c = pool.collection
+        c = group_pages.collection
         load_pages(info.path, c.blocks, pages, scales=c.scales, progress=progress, group=g, info=info)
-    groups.collections[0].cache_lengths[:rows] = lengths.to(cache.device)
-    cache.columns.fill_(state["columns"])
+    pool.lengths[:rows] = lengths.to(pool.device)
+    pool.columns.fill_(state["columns"])
     cache.rows = rows
     return cache
 

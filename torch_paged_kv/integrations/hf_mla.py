@@ -101,14 +101,15 @@ def gather_rows(plan: GroupStepPlan, pool_layer: int, max_len: int) -> torch.Ten
 
 def attend(
     plan: GroupStepPlan,
-    module: torch.nn.Module,
+    module: Any,
     q: torch.Tensor,
     pending: PendingLatent,
     real: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """Store this step's latent rows (only `real` token rows where given) and run absorbed MLA for the
-    queries `q` `[tokens, heads, qk_nope_head_dim + qk_rope_head_dim]` -> `[tokens, heads, v_head_dim]`."""
+    queries `q` `[tokens, heads, qk_nope_head_dim + qk_rope_head_dim]` -> `[tokens, heads, v_head_dim]`
+    of `module`, transformers' MLA attention (its `kv_b_proj`, `qk_nope_head_dim`, `v_head_dim`)."""
     latent, rope = rows(pending.latent), rows(pending.rope)
     if real is not None:
         latent, rope = latent[real], rope[real]

@@ -34,7 +34,9 @@ class DevicePages:
         self.free = torch.zeros(n + 1, dtype=torch.int32, device=device)  # [:count] free; [n] a dump slot
         self.count = torch.zeros((), dtype=torch.int64, device=device)
         t = collection.lookup_table
-        self._views = (t.numpy(), self.free.numpy(), self.count.numpy()) if device.type == "cpu" else None
+        self._views: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (table, free, count) on the CPU
+        if device.type == "cpu":
+            self._views = (t.numpy(), self.free.numpy(), self.count.numpy())
         self.reset()
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,15 +62,17 @@ class DevicePages:
 
     # -- a step (tensor operations: in a compiled graph too) -------------------------------------
     def _on_host(self) -> bool:
-        """Whether this call may work on numpy views of the CPU tensors (eager: an order of magnitude
-        cheaper than torch on tensors this small); same result as the tensor path (tested)."""
-        return self._views is not None and not torch.compiler.is_compiling()
+        """Whether this call may work on the numpy views of the CPU tensors where there are some (eager:
+        an order of magnitude cheaper than torch on tensors this small); same result as the tensor path
+        (tested)."""
+        return not torch.compiler.is_compiling()
 
     def grow(self, lengths: torch.Tensor, new_tokens: torch.Tensor, columns: int) -> None:
         """Give every row `b` (of `lengths.shape[0]`) a page for each table entry its `new_tokens[b]`
         tokens after `lengths[b]` reach that holds none; `columns` bounds the new tokens of a row."""
-        if self._on_host():
-            self._grow_host(lengths.numpy(), new_tokens.numpy())
+        views = self._views
+        if views is not None and self._on_host():
+            self._grow_host(views, lengths.numpy(), new_tokens.numpy())
             return
         table, ps = self.collection.lookup_table, self.page_size
         first = (lengths + ps - 1) // ps
@@ -85,8 +89,11 @@ class DevicePages:
     def leave_window(self, old_lengths: torch.Tensor, new_lengths: torch.Tensor, columns: int) -> None:
         """Rows grown from `old_lengths` to `new_lengths` (by at most `columns` tokens) give back the
         pages that left the window of every later query; their entries become the null page."""
-        if self._on_host():
-            self._leave_window_host(old_lengths.numpy(), new_lengths.numpy())
+        window, views = self.window, self._views
+        if window is None:  # a full group: no page ever leaves
+            return
+        if views is not None and self._on_host():
+            self._leave_window_host(views, window, old_lengths.numpy(), new_lengths.numpy())
             return
         table = self.collection.lookup_table
         start, stop = self.first_held(old_lengths), self.first_held(new_lengths)
@@ -107,8 +114,8 @@ class DevicePages:
         current = table[: first.shape[0]].gather(1, cols.clamp(max=table.shape[1] - 1).long())
         return cols.long(), current
 
-    def _grow_host(self, lengths: np.ndarray, new_tokens: np.ndarray) -> None:
-        table, free, count = self._views
+    def _grow_host(self, views: tuple[np.ndarray, ...], lengths: np.ndarray, new_tokens: np.ndarray) -> None:
+        table, free, count = views
         ps = self.page_size
         first, stop = (lengths + ps - 1) // ps, (lengths + new_tokens + ps - 1) // ps
         need = [(b, col) for b in np.flatnonzero(stop > first).tolist() for col in range(first[b], stop[b])]
@@ -119,9 +126,11 @@ class DevicePages:
                 table[b, col] = free[top - len(need) + rank]
         count[...] = max(0, top - len(need))
 
-    def _leave_window_host(self, old_lengths: np.ndarray, new_lengths: np.ndarray) -> None:
-        table, free, count = self._views
-        window, ps = self.window - 1, self.page_size
+    def _leave_window_host(
+        self, views: tuple[np.ndarray, ...], window: int, old_lengths: np.ndarray, new_lengths: np.ndarray
+    ) -> None:
+        table, free, count = views
+        window, ps = window - 1, self.page_size
         start, stop = np.maximum(old_lengths - window, 0) // ps, np.maximum(new_lengths - window, 0) // ps
         for b in np.flatnonzero(stop > start).tolist():
             for col in range(start[b], stop[b]):
@@ -195,8 +204,8 @@ class DevicePages:
             from ..ops import copy_pages
 
             c = self.collection
-            index = [torch.tensor(p, dtype=torch.int32, device=c.device) for p in (src, dst)]
-            copy_pages(c.blocks, *index, c.scales)
+            src_pages, dst_pages = (torch.tensor(p, dtype=torch.int32, device=c.device) for p in (src, dst))
+            copy_pages(c.blocks, src_pages, dst_pages, c.scales)
         self.set_host_state(new, free)
 
     def assign(self, pages_per_row: list[int], first: list[int]) -> list[list[int]]:

@@ -83,6 +83,23 @@ def _per_layer(config: Any, name: str, layers: list[int]) -> dict[int, Any]:
     return {i: getattr(per_layer[i], name, None) for i in layers}
 
 
+def attention_layers(config: Any) -> tuple[list[int], list[int]]:
+    """(layers that keep their own K/V, layers with attention), as model layer indices, by
+    transformers' rule: a layer that reuses another's K/V (`kv_sharing_modes[i] == "reuse"`) attends
+    but keeps nothing; a layer without attention (type "moe", "mlp") does neither."""
+    num_layers = config.num_hidden_layers
+    if getattr(config, "num_kv_shared_layers", 0) and not hasattr(config, "kv_sharing_modes"):
+        raise ValueError(
+            f"config: its last {config.num_kv_shared_layers} layers reuse other layers' K/V the way transformers "
+            "before 5.23 does it (through a `shared_layers` dict on the cache), which PagedCache does not "
+            "follow; use transformers >= 5.23 (`kv_sharing_modes`) for this model"
+        )
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * num_layers
+    attending = [i for i, kind in enumerate(types) if kind not in NO_CACHE_LAYER_TYPES]
+    return [i for i in attending if modes[i] != "reuse"], attending
+
+
 def check_config(config: Any, paged: bool) -> None:
     """Raise `ValueError` naming the config field if the integration cannot serve this model exactly:
     with `PagedCache` under the model's own attention, or (`paged=True`) under `paged_kv` too."""
@@ -126,7 +143,8 @@ def on_attention_interface(config: Any) -> bool:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None))
+    model_type = getattr(config, "model_type", None)
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
     model_class = getattr(transformers, name, None) if name else None
     can_set = getattr(model_class, "_can_set_attn_implementation", None)
     return True if can_set is None else bool(can_set())
@@ -150,6 +168,6 @@ def attention_chunk_size(module: Any) -> int:
     config = getattr(module, "config", None)
     types = getattr(config, "layer_types", None)
     layer_idx = getattr(module, "layer_idx", None)
-    if not types or layer_idx is None or types[layer_idx] != "chunked_attention":
+    if config is None or not types or layer_idx is None or types[layer_idx] != "chunked_attention":
         return -1
     return int(config.attention_chunk_size)

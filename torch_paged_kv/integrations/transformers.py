@@ -16,7 +16,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .hf_attention import paged_kv_attention, paged_kv_mask
-from .hf_cache import ATTN_IMPLEMENTATION, PagedCache, PagedLayer, PendingKV, cache_kwarg
+from .hf_cache import ATTN_IMPLEMENTATION, PagedCache, cache_kwarg
+from .hf_layer import PagedLayer, PendingKV
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_kv_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_kv_mask)
