@@ -537,3 +537,15 @@ def test_layer_group_metadata_is_checked(tmp_path: Path) -> None:
     (tmp_path / "flip.safetensors").write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="checksum mismatch in tensor 'groups.1."):
         verify(tmp_path / "flip.safetensors")
+
+
+def test_a_sliding_window_cache_in_a_version_3_file_is_refused(tmp_path: Path) -> None:
+    """A lone sliding-window group's file (its rows' early pages not stored) claims version 3, which
+    has no windows: refused, naming the field, not read as a file whose tables hold every page."""
+    window = make_groups(seed=3).collections[1]
+    good = tmp_path / "window.safetensors"
+    save_cache(window, good)
+    assert read_info(good).params.sliding_window == 6
+    old = crafted_files.edit_metadata(good, tmp_path / "v3.safetensors", format_version="3")
+    with pytest.raises(CheckpointError, match="'params': sliding_window .* format version 4 field"):
+        read_info(old)

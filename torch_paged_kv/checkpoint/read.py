@@ -81,6 +81,11 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     if "groups" in metadata:
         groups = parse_field(path, metadata, "groups", fields.group_list)
         check_groups(path, version, groups, params, num_pages, kind, tp_shard)
+    if version < 4 and params.sliding_window is not None:
+        raise CheckpointError(
+            f"{path}: metadata field 'params': sliding_window (pages below a window not stored) is a "
+            f"format version 4 field, but the file says version {version}"
+        )
     files = [path]
     tensor_files = {name: path for name in tensors}
     all_tensors = dict(tensors)
