@@ -274,6 +274,7 @@ ORACLE = dataclasses.replace(PARAMS, head_dim=8, page_size=8)
 LAYOUTS = {  # window 6: after 20 + 6 tokens the group holds page 2 on, as after 21..26 (not 20)
     "full": lambda p: ([p], [[0, 1]]),
     "full + sliding": lambda p: ([p, dataclasses.replace(p, num_layers=1, sliding_window=6)], [[0, 2], [1]]),
+    "full + sliding, max_rewind=6": lambda p: LAYOUTS["full + sliding"](p),  # keeps page 1 on: nothing refused
     "mla": lambda p: ([_mla_like(p)], [[0, 1]]),
 }
 
@@ -313,6 +314,7 @@ def _positions(m: KVCacheManager, seq_id, g: int, start: int, stop: int) -> list
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype):
     params, layers = LAYOUTS[layout](dataclasses.replace(ORACLE, **DTYPES[dtype]))
+    max_rewind = 6 if layout.endswith("max_rewind=6") else 0
     gen = torch.Generator().manual_seed(7)
     prompt_len, tokens = 20, 6
     kv = [
@@ -323,7 +325,7 @@ def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype
         managers = []
         for _ in range(2):
             groups = tpk.LayerGroups.allocate(params, layers, [16] * len(params), 2, 32)
-            m = KVCacheManager(groups)
+            m = KVCacheManager(groups, max_rewind=max_rewind)
             m.claim("s")
             store(m, m.prepare_step(["s"], [prompt_len]), [x[:prompt_len] for x in kv])
             m.commit_step()
@@ -345,11 +347,12 @@ def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype
         length = prompt_len + len(kept)
         assert spec.cache_length("s") == plain.cache_length("s") == length
         for g, p in enumerate(params):
-            first = p.first_held_page(length) * p.page_size
-            assert first > 0 or p.sliding_window is None
+            pages = spec.pages("s", g)  # from the first page held (max_rewind keeps some below the window)
+            first = next(j for j, page in enumerate(pages) if page != tpk.NULL_PAGE) * p.page_size
+            assert 0 < first <= p.first_held_page(length) * p.page_size or p.sliding_window is None
             got, want = (_positions(x, "s", g, first, length) for x in (spec, plain))
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (kept, g)
-            assert len(spec.pages("s", g)) == len(plain.pages("s", g))
+            assert [x == tpk.NULL_PAGE for x in pages] == [x == tpk.NULL_PAGE for x in plain.pages("s", g)]
         assert [pool.in_use() for pool in spec.page_pools] == [pool.in_use() for pool in plain.page_pools]
 
 
