@@ -6,7 +6,10 @@ keys (test_manager's model: K/V of a token is a function of its token prefix, so
 the prefix cache must hold what recomputing would). A tree token's K/V is that of its own path, so
 after `accept` the sequence must hold exactly the K/V of the accepted path, and no key may name a
 page whose contents are not that key's tokens. The oracle test compares `accept`'s pages bit for bit
-with a manager that stored only the accepted tokens.
+with a manager that stored only the accepted tokens. With `max_rewind=R`, sliding-window groups keep
+what going back R tokens needs: nothing within R is refused, the pages held are exactly those and
+stay O(window + R + page), and a linear speculation on a sliding-window model gives plain greedy
+decoding's tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from test_manager import snapshot as manager_snapshot
 
 import torch_paged_kv as tpk
 from torch_paged_kv.manager import KVCacheManager, OutOfPagesError
+from torch_paged_kv.testing import attention_fp64
 
 
 def snapshot(m: KVCacheManager) -> dict:
@@ -587,6 +591,97 @@ def test_max_rewind_must_be_an_int_of_at_least_zero():
         with pytest.raises(ValueError, match="^max_rewind:"):
             make(max_rewind=bad)
     assert make(max_rewind=np.int64(3)).max_rewind == 3
+
+
+class WindowModel:
+    """A tiny two-layer attention model whose layer 1 attends over a window of 5 (layer 0: every key):
+    `logits(tokens)` without a cache (fp64 attention on contiguous K/V, the oracle), `step(...)` over a
+    manager's groups (paged `store_kv` / `flash_attention`)."""
+
+    WINDOW, VOCAB, DIM, HEADS, HEAD_DIM = 5, 24, 16, 2, 8
+
+    def __init__(self, seed: int, noise: float = 0.0, base: WindowModel | None = None) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        d, hd = self.DIM, self.HEADS * self.HEAD_DIM
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen) / shape[0] ** 0.5
+
+        self.emb, self.pos, self.out = rand(self.VOCAB, d) * 4, rand(64, d) * 4, rand(d, self.VOCAB)
+        self.qkv, self.o = [rand(d, 3 * hd) for _ in range(2)], [rand(hd, d) for _ in range(2)]
+        if base is not None:  # a draft: the base model, perturbed
+            for name in ("emb", "pos", "out", "qkv", "o"):
+                mine, theirs = getattr(self, name), getattr(base, name)
+                if isinstance(mine, list):
+                    setattr(self, name, [t + noise * m for t, m in zip(theirs, mine, strict=True)])
+                else:
+                    setattr(self, name, theirs + noise * mine)
+
+    def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        for layer in range(2):
+            q, k, v = (t.unflatten(-1, (self.HEADS, self.HEAD_DIM)) for t in (x @ self.qkv[layer]).chunk(3, -1))
+            x = x + attend(layer, q, k, v).flatten(1) @ self.o[layer]
+        return x @ self.out
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """Every position's logits, no cache: fp64 attention on the whole sequence (the oracle)."""
+        x = self.emb[tokens] + self.pos[: len(tokens)]
+
+        def attend(layer, q, k, v):
+            window = self.WINDOW if layer == 1 else -1
+            return attention_fp64(q, [k], [v], [0], self.HEAD_DIM**-0.5, sliding_window=window).float()
+
+        return self._layers(x, attend)
+
+    def step(self, m: KVCacheManager, seq_id, tokens: list[int]) -> torch.Tensor:
+        """The logits of a step of `tokens` after `seq_id`'s cached ones, through the manager's pages."""
+        start = m.cache_length(seq_id)
+        steps = m.prepare_step([seq_id], [len(tokens)], [tokens])
+        x = self.emb[tokens] + self.pos[start : start + len(tokens)]
+
+        def attend(layer, q, k, v):
+            c, step = m.collections[layer], steps[layer]
+            tpk.store_kv(k.contiguous(), v.contiguous(), c.blocks, *step, 0)
+            window = self.WINDOW if layer == 1 else -1
+            return tpk.flash_attention(q.contiguous(), c.blocks, *step, 0, self.HEAD_DIM**-0.5, sliding_window=window)
+
+        out = self._layers(x, attend)
+        m.commit_step()
+        return out
+
+
+def test_linear_speculation_on_a_sliding_window_model_gives_plain_greedy_tokens():
+    """Draft k tokens, verify them in one step, rewind the rejected ones: with `max_rewind=k` on a cache
+    whose layer 1 is a sliding-window group (window 5, page 4), the tokens are plain greedy decoding's
+    (recomputed without a cache), and rewinds run where the window's page already moved on."""
+    k = 3
+    target = WindowModel(0)
+    draft = WindowModel(1, noise=0.6, base=target)
+    full = tpk.KVCacheParams(torch.float32, 1, WindowModel.HEADS, WindowModel.HEAD_DIM, page_size=4)
+    sliding = dataclasses.replace(full, sliding_window=WindowModel.WINDOW)
+    m = KVCacheManager(tpk.LayerGroups.allocate([full, sliding], [[0], [1]], [24, 8], 1, 64), max_rewind=k)
+    prompt = [3, 17, 5, 9, 21, 2, 11]
+    m.claim("s", prompt)
+    out = [int(target.step(m, "s", prompt)[-1].argmax())]
+    kept = crossed = 0
+    while len(out) < 30:
+        context = prompt + out
+        drafts: list[int] = []
+        for _ in range(k):
+            drafts.append(int(draft.logits(context + drafts)[-1].argmax()))
+        length = m.cache_length("s")
+        greedy = target.step(m, "s", [out[-1], *drafts]).argmax(-1).tolist()
+        j = next((i for i in range(k) if drafts[i] != greedy[i]), k)
+        m.rewind("s", k - j)
+        crossed += sliding.first_held_page(length + 1 + k) > sliding.first_held_page(length + 1 + j)
+        out += [*drafts[:j], greedy[j]]
+        kept += j
+        assert len(m.pages("s", 1)) - m.pages("s", 1).count(tpk.NULL_PAGE) <= (WindowModel.WINDOW - 1 + k) // 4 + 2
+    expected: list[int] = []
+    for _ in range(len(out)):
+        expected.append(int(target.logits(prompt + expected)[-1].argmax()))
+    assert out == expected
+    assert 0 < kept < k * len(out) and crossed >= 2, (kept, crossed)  # max_rewind=0 refuses `crossed` rewinds
 
 
 # -- errors ---------------------------------------------------------------------------------------
