@@ -92,8 +92,8 @@ class GroupTable:
     def leave_window(self, slots: np.ndarray, old_lengths: np.ndarray, new_lengths: np.ndarray) -> tuple[list, list]:
         """The slots that grew from `old_lengths` to `new_lengths` drop the pages below `first_kept` of
         their new length (those a rewind of up to `max_rewind` tokens needs stay): their entries become
-        the null page. Returns (the indices into `slots` whose rows changed, the
-        dropped pages, in table order: the caller gives them back to the pool)."""
+        the null page. Returns (the indices into `slots` whose rows changed, the dropped pages, in
+        table order: the caller gives them back to the pool)."""
         if self.window is None:
             return [], []
         start, stop = self.first_kept(old_lengths), self.first_kept(new_lengths)

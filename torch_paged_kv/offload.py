@@ -81,7 +81,7 @@ def offload_slot(pools: list[PagePool], table: PageTable, slot: int) -> list[Hos
     used = table.pages_for(int(table.lengths[slot]))
     copies = []
     for pool, group in zip(pools, table.groups, strict=True):
-        first = min(group.first_entry(slot), used)
+        first = group.first_entry(slot)
         copies.append(read_pages(group.collection, group.pages(slot)[first:used]))
         pool.unref(reversed(group.held(slot)))
         group.set_pages(slot, [])

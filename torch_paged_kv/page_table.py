@@ -25,8 +25,8 @@ class PageTable:
 
     Slots are handed out lowest first and grow (doubling) past `max_batch_size`; a step's rows are
     the slots of its sequences, in order. Sliding-window groups keep what a rewind of up to
-    `max_rewind` tokens needs (`GroupTable.first_kept`). `rows` and `num_pages` are the first group's (the only one
-    of a single-group cache).
+    `max_rewind` tokens needs (`GroupTable.first_kept`). `rows` and `num_pages` are the first
+    group's (the only one of a single-group cache).
     """
 
     def __init__(
