@@ -83,14 +83,17 @@ def run_step(
 
 def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
     """Every page a sequence holds, read straight from each group's pool, equals K/V recomputed from its
-    tokens (a sliding-window group: the pages from the first one it must hold)."""
+    tokens (a sliding-window group: the pages from the first one it holds, at most the first one its
+    length needs: those a rewind may need too)."""
     for g, c in enumerate(m.collections):
         p = c.params
         for i in ids:
             length = len(model[i])
             assert m.cache_length(i) == length
-            first = p.first_held_page(length)
-            pages = m.pages(i, g)[first : -(-length // PS)]
+            entries = m.pages(i, g)
+            first = next((j for j, page in enumerate(entries) if page != tpk.NULL_PAGE), len(entries))
+            assert first <= p.first_held_page(length) or length == 0, (i, g)
+            pages = entries[first : -(-length // PS)]
             if not pages:
                 continue
             held = c.blocks[torch.tensor(pages)]  # [n, 2, layers, page_size, heads, head_dim]
@@ -99,10 +102,12 @@ def check_contents(m: KVCacheManager, model: dict, ids: list) -> None:
             assert torch.equal(got[: len(want)], want), (i, g)
 
 
-def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
+def check_ownership(m: KVCacheManager, model: dict, on_device: set, peaks: dict | None = None) -> None:
     """Per group: refcounts equal holders; free/evictable/held partition the pages; shared pages are
     full; the host table holds exactly the sequences' pages; a sliding-window group holds exactly the
-    pages from `first_held_page` of each length on (the null page before: O(window) per sequence)."""
+    pages from `first_held_page` of each length on (the null page before: O(window) per sequence),
+    or with `peaks` (the longest each sequence has been) from `first_held_page(peak - max_rewind)` on,
+    at most `(window - 1 + max_rewind) // page_size + 2` pages (O(window + max_rewind + page))."""
     for g, (c, pool) in enumerate(zip(m.collections, m.page_pools, strict=True)):
         n = c.num_pages
         holders: dict[int, list[tuple]] = {}
@@ -113,10 +118,14 @@ def check_ownership(m: KVCacheManager, model: dict, on_device: set) -> None:
                 assert pages == []
                 continue
             first = c.params.first_held_page(len(model[i]))
+            if peaks is not None and model[i]:
+                first = c.params.first_held_page(max(peaks[i] - m.max_rewind, 0))
             assert len(pages) == -(-len(model[i]) // PS)
             assert pages[:first] == [tpk.NULL_PAGE] * first, (g, i)
             held = pages[first:]
-            assert len(set(held)) == len(held) and tpk.NULL_PAGE not in held
+            assert len(set(held)) == len(held) and tpk.NULL_PAGE not in held, (g, i)
+            if c.params.sliding_window is not None:
+                assert len(held) <= (c.params.sliding_window - 1 + m.max_rewind) // PS + 2, (g, i)
             for idx, page in enumerate(held, first):
                 holders.setdefault(page, []).append((i, idx))
         rows = m.page_table.groups[g].rows
@@ -178,10 +187,11 @@ def pages_needed(model: dict, ids: list, counts: list[int]) -> int:
     return sum(-(-(len(model[i]) + n) // PS) - -(-len(model[i]) // PS) for i, n in zip(ids, counts, strict=True))
 
 
-def restore_needed(m: KVCacheManager, model: dict, ids: list, g: int) -> int:
-    """Pages restoring `ids` takes in group g when nothing is shared."""
+def restore_needed(m: KVCacheManager, model: dict, ids: list, g: int, peaks: dict | None = None) -> int:
+    """Pages restoring `ids` takes in group g when nothing is shared (`peaks`: as in `check_ownership`)."""
     p = m.collections[g].params
-    return sum(-(-len(model[i]) // PS) - p.first_held_page(len(model[i])) for i in ids)
+    kept = {i: len(model[i]) if peaks is None or not model[i] else max(peaks[i] - m.max_rewind, 0) for i in ids}
+    return sum(-(-len(model[i]) // PS) - p.first_held_page(kept[i]) for i in ids)
 
 
 # -- randomized workload ------------------------------------------------------------------------

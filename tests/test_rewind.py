@@ -6,7 +6,10 @@ keys (test_manager's model: K/V of a token is a function of its token prefix, so
 the prefix cache must hold what recomputing would). A tree token's K/V is that of its own path, so
 after `accept` the sequence must hold exactly the K/V of the accepted path, and no key may name a
 page whose contents are not that key's tokens. The oracle test compares `accept`'s pages bit for bit
-with a manager that stored only the accepted tokens.
+with a manager that stored only the accepted tokens. With `max_rewind=R`, sliding-window groups keep
+what going back R tokens needs: nothing within R is refused, the pages held are exactly those and
+stay O(window + R + page), and a linear speculation on a sliding-window model gives plain greedy
+decoding's tokens.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 from test_manager import (
     PARAMS,
     PS,
     SLIDING,
+    a_sliding_of,
     assert_same,
     chained_keys,
     check_contents,
@@ -35,6 +40,7 @@ from test_manager import snapshot as manager_snapshot
 
 import torch_paged_kv as tpk
 from torch_paged_kv.manager import KVCacheManager, OutOfPagesError
+from torch_paged_kv.testing import attention_fp64
 
 
 def snapshot(m: KVCacheManager) -> dict:
@@ -83,10 +89,12 @@ def tree_step(m: KVCacheManager, seq_id, model: dict, tokens: list[int], parents
     m.commit_step()
 
 
-def refused_by_window(m: KVCacheManager, old: int, new: int) -> bool:
-    """Whether some sliding-window group already dropped a page a sequence of `new` tokens needs (an
-    empty one needs none)."""
-    return new > 0 and any(c.params.first_held_page(new) < c.params.first_held_page(old) for c in m.collections)
+def refused_by_window(m: KVCacheManager, peak: int, new: int) -> bool:
+    """Whether some sliding-window group already dropped a page a sequence of `new` tokens needs, for a
+    sequence whose longest length was `peak`: a group keeps the pages from `first_held_page(peak -
+    max_rewind)` on (an empty sequence needs none)."""
+    kept = max(peak - m.max_rewind, 0)
+    return new > 0 and any(c.params.first_held_page(new) < c.params.first_held_page(kept) for c in m.collections)
 
 
 def check_ids_and_keys(m: KVCacheManager, model: dict, ids: list) -> None:
@@ -117,12 +125,26 @@ def check_cache_keys(m: KVCacheManager, model: dict) -> None:
 # -- randomized workload ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("groups", ["one group", "full + sliding", "two sliding + full"])
-def test_random_speculative_workload_against_model(groups):
-    rng = random.Random(39)
-    m = make_groups(groups, num_pages=40, max_batch=6, max_seq_len=40)
+@pytest.mark.parametrize(
+    "groups, max_rewind",
+    [
+        ("one group", 0),
+        ("full + sliding", 0),
+        ("two sliding + full", 0),
+        ("full + sliding", 7),
+        ("two sliding + full", 5),
+        ("sliding, another window", 8),
+    ],
+)
+def test_random_speculative_workload_against_model(groups, max_rewind):
+    """With `max_rewind=R`, a tree step of at most R tokens is always accepted and a rewind to no fewer
+    than (longest length - R) tokens always runs; beyond, what was dropped is refused, unchanged."""
+    rng = random.Random(39 + max_rewind)
+    m = make_groups(groups, num_pages=40, max_batch=6, max_seq_len=40, max_rewind=max_rewind)
+    assert m.max_rewind == max_rewind
     group_range = range(len(m.collections))
     model: dict = {}
+    peaks: dict = {}  # the longest each sequence has been (what its sliding groups keep pages for)
     on_device: set = set()
     bases = [[rng.randrange(3) for _ in range(30)] for _ in range(3)]
     next_id, counts = 0, {}
@@ -142,12 +164,14 @@ def test_random_speculative_workload_against_model(groups):
             prompt = [*bases[rng.randrange(3)][: rng.randrange(0, 20)], rng.randrange(3)]
             reused = m.claim(next_id, prompt)
             model[next_id] = prompt[:reused]
+            peaks[next_id] = reused
             on_device.add(next_id)
             next_id += 1
             if reused < len(prompt) and pages_needed(model, [next_id - 1], [len(prompt) - reused]) <= min(
                 m.num_free_pages(g) for g in group_range
             ):
                 run_step(m, [next_id - 1], [prompt[reused:]], model)
+                peaks[next_id - 1] = len(prompt)
         elif op == "step" and live:
             i = rng.choice(live)
             news = [rng.randrange(3) for _ in range(rng.randint(1, 3))]
@@ -156,6 +180,7 @@ def test_random_speculative_workload_against_model(groups):
             ):
                 continue
             run_step(m, [i], [news], model, pass_tokens=rng.random() < 0.8)
+            peaks[i] = max(peaks[i], len(model[i]))
         elif op == "tree" and live:
             i = rng.choice(live)
             n = rng.randint(1, 7)
@@ -168,27 +193,33 @@ def test_random_speculative_workload_against_model(groups):
             leaf = rng.randrange(-1, n)
             kept = [] if leaf < 0 else path_of(parents, leaf)
             accepted = model[i] + [tokens[j] for j in kept]
-            refused = refused_by_window(m, len(model[i]) + n, len(accepted))
+            peaks[i] = max(peaks[i], len(model[i]) + n)
+            refused = refused_by_window(m, peaks[i], len(accepted))
+            assert not (refused and n <= max_rewind)  # the model itself: within R nothing is refused
             # a step with (tree-order) ids keys its full pages: accept takes those keys back; a step
             # whose accept will be refused runs without ids (docs/manager.md), the sequence is dropped
             tree_step(m, i, model, tokens, parents, ids=not refused and rng.random() < 0.7)
             given = [tokens[j] for j in kept] if rng.random() < 0.3 else None
             if refused:
-                refuse(lambda i=i, kept=kept, given=given: m.accept(i, kept, given), ValueError, "^kept:.*dropped")
+                match = f"^kept:.*dropped.*max_rewind={max_rewind}"
+                refuse(lambda i=i, kept=kept, given=given: m.accept(i, kept, given), ValueError, match)
                 m.release(i)
-                del model[i]
+                del model[i], peaks[i]
                 on_device.discard(i)
                 op = "refused"
             else:
                 m.accept(i, kept, given)
                 model[i] = accepted
+                peaks[i] = peaks[i] if accepted else 0
                 refuse(lambda i=i: m.accept(i, []), ValueError, "^seq_id:.*no committed step")
         elif op == "rewind" and live:
             i = rng.choice(live)
             n = rng.randint(0, min(len(model[i]), 9))
             new = len(model[i]) - n
-            if refused_by_window(m, len(model[i]), new):
-                refuse(lambda i=i, n=n: m.rewind(i, n), ValueError, "^n:.*already dropped")
+            if refused_by_window(m, peaks[i], new):
+                assert new < peaks[i] - max_rewind  # the model itself: within R nothing is refused
+                match = f"^n:.*already dropped.*max_rewind={max_rewind}"
+                refuse(lambda i=i, n=n: m.rewind(i, n), ValueError, match)
                 op = "refused"
             else:
                 before = snapshot(m)
@@ -199,6 +230,7 @@ def test_random_speculative_workload_against_model(groups):
                     op = "oom"
                 else:
                     model[i] = model[i][:new]
+                    peaks[i] = peaks[i] if new else 0
                     if n == 0:
                         assert_same(before, snapshot(m))
         elif op == "fork" and live and len(model) < 10:
@@ -207,12 +239,13 @@ def test_random_speculative_workload_against_model(groups):
                 continue
             m.fork(parent, next_id)
             model[next_id] = list(model[parent])
+            peaks[next_id] = peaks[parent]
             on_device.add(next_id)
             next_id += 1
         elif op == "release" and model:
             i = rng.choice(sorted(model))
             m.release(i)
-            del model[i]
+            del model[i], peaks[i]
             on_device.discard(i)
         elif op == "offload" and live:
             i = rng.choice(live)
@@ -220,7 +253,7 @@ def test_random_speculative_workload_against_model(groups):
             on_device.discard(i)
         elif op == "restore" and len(model) > len(on_device):
             i = next(i for i in sorted(model) if i not in on_device)
-            if any(restore_needed(m, model, [i], g) > m.num_free_pages(g) for g in group_range):
+            if any(restore_needed(m, model, [i], g, peaks) > m.num_free_pages(g) for g in group_range):
                 continue
             m.restore([i])
             on_device.add(i)
@@ -228,7 +261,7 @@ def test_random_speculative_workload_against_model(groups):
             continue
         counts[op] = counts.get(op, 0) + 1
         assert sorted(m.sequences) == sorted(model)
-        check_ownership(m, model, on_device)
+        check_ownership(m, model, on_device, peaks)
         check_ids_and_keys(m, model, sorted(on_device))
         if op_index % 5 == 0:
             check_contents(m, model, sorted(on_device))
@@ -245,6 +278,7 @@ ORACLE = dataclasses.replace(PARAMS, head_dim=8, page_size=8)
 LAYOUTS = {  # window 6: after 20 + 6 tokens the group holds page 2 on, as after 21..26 (not 20)
     "full": lambda p: ([p], [[0, 1]]),
     "full + sliding": lambda p: ([p, dataclasses.replace(p, num_layers=1, sliding_window=6)], [[0, 2], [1]]),
+    "full + sliding, max_rewind=6": lambda p: LAYOUTS["full + sliding"](p),  # keeps page 1 on: nothing refused
     "mla": lambda p: ([_mla_like(p)], [[0, 1]]),
 }
 
@@ -284,6 +318,7 @@ def _positions(m: KVCacheManager, seq_id, g: int, start: int, stop: int) -> list
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype):
     params, layers = LAYOUTS[layout](dataclasses.replace(ORACLE, **DTYPES[dtype]))
+    max_rewind = 6 if layout.endswith("max_rewind=6") else 0
     gen = torch.Generator().manual_seed(7)
     prompt_len, tokens = 20, 6
     kv = [
@@ -294,7 +329,7 @@ def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype
         managers = []
         for _ in range(2):
             groups = tpk.LayerGroups.allocate(params, layers, [16] * len(params), 2, 32)
-            m = KVCacheManager(groups)
+            m = KVCacheManager(groups, max_rewind=max_rewind)
             m.claim("s")
             store(m, m.prepare_step(["s"], [prompt_len]), [x[:prompt_len] for x in kv])
             m.commit_step()
@@ -316,11 +351,12 @@ def test_accept_holds_bit_for_bit_what_storing_only_the_path_holds(layout, dtype
         length = prompt_len + len(kept)
         assert spec.cache_length("s") == plain.cache_length("s") == length
         for g, p in enumerate(params):
-            first = p.first_held_page(length) * p.page_size
-            assert first > 0 or p.sliding_window is None
+            pages = spec.pages("s", g)  # from the first page held (max_rewind keeps some below the window)
+            first = next(j for j, page in enumerate(pages) if page != tpk.NULL_PAGE) * p.page_size
+            assert 0 < first <= p.first_held_page(length) * p.page_size or p.sliding_window is None
             got, want = (_positions(x, "s", g, first, length) for x in (spec, plain))
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (kept, g)
-            assert len(spec.pages("s", g)) == len(plain.pages("s", g))
+            assert [x == tpk.NULL_PAGE for x in pages] == [x == tpk.NULL_PAGE for x in plain.pages("s", g)]
         assert [pool.in_use() for pool in spec.page_pools] == [pool.in_use() for pool in plain.page_pools]
 
 
@@ -416,6 +452,236 @@ def test_a_sliding_group_refuses_to_rewind_past_the_pages_it_dropped():
     assert m.pages("a", 1) == [] and m.pages("a", 0) == []
     model["a"] = []
     check_ownership(m, model, {"a"})
+
+
+# -- max_rewind: a sliding group keeps what a rewind needs ---------------------------------------
+
+
+def random_tree(rng: random.Random, n: int) -> tuple[list[int], list[int], list[int]]:
+    """Tokens, parents (tree order) and a random root-to-node path (possibly empty) of n nodes."""
+    parents = [-1] + [rng.randrange(-1, t) for t in range(1, n)]
+    leaf = rng.randrange(-1, n)
+    return [rng.randrange(3) for _ in range(n)], parents, [] if leaf < 0 else path_of(parents, leaf)
+
+
+@pytest.mark.parametrize("max_rewind", [3, 8])
+def test_verify_steps_on_a_sliding_group_are_accepted_within_max_rewind(max_rewind):
+    """#39's defect: a verify step of k drafts moves a sliding window past a page boundary, the page
+    went back at commit, and accept of fewer tokens was refused. With `max_rewind >= k` every accept
+    and every rewind back to (longest length - max_rewind) runs, the contents are those of the kept
+    tokens, and the group holds O(window + max_rewind + page) pages; beyond, the refusal is unchanged."""
+    rng = random.Random(max_rewind)
+    m = make_groups("full + sliding", 40, 2, 64, max_rewind=max_rewind)  # window 6, page 4
+    model, peaks = {"a": []}, {"a": 0}
+    m.claim("a")
+    run_step(m, ["a"], [[rng.randrange(3) for _ in range(9)]], model)
+    peaks["a"] = 9
+    steps = rewinds = crossed = 0
+    while len(model["a"]) + max_rewind <= 56:
+        tokens, parents, kept = random_tree(rng, rng.randint(1, max_rewind))
+        length = len(model["a"])
+        tree_step(m, "a", model, tokens, parents, ids=False)
+        peaks["a"] = max(peaks["a"], length + len(tokens))
+        crossed += SLIDING.first_held_page(length + len(tokens)) > SLIDING.first_held_page(length + len(kept))
+        m.accept("a", kept, [tokens[j] for j in kept])
+        model["a"] += [tokens[j] for j in kept]
+        steps += 1
+        if rng.random() < 0.3:  # a rewind back to no fewer than (longest - max_rewind) tokens
+            n = rng.randint(0, len(model["a"]) - max(peaks["a"] - max_rewind, 1))
+            m.rewind("a", n)
+            model["a"] = model["a"][: len(model["a"]) - n]
+            rewinds += 1
+        check_contents(m, model, ["a"])
+        check_ownership(m, model, {"a"}, peaks)
+    assert steps >= 15 and rewinds >= 3 and crossed >= 5, (steps, rewinds, crossed)  # R = 0 refuses `crossed`
+    low = peaks["a"] - max_rewind  # beyond: the pages of shorter lengths went back to the pool
+    new = max(x for x in range(1, low) if SLIDING.first_held_page(x) < SLIDING.first_held_page(low))
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=f"^n:.*layer group 1 .*already dropped.*max_rewind={max_rewind}"):
+        m.rewind("a", len(model["a"]) - new)
+    assert_same(before, snapshot(m))
+    m.rewind("a", len(model["a"]) - low)
+    model["a"] = model["a"][:low]
+    check_contents(m, model, ["a"])
+    check_ownership(m, model, {"a"}, peaks)
+
+
+def test_without_max_rewind_the_verify_step_that_crosses_a_page_is_refused():
+    """The same kind of step with the default `max_rewind=0`: the window's page is gone."""
+    m = make_groups("full + sliding", 40, 2, 64)
+    model = {"a": []}
+    m.claim("a")
+    run_step(m, ["a"], [[1] * 13], model)  # 13 - 6 + 1 = 8: the sliding group holds page 2 on
+    tree_step(m, "a", model, [2, 2, 2, 2], [-1, 0, 1, 2], ids=False)  # 17 tokens: page 2 leaves (12..)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match="^kept:.*layer group 1 .*already dropped.*max_rewind=0"):
+        m.accept("a", [0])  # 14 tokens need positions 9.. (page 2)
+    assert_same(before, snapshot(m))
+
+
+@pytest.mark.parametrize("max_rewind", [0, 5])
+def test_a_prefix_hit_keeps_the_pages_a_rewind_of_max_rewind_needs(max_rewind):
+    """A hit of h pages needs, in a sliding group, the pages from `first_held_page(h * page_size -
+    max_rewind)` on, as a commit keeps them; one of them evicted, the hit shrinks."""
+    groups = tpk.LayerGroups.allocate([PARAMS, SLIDING], [[0, 2], [1]], [30, 8], 4, 40)
+    m = KVCacheManager(groups, max_rewind=max_rewind)
+    prompt = list(range(1, 25))  # 24 tokens: 6 pages, all keyed in both groups
+    model = {"a": []}
+    m.claim("a", prompt)
+    run_step(m, ["a"], [prompt], model)
+    m.release("a")
+    del model["a"]
+    model["c"] = []  # the sliding group's LRU order: prompt pages 0, 1, 2 (dropped at commit), 5, 4, 3
+    m.claim("c")
+    run_step(m, ["c"], [[7] * 16], model)  # 4 sliding pages: the 2 free ones, then prompt pages 0 and 1
+    assert a_sliding_of(m, prompt, range(6)) == [None, None, *a_sliding_of(m, prompt, range(2, 6))]
+    assert None not in a_sliding_of(m, prompt, range(2, 6))
+    # 16 tokens: pages 2, 3 (positions 11..15); with max_rewind 5 also page 1 (what 11 tokens need): gone
+    assert m.claim("b", prompt[:17]) == (16 if max_rewind == 0 else 0)
+    m.release("b")
+    assert m.claim("d", prompt[:21]) == 20  # pages 3, 4 (15..19); with max_rewind also page 2 (10..)
+    first = SLIDING.first_held_page(20 - max_rewind)
+    assert m.pages("d", 1) == [tpk.NULL_PAGE] * first + a_sliding_of(m, prompt, range(first, 5))
+    model["d"] = prompt[:20]
+    peaks = {"c": 16, "d": 21}
+    run_step(m, ["d"], [prompt[20:21]], model)
+    check_contents(m, model, ["c", "d"])
+    check_ownership(m, model, {"c", "d"}, peaks)
+    if max_rewind:
+        m.rewind("d", max_rewind)  # 16 tokens: positions 11.. (page 2), kept with the hit
+        model["d"] = model["d"][:16]
+        check_contents(m, model, ["c", "d"])
+        check_ownership(m, model, {"c", "d"}, peaks)
+
+
+def test_offload_restore_and_save_load_of_a_sequence_with_a_rewind_margin(tmp_path):
+    """Offload keeps the margin pages, restore puts them back (a rewind into them still runs); a
+    checkpoint stores only the window, and the loaded sequence (null below it) steps and accepts."""
+    m = make_groups("full + sliding", 40, 2, 64, max_rewind=6)
+    model = {"a": []}
+    m.claim("a")
+    run_step(m, ["a"], [[1, 2, 0, 1, 2, 2, 1, 0, 0, 1, 2, 1, 1, 0, 2, 2, 0, 1, 2, 0, 1]], model)  # 21 tokens
+    first = SLIDING.first_held_page(21 - 6)  # page 2 (positions 10..): 15 tokens need it
+    held = m.pages("a", 1)
+    assert held[:first] == [tpk.NULL_PAGE] * first and tpk.NULL_PAGE not in held[first:]
+    m.offload(["a"])
+    m.restore(["a"])
+    assert [p == tpk.NULL_PAGE for p in m.pages("a", 1)] == [p == tpk.NULL_PAGE for p in held]
+    check_contents(m, model, ["a"])
+    check_ownership(m, model, {"a"}, {"a": 21})
+    tpk.save_sequences(m, tmp_path / "a.safetensors", ["a"])
+    m.rewind("a", 6)
+    model["a"] = model["a"][:15]
+    check_contents(m, model, ["a"])
+    groups = m.groups
+    loaded = KVCacheManager(tpk.LayerGroups.allocate(groups.params, groups.layers, [40, 26], 2, 64), max_rewind=6)
+    (b,) = tpk.load_sequences(loaded, tmp_path / "a.safetensors", ["b"])
+    window = SLIDING.first_held_page(21)
+    pages = loaded.pages(b, 1)
+    assert pages[:window] == [tpk.NULL_PAGE] * window and tpk.NULL_PAGE not in pages[window:]
+    loaded_model = {"b": [1, 2, 0, 1, 2, 2, 1, 0, 0, 1, 2, 1, 1, 0, 2, 2, 0, 1, 2, 0, 1]}
+    tree_step(loaded, "b", loaded_model, [2, 0, 1, 1], [-1, 0, -1, 2], ids=False)  # back to 21: held
+    loaded.accept("b", [2, 3], [1, 1])
+    loaded_model["b"] += [1, 1]
+    check_contents(loaded, loaded_model, ["b"])
+
+
+def test_max_rewind_must_be_an_int_of_at_least_zero():
+    for bad in (-1, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match="^max_rewind:"):
+            make(max_rewind=bad)
+    assert make(max_rewind=np.int64(3)).max_rewind == 3
+
+
+class WindowModel:
+    """A tiny two-layer attention model whose layer 1 attends over a window of 5 (layer 0: every key):
+    `logits(tokens)` without a cache (fp64 attention on contiguous K/V, the oracle), `step(...)` over a
+    manager's groups (paged `store_kv` / `flash_attention`)."""
+
+    WINDOW, VOCAB, DIM, HEADS, HEAD_DIM = 5, 24, 16, 2, 8
+
+    def __init__(self, seed: int, noise: float = 0.0, base: WindowModel | None = None) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        d, hd = self.DIM, self.HEADS * self.HEAD_DIM
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen) / shape[0] ** 0.5
+
+        self.emb, self.pos, self.out = rand(self.VOCAB, d) * 4, rand(64, d) * 4, rand(d, self.VOCAB)
+        self.qkv, self.o = [rand(d, 3 * hd) for _ in range(2)], [rand(hd, d) for _ in range(2)]
+        if base is not None:  # a draft: the base model, perturbed
+            for name in ("emb", "pos", "out", "qkv", "o"):
+                mine, theirs = getattr(self, name), getattr(base, name)
+                if isinstance(mine, list):
+                    setattr(self, name, [t + noise * m for t, m in zip(theirs, mine, strict=True)])
+                else:
+                    setattr(self, name, theirs + noise * mine)
+
+    def _layers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        for layer in range(2):
+            q, k, v = (t.unflatten(-1, (self.HEADS, self.HEAD_DIM)) for t in (x @ self.qkv[layer]).chunk(3, -1))
+            x = x + attend(layer, q, k, v).flatten(1) @ self.o[layer]
+        return x @ self.out
+
+    def logits(self, tokens: list[int]) -> torch.Tensor:
+        """Every position's logits, no cache: fp64 attention on the whole sequence (the oracle)."""
+        x = self.emb[tokens] + self.pos[: len(tokens)]
+
+        def attend(layer, q, k, v):
+            window = self.WINDOW if layer == 1 else -1
+            return attention_fp64(q, [k], [v], [0], self.HEAD_DIM**-0.5, sliding_window=window).float()
+
+        return self._layers(x, attend)
+
+    def step(self, m: KVCacheManager, seq_id, tokens: list[int]) -> torch.Tensor:
+        """The logits of a step of `tokens` after `seq_id`'s cached ones, through the manager's pages."""
+        start = m.cache_length(seq_id)
+        steps = m.prepare_step([seq_id], [len(tokens)], [tokens])
+        x = self.emb[tokens] + self.pos[start : start + len(tokens)]
+
+        def attend(layer, q, k, v):
+            c, step = m.collections[layer], steps[layer]
+            tpk.store_kv(k.contiguous(), v.contiguous(), c.blocks, *step, 0)
+            window = self.WINDOW if layer == 1 else -1
+            return tpk.flash_attention(q.contiguous(), c.blocks, *step, 0, self.HEAD_DIM**-0.5, sliding_window=window)
+
+        out = self._layers(x, attend)
+        m.commit_step()
+        return out
+
+
+def test_linear_speculation_on_a_sliding_window_model_gives_plain_greedy_tokens():
+    """Draft k tokens, verify them in one step, rewind the rejected ones: with `max_rewind=k` on a cache
+    whose layer 1 is a sliding-window group (window 5, page 4), the tokens are plain greedy decoding's
+    (recomputed without a cache), and rewinds run where the window's page already moved on."""
+    k = 3
+    target = WindowModel(0)
+    draft = WindowModel(1, noise=0.6, base=target)
+    full = tpk.KVCacheParams(torch.float32, 1, WindowModel.HEADS, WindowModel.HEAD_DIM, page_size=4)
+    sliding = dataclasses.replace(full, sliding_window=WindowModel.WINDOW)
+    m = KVCacheManager(tpk.LayerGroups.allocate([full, sliding], [[0], [1]], [24, 8], 1, 64), max_rewind=k)
+    prompt = [3, 17, 5, 9, 21, 2, 11]
+    m.claim("s", prompt)
+    out = [int(target.step(m, "s", prompt)[-1].argmax())]
+    kept = crossed = 0
+    while len(out) < 30:
+        context = prompt + out
+        drafts: list[int] = []
+        for _ in range(k):
+            drafts.append(int(draft.logits(context + drafts)[-1].argmax()))
+        length = m.cache_length("s")
+        greedy = target.step(m, "s", [out[-1], *drafts]).argmax(-1).tolist()
+        j = next((i for i in range(k) if drafts[i] != greedy[i]), k)
+        m.rewind("s", k - j)
+        crossed += sliding.first_held_page(length + 1 + k) > sliding.first_held_page(length + 1 + j)
+        out += [*drafts[:j], greedy[j]]
+        kept += j
+        assert len(m.pages("s", 1)) - m.pages("s", 1).count(tpk.NULL_PAGE) <= (WindowModel.WINDOW - 1 + k) // 4 + 2
+    expected: list[int] = []
+    for _ in range(len(out)):
+        expected.append(int(target.logits(prompt + expected)[-1].argmax()))
+    assert out == expected
+    assert 0 < kept < k * len(out) and crossed >= 2, (kept, crossed)  # max_rewind=0 refuses `crossed` rewinds
 
 
 # -- errors ---------------------------------------------------------------------------------------

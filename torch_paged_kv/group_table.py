@@ -2,10 +2,11 @@
 
 Per slot (a `PageTable` row), in numpy: the group's pages in table order (`rows`, a row of the host
 lookup table) and how many table entries the slot uses (`num_pages`: page i holds tokens
-`i*page_size ..`). In a sliding-window group (`params.sliding_window`) the entries below
-`first_held` are the null page: those pages left the window of every later query and went back to
-the pool. `upload` writes a step's rows into the group's collection's step tensors in place,
-re-sending table rows only when they changed (vLLM's `BlockTable`).
+`i*page_size ..`). In a sliding-window group (`params.sliding_window`) the entries below the first
+held one are the null page: those pages left the window of every query at any length a rewind of up
+to `max_rewind` tokens may go back to (`first_kept`), and went back to the pool. `upload` writes a
+step's rows into the group's collection's step tensors in place, re-sending table rows only when
+they changed (vLLM's `BlockTable`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from .ops import copy_pages
 class GroupTable:
     """The pages of every slot in one group's `PagedKVCacheCollection`."""
 
-    def __init__(self, collection: PagedKVCacheCollection) -> None:
+    def __init__(self, collection: PagedKVCacheCollection, max_rewind: int = 0) -> None:
         self.collection = collection
+        self.max_rewind = max_rewind
         self.params = collection.params
         self.page_size = collection.params.page_size
         self.window = collection.params.sliding_window
@@ -47,6 +49,17 @@ class GroupTable:
         if self.window is None:
             return np.zeros_like(lengths)
         return np.maximum(lengths - (self.window - 1), 0) // self.page_size
+
+    def first_kept(self, lengths: np.ndarray) -> np.ndarray:
+        """The first table entry a slot that reached each length keeps: what every length a rewind of
+        up to `max_rewind` tokens goes back to needs (`first_held` of `lengths - max_rewind`)."""
+        return self.first_held(np.maximum(lengths - self.max_rewind, 0))
+
+    def first_entry(self, slot: int) -> int:
+        """The first table entry `slot` holds (the ones before are the null page); `num_pages[slot]`
+        when it holds none."""
+        held = np.flatnonzero(self.rows[slot, : self.num_pages[slot]] != NULL_PAGE)
+        return int(held[0]) if held.size else int(self.num_pages[slot])
 
     def pages(self, slot: int) -> list[int]:
         """The table entries of `slot`, in order (the null page where a page left the window)."""
@@ -77,12 +90,13 @@ class GroupTable:
             i += count
 
     def leave_window(self, slots: np.ndarray, old_lengths: np.ndarray, new_lengths: np.ndarray) -> tuple[list, list]:
-        """The slots that grew from `old_lengths` to `new_lengths` drop the pages that left the window:
-        their entries become the null page. Returns (the indices into `slots` whose rows changed, the
-        dropped pages, in table order: the caller gives them back to the pool)."""
+        """The slots that grew from `old_lengths` to `new_lengths` drop the pages below `first_kept` of
+        their new length (those a rewind of up to `max_rewind` tokens needs stay): their entries become
+        the null page. Returns (the indices into `slots` whose rows changed, the dropped pages, in
+        table order: the caller gives them back to the pool)."""
         if self.window is None:
             return [], []
-        start, stop = self.first_held(old_lengths), self.first_held(new_lengths)
+        start, stop = self.first_kept(old_lengths), self.first_kept(new_lengths)
         moved = np.flatnonzero(stop > start)
         if not moved.size:
             return [], []

@@ -47,7 +47,11 @@ class KVCacheManager(ManagerState):
     `prefix_cache_hits` / `prefix_cache_misses` count prompt *tokens* given to `claim` that were
     reused / must be computed. In a sliding-window group (`KVCacheParams.sliding_window`) a
     sequence's pages go back to the pool (cached ones stay cached) once every later query's window
-    has passed them; its table entries there are the null page.
+    has passed them; its table entries there are the null page. `max_rewind=R` (an int >= 0) keeps
+    the pages that a `rewind` or `accept` of up to R tokens needs as well: a page goes back once it
+    left the window of every query at any length >= the sequence's length - R, so rewinding to no
+    fewer than (its longest length - R) tokens is never refused for a dropped page, at a cost of
+    about R / page_size more pages per sequence in each sliding group (docs/manager.md).
 
     `page_pools[g]` and `page_table` are the state it owns (read them; change them only through the
     manager); `collection` and `page_pool` are those of a cache of one group. `tp_shard` says which
@@ -75,7 +79,7 @@ class KVCacheManager(ManagerState):
         if self.enable_prefix_caching and prompt_tokens is not None:
             max_pages = (len(prompt) - 1) // self.page_size  # leave at least one token to compute
             params = [c.params for c in self.collections]
-            pages, keys = match_prefix(self.page_pools, params, self._root, prompt, max_pages)
+            pages, keys = match_prefix(self.page_pools, params, self._root, prompt, max_pages, self.max_rewind)
             for pool, group_pages in zip(self.page_pools, pages, strict=True):
                 for page in group_pages:
                     if page != NULL_PAGE:
@@ -208,7 +212,8 @@ class KVCacheManager(ManagerState):
 
     def commit_step(self) -> None:
         """After the model ran the prepared step: advance lengths, cache newly full pages, and drop
-        the pages of sliding-window groups that left the window of every later query."""
+        the pages of sliding-window groups that left the window of every later query (and of every
+        query at a length a rewind of up to `max_rewind` tokens goes back to)."""
         self._check_unlocked()
         step = self._pending
         if step is None:
@@ -266,7 +271,8 @@ class KVCacheManager(ManagerState):
         holders and keys); a partial last page that others hold or the prefix cache keys is copied
         or unpublished first, so nobody sees it change; token ids and prefix keys past it are
         forgotten. `ValueError` naming `n` unless `0 <= n <= cache_length(seq_id)`, or when a
-        sliding-window group already dropped pages the shorter sequence needs; naming `seq_id` when
+        sliding-window group already dropped pages the shorter sequence needs (never when it ends
+        within `max_rewind` tokens of the longest it has been); naming `seq_id` when
         it is unknown, offloaded or in the prepared step; `OutOfPagesError` when a copy finds no page.
         """
         self._check_unlocked()
@@ -281,7 +287,8 @@ class KVCacheManager(ManagerState):
         Their K/V move in every group, layer and plane (FP8 scales with them); the step's token ids
         move with them, or `token_ids` (the kept tokens' ids) are recorded; full pages are keyed
         anew. `ValueError` naming `kept` (not distinct indices < n, or past what a sliding window
-        kept), `token_ids`, or `seq_id` (no step to accept since its last commit, rewind or accept).
+        kept: never when the step had at most `max_rewind` tokens), `token_ids`, or `seq_id` (no
+        step to accept since its last commit, rewind or accept).
         """
         self._check_unlocked()
         seq = self._on_device(seq_id)

@@ -33,6 +33,7 @@ class ManagerState:
         hash_salt: bytes | None = None,
         *,
         tp_shard: TPShard | None = None,
+        max_rewind: int = 0,
     ) -> None:
         if isinstance(collection, PagedKVCacheCollection):
             groups = LayerGroups.of(collection)
@@ -44,6 +45,8 @@ class ManagerState:
             )
         if hash_salt is not None and not isinstance(hash_salt, bytes):
             raise ValueError(f"hash_salt: expected bytes or None, got {type(hash_salt).__name__}")
+        if not isinstance(max_rewind, (int, np.integer)) or isinstance(max_rewind, bool) or max_rewind < 0:
+            raise ValueError(f"max_rewind: expected an int >= 0 (tokens a rewind may drop), got {max_rewind!r}")
         if tp_shard is not None and len(groups) > 1:
             raise ValueError("tp_shard: a tensor-parallel cache has one layer group")
         self.groups = groups
@@ -58,7 +61,8 @@ class ManagerState:
         self.prefix_cache_misses = 0
         named = len(groups) > 1  # out-of-pages errors name the group
         self.page_pools = [PagePool(c.num_pages, g if named else None) for g, c in enumerate(self.collections)]
-        self.page_table = PageTable(self.collections)
+        self.max_rewind = int(max_rewind)
+        self.page_table = PageTable(self.collections, self.max_rewind)
         self._windowed = [g for g, c in enumerate(self.collections) if c.params.sliding_window is not None]
         self._left_window: list[np.ndarray | None] = [None] * len(groups)  # step rows whose entries went null
         self._root = root_key(hash_salt)

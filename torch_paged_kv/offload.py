@@ -75,12 +75,13 @@ def restore_pages(
 
 
 def offload_slot(pools: list[PagePool], table: PageTable, slot: int) -> list[HostCopy]:
-    """Host copies of what `slot` holds in each group (from the first page a sliding window keeps to its
-    last used one); its pages go back to the pools and its table rows empty."""
-    length = table.lengths[slot : slot + 1]
+    """Host copies of what `slot` holds in each group (from the first page it holds, in a sliding window
+    group those a rewind needs too, to its last used one); its pages go back to the pools and its
+    table rows empty."""
+    used = table.pages_for(int(table.lengths[slot]))
     copies = []
     for pool, group in zip(pools, table.groups, strict=True):
-        first, used = int(group.first_held(length)[0]), table.pages_for(int(length[0]))
+        first = group.first_entry(slot)
         copies.append(read_pages(group.collection, group.pages(slot)[first:used]))
         pool.unref(reversed(group.held(slot)))
         group.set_pages(slot, [])
@@ -90,9 +91,11 @@ def offload_slot(pools: list[PagePool], table: PageTable, slot: int) -> list[Hos
 def restore_slots(
     pools: list[PagePool], table: PageTable, slots: list[int], host: list[list[HostCopy]], keys: list[list[bytes]]
 ) -> None:
-    """Put `slots[i]` back from its host copies `host[i]` (one per group; `keys[i]`: the prefix keys of
-    its leading full pages), all or nothing over every group (`OutOfPagesError` before any change)."""
-    firsts = [group.first_held(table.lengths[slots]).tolist() for group in table.groups]
+    """Put `slots[i]` back from its host copies `host[i]` (one per group, `offload_slot`'s: its pages up to
+    the last used one; `keys[i]`: the prefix keys of its leading full pages), all or nothing over every
+    group (`OutOfPagesError` before any change)."""
+    used = [table.pages_for(int(table.lengths[slot])) for slot in slots]
+    firsts = [[n - held[g][0].shape[0] for n, held in zip(used, host, strict=True)] for g in range(len(table.groups))]
     copies = [
         [(held[g], k[first:]) for held, k, first in zip(host, keys, firsts[g], strict=True)]
         for g in range(len(table.groups))

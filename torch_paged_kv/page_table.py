@@ -24,14 +24,17 @@ class PageTable:
     each group's pages.
 
     Slots are handed out lowest first and grow (doubling) past `max_batch_size`; a step's rows are
-    the slots of its sequences, in order. `rows` and `num_pages` are the first group's (the only one
-    of a single-group cache).
+    the slots of its sequences, in order. Sliding-window groups keep what a rewind of up to
+    `max_rewind` tokens needs (`GroupTable.first_kept`). `rows` and `num_pages` are the first
+    group's (the only one of a single-group cache).
     """
 
-    def __init__(self, collections: PagedKVCacheCollection | Sequence[PagedKVCacheCollection]) -> None:
+    def __init__(
+        self, collections: PagedKVCacheCollection | Sequence[PagedKVCacheCollection], max_rewind: int = 0
+    ) -> None:
         if isinstance(collections, PagedKVCacheCollection):
             collections = [collections]
-        self.groups = [GroupTable(c) for c in collections]
+        self.groups = [GroupTable(c, max_rewind) for c in collections]
         first = collections[0]
         self.page_size = first.params.page_size
         self.max_pages = first.max_pages_per_sequence

@@ -111,13 +111,16 @@ def _partial(table: PageTable, length: int) -> list[int]:
 
 def _check_held(table: PageTable, seq: SequenceState, length: int, name: str) -> None:
     """ValueError naming `name` unless every group holds the pages a sequence of `length` tokens needs:
-    a sliding-window group may have dropped them, and they cannot come back."""
+    a sliding-window group keeps only what a rewind of up to `max_rewind` tokens needs, and pages it
+    dropped cannot come back."""
     for g, group in enumerate(table.groups):
         first = int(group.first_held(np.array([length]))[0])
         if (group.rows[seq.slot, first : table.pages_for(length)] == NULL_PAGE).any():
             raise ValueError(
                 f"{name}: sequence {seq.seq_id!r} would go back to {length} tokens, but layer group {g} "
-                f"(sliding_window={group.window}) already dropped pages that length needs"
+                f"(sliding_window={group.window}) already dropped pages that length needs (it keeps what a "
+                f"rewind of up to max_rewind={group.max_rewind} tokens from its longest length needs: "
+                "KVCacheManager(..., max_rewind=...))"
             )
 
 
