@@ -75,16 +75,28 @@ def test_a_chain_is_causal_attention(backend):
     torch.testing.assert_close(out.double(), _expected(b, None), **ATTENTION_TOLERANCE[torch.float32])
 
 
-def test_trees_with_a_window_sinks_and_split_key_ranges(backend, monkeypatch):
+def test_trees_with_sinks_and_split_key_ranges(backend, monkeypatch):
     """Long cached prefixes (the cpu kernels told to split key ranges at 16 keys; the interpreter
-    splits past 256), a sliding window and attention sinks on top of the tree."""
+    splits past 256) and attention sinks on top of the tree."""
     monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
     monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
     b, mask = _tree_step([600, 300], [6, 1], seed=7)
     sinks = torch.randn(b.q.shape[1], generator=torch.Generator().manual_seed(1))
-    out = _attend(b, mask, sliding_window=200, sinks=sinks)
-    expected = _expected(b, mask, sliding_window=200, sinks=sinks)
+    out = _attend(b, mask, sinks=sinks)
+    expected = _expected(b, mask, sinks=sinks)
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("option", [{"sliding_window": 200}, {"attention_chunk_size": 8}])
+def test_a_tree_step_refuses_windows_and_chunks(backend, option):
+    """A tree node's position is its depth, but windows and chunks are measured from a token's place in
+    the step: with either the verify step would see the wrong keys, so it is refused, changing nothing."""
+    b, mask = _tree_step([600, 300], [6, 1], seed=7)
+    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+    before = b.blocks.clone()
+    with pytest.raises(ValueError, match="^tree_mask: a tree step cannot take a sliding_window or attention_chunk"):
+        pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask, **option)
+    assert torch.equal(b.blocks, before)
 
 
 def test_a_tree_of_more_than_64_drafts_is_refused(backend):

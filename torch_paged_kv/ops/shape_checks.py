@@ -246,6 +246,13 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
             fail("tree_mask", f"expected device {blocks.device} (that of blocks), got {tree.device}")
         if tree.stride(0) != 1 and tree.shape[0] > 1:
             fail("tree_mask", f"expected unit stride (kernels index it densely), got stride {tree.stride(0)}")
+        if a.sliding_window > 0 or chunk > 0:
+            fail(
+                "tree_mask",
+                "a tree step cannot take a sliding_window or attention_chunk_size: the kernels measure both "
+                "from each new token's place in the step, a tree node's position is its depth (verify such "
+                "layers with a linear draft, where the two agree)",
+            )
 
 
 def _describe(t: object) -> str:
