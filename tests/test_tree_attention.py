@@ -87,14 +87,66 @@ def test_trees_with_sinks_and_split_key_ranges(backend, monkeypatch):
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("option", [{"sliding_window": 200}, {"attention_chunk_size": 8}])
-def test_a_tree_step_refuses_windows_and_chunks(backend, option):
-    """A tree node's position is its depth, but windows and chunks are measured from a token's place in
-    the step: with either the verify step would see the wrong keys, so it is refused, changing nothing."""
+def _storage_window_fp64(b, mask: torch.Tensor, window: int) -> torch.Tensor:
+    """Tree attention with the window measured from each draft's place in the step (cache_length + t)
+    instead of its depth: what the contract must not compute."""
+    out, row = [], 0
+    for k, v, cached in zip(b.keys, b.values, b.cache_lengths.tolist(), strict=True):
+        group = b.q.shape[1] // k.shape[1]
+        for t in range(k.shape[0] - cached):
+            bits = int(mask[row].item())
+            keys = [j for j in range(cached) if cached + t - j < window]
+            keys += [cached + u for u in range(64) if cached + u < k.shape[0] and (bits >> u) & 1]
+            kk = k[keys].double().repeat_interleave(group, dim=1)  # [keys, Hq, D]
+            vv = v[keys].double().repeat_interleave(group, dim=1)
+            weights = (torch.einsum("hd,khd->hk", b.q[row].double(), kk) * 0.3).softmax(-1)
+            out.append(torch.einsum("hk,khd->hd", weights, vv))
+            row += 1
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [65, 150])
+def test_trees_with_a_window_wider_than_64(backend, monkeypatch, dtype, window):
+    """A sliding window measured from each draft's depth (cache_length + depth - 1), on long cached
+    prefixes with split key ranges (cpu kernels told to split at 16 keys), a 40-draft tree crossing
+    the cpu kernels' 32-token items and Triton's query tiles, and a 64-draft tree."""
+    monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
+    b, mask = _tree_step([600, 300, 20, 90], [40, 1, 7, 64], seed=13, dtype=dtype)
+    out = _attend(b, mask, sliding_window=window)
+    expected = _expected(b, mask, sliding_window=window)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[dtype])
+    # the depth matters: some draft sees other cached keys than its place in the step would show
+    storage = _storage_window_fp64(b, mask, window)
+    assert (expected - storage).abs().amax() > 0.05
+
+
+def test_a_tree_with_a_window_runs_in_a_step_plan(backend):
+    b, mask = _tree_step([200, 90], [12, 30], seed=17)
+    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+    plan = pk.StepPlan(b.blocks, pk.StepTensors(*b.step), first_layer=0)
+    out = plan.flash_attention(b.q, b.layer_idx, 0.3, sliding_window=70, tree_mask=mask)
+    expected = _expected(b, mask, sliding_window=70)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"sliding_window": 64}, "takes a sliding_window only wider than 64 .*got 64"),
+        ({"sliding_window": 1}, "takes a sliding_window only wider than 64 .*got 1"),
+        ({"attention_chunk_size": 8}, "cannot take an attention_chunk_size"),
+        ({"attention_chunk_size": 8, "sliding_window": 200}, "cannot take an attention_chunk_size"),
+    ],
+)
+def test_a_tree_step_refuses_narrow_windows_and_chunks(backend, option, message):
+    """A window of 64 or less could drop an ancestor the mask shows, and chunks are measured from a
+    draft's place in the step: refused, changing nothing."""
     b, mask = _tree_step([600, 300], [6, 1], seed=7)
     pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
     before = b.blocks.clone()
-    with pytest.raises(ValueError, match="^tree_mask: a tree step cannot take a sliding_window or attention_chunk"):
+    with pytest.raises(ValueError, match=f"^tree_mask: a tree step {message}"):
         pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask, **option)
     assert torch.equal(b.blocks, before)
 

@@ -112,13 +112,17 @@ thread_local Scratch tls_scratch;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The key positions [lo, hi) that new token i of sequence b may see.
+// The key positions [lo, hi) that new token i of sequence b may see. A tree step's window is measured
+// from the node's position, cached + depth - 1 (depth: the bits of itself and its ancestors), which
+// is at most its place in the step; the window (> 64) reaches every ancestor, left to mask_tree.
 inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
   int64_t cached = a.cache_lengths[b];
   int64_t kv_len = cached + (a.offsets[b + 1] - a.offsets[b]);
   int64_t pos = cached + i;
   *hi = a.causal ? pos + 1 : kv_len;
-  *lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  const int64_t from =
+      a.tree != nullptr ? cached + __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + i])) - 1 : pos;
+  *lo = a.window > 0 ? std::max<int64_t>(0, from - a.window + 1) : 0;
   if (a.chunk > 0) {  // the query's chunk only
     const int64_t start = pos / a.chunk * a.chunk;
     *lo = std::max(*lo, start);
@@ -436,6 +440,10 @@ void attend_item(const AttnArgs& a, const Item& it, float* partials, int64_t par
         vmax = x > vmax ? x : vmax;
       }
       const float m_new = std::max(M[r], hmax(vmax));
+      if (m_new == ninf) {  // no key yet: a tree row whose block (of a split) holds only drafts it does not see
+        std::fill(s, s + nv, 0.0f);
+        continue;
+      }
       // exp(0) = 1 without the libm call where the row's max stays (most blocks): the call spilled
       // every vector register the softmax holds, and back, for each row.
       const float alpha = m_new == M[r] && std::isfinite(m_new) ? 1.0f : std::exp(M[r] - m_new);

@@ -86,6 +86,11 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
         int64_t lo_first, hi_first, lo_last, hi_last;
         key_range(a, b, q0, &lo_first, &hi_first);
         key_range(a, b, q0 + nq - 1, &lo_last, &hi_last);
+        for (int64_t i = q0 + 1; a.tree != nullptr && i < q0 + nq; ++i) {  // a tree's windows start by depth
+          int64_t lo, hi;
+          key_range(a, b, i, &lo, &hi);
+          lo_first = std::min(lo_first, lo);
+        }
         if (h == 0) work += static_cast<double>(std::max<int64_t>(hi_last - lo_first, 0)) * nq * a.q_heads;
         spans.push_back({static_cast<int32_t>(b), static_cast<int32_t>(h),
                          static_cast<int32_t>(std::min(H, h + per_item)), static_cast<int32_t>(q0),

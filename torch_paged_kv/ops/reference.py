@@ -266,20 +266,26 @@ def flash_attention(
         stop = min(start + rows, max_new)
         allowed = None
         if not sees_all:
-            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window, chunk)
+            window = sliding_window if tree is None else -1  # a tree's window: from each node's depth
+            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, window, chunk)
             if tree is not None:
-                allowed = allowed & _tree_allowed(tree[:, start:stop], cache_lengths, key_pos)
+                allowed = allowed & _tree_allowed(tree[:, start:stop], cache_lengths, key_pos, sliding_window)
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap, sinks).transpose(1, 2)
     return out[seq, tok].to(q.dtype)
 
 
-def _tree_allowed(tree: torch.Tensor, lengths: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+def _tree_allowed(tree: torch.Tensor, lengths: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
     """`[batch, 1, n, max_kv]`: the keys each query's tree bits (`tree` `[batch, n]` int64) let it see:
-    every cached key, and new token t (key position `lengths + t`) where bit t (< 64) is set."""
+    cached keys (with a `window` > 0, those less than `window` before its position `lengths + depth - 1`,
+    its depth being its bit count), and new token t (key position `lengths + t`) where bit t (< 64) is set."""
     t = key_pos[None, :] - lengths[:, None].long()  # [batch, max_kv]: the key's index among the new tokens
     bits = torch.bitwise_right_shift(tree[:, :, None], t.clamp(0, 63)[:, None, :]) & 1
-    return ((t < 0)[:, None, :] | ((t < 64)[:, None, :] & (bits == 1)))[:, None]
+    cached = (t < 0)[:, None, :]
+    if window > 0:
+        depth = ((tree[:, :, None] >> torch.arange(64, device=tree.device)) & 1).sum(-1, keepdim=True)
+        cached = cached & (depth - 1 - t[:, None, :] < window)  # (its position) - (key position)
+    return (cached | (((t >= 0) & (t < 64))[:, None, :] & (bits == 1)))[:, None]
 
 
 def step_lengths(

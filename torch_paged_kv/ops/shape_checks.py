@@ -23,6 +23,8 @@ INDEX_DTYPE = torch.int32
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+TREE_TOKENS = 64
+"""Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
 
 
 def fail(name: str, message: str) -> NoReturn:
@@ -246,12 +248,18 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
             fail("tree_mask", f"expected device {blocks.device} (that of blocks), got {tree.device}")
         if tree.stride(0) != 1 and tree.shape[0] > 1:
             fail("tree_mask", f"expected unit stride (kernels index it densely), got stride {tree.stride(0)}")
-        if a.sliding_window > 0 or chunk > 0:
+        if chunk > 0:
             fail(
                 "tree_mask",
-                "a tree step cannot take a sliding_window or attention_chunk_size: the kernels measure both "
-                "from each new token's place in the step, a tree node's position is its depth (verify such "
-                "layers with a linear draft, where the two agree)",
+                "a tree step cannot take an attention_chunk_size: chunks are measured from each new token's "
+                "place in the step, a tree node's position is its depth (verify such layers with a linear draft)",
+            )
+        if 0 < a.sliding_window <= TREE_TOKENS:
+            fail(
+                "tree_mask",
+                f"a tree step takes a sliding_window only wider than {TREE_TOKENS} (the largest tree), got "
+                f"{a.sliding_window}: the window is measured from a node's depth and the tree's own keys are "
+                "left to the mask, exact only when no ancestor can fall out of the window",
             )
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..layout import NULL_PAGE
 from . import dispatch
-from .shape_checks import fail
+from .shape_checks import TREE_TOKENS, fail
 
 
 def data_checks_enabled(device: torch.device) -> bool:
@@ -147,10 +147,6 @@ def check_read_data(
         fail("max_kv_len", f"sequence {b} holds {kv_len[b]} tokens, more than max_kv_len={max_kv_len}")
     first = np.maximum(lengths - (sliding_window - 1), 0) if sliding_window > 0 else np.zeros_like(kv_len)
     _check_pages(blocks, lookup_table, first, kv_len)
-
-
-TREE_TOKENS = 64
-"""Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
 
 
 def check_tree_data(input_row_offsets: Tensor) -> None:

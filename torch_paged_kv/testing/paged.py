@@ -217,12 +217,15 @@ def attention_fp64(
         allowed = torch.ones(new, k.shape[0], dtype=torch.bool)
         if causal:
             allowed &= j <= p
-        if sliding_window > 0:
+        if sliding_window > 0 and tree_mask is None:
             allowed &= p - j < sliding_window
         if attention_chunk_size > 0:
             allowed &= p // attention_chunk_size == j // attention_chunk_size
         if tree_mask is not None:  # new token t of this sequence only where the query's bit t is set
             for i, bits in enumerate(tree_mask[row : row + new].tolist()):
+                position = cached + bin(bits % 2**64).count("1") - 1  # a node's depth counts its ancestors
+                for key in range(cached):  # a window over cached keys is measured from that position
+                    allowed[i, key] &= sliding_window <= 0 or position - key < sliding_window
                 for t in range(new):
                     allowed[i, cached + t] &= t < 64 and bool((bits >> t) & 1)
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))

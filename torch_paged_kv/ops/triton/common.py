@@ -92,6 +92,19 @@ def tile_rows(q_start, row0, new, total, first_head, head_end, HEADS_P: tl.const
 
 
 @triton.jit
+def popcount64(x):
+    """The set bits of each int64 in `x` (all 64, the sign bit too), by SWAR arithmetic: `>>` is
+    arithmetic, so every shifted value is masked to drop the copies of the sign bit."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F  # a count per byte; bit 63 is clear from here on
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return x & 0x7F
+
+
+@triton.jit
 def online_softmax(s, m_i, l_i):
     """One key tile of the online softmax, in base 2: `s` the tile's scores times log2(e), -inf where
     masked; `m_i` and `l_i` each row's running max and sum. Returns (the tile's probabilities against

@@ -28,6 +28,7 @@ from .common import (
     is_interpreted,
     key_pages,
     online_softmax,
+    popcount64,
     query_tile,
     search_steps,
     store_rows,
@@ -113,9 +114,12 @@ def _attention_kernel(
     first_head = kv_head * GROUP
     tok, head, q_rows, row_ok = tile_rows(q_start, row0, new, total, first_head, first_head + GROUP, GROUP_P, BLOCK_M)
     pos = cache_len + tok
+    window_pos = pos  # where a row's sliding window is measured from
     dim = tl.arange(0, HEAD_DIM)
     if TREE:  # each query row's bits over its sequence's new tokens
         tree_bits = tl.load(tree + q_rows, mask=row_ok, other=0)
+        if WINDOW:  # measured from a node's position: cached + depth - 1, at most its place in the step
+            window_pos = (cache_len + popcount64(tree_bits) - 1).to(pos.dtype)
     qt = tl.load(
         q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :], mask=row_ok[:, None], other=0.0
     )
@@ -127,7 +131,9 @@ def _attention_kernel(
         k_hi = cache_len + tl.minimum(q_start + BLOCK_Q, new)
     else:
         k_hi = kv_len
-    if WINDOW:
+    if WINDOW and TREE:  # the tile's shallowest node
+        k_lo = tl.maximum(tl.min(tl.where(row_ok, window_pos, kv_len)) - sliding_window + 1, 0)
+    elif WINDOW:
         k_lo = tl.maximum(cache_len + q_start - sliding_window + 1, 0)
     else:
         k_lo = 0
@@ -187,7 +193,7 @@ def _attention_kernel(
         if CAUSAL:
             allowed = allowed & (j[None, :] <= pos[:, None])
         if WINDOW:
-            allowed = allowed & (pos[:, None] - j[None, :] < sliding_window)
+            allowed = allowed & (window_pos[:, None] - j[None, :] < sliding_window)
         if CHUNK:
             allowed = allowed & (j[None, :] // chunk == pos[:, None] // chunk)
         if TREE:  # new token t (key cache_len + t) only where the query's bit t (< 64) is set
