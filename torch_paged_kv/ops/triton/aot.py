@@ -43,7 +43,18 @@ HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 4, 8, 16)
 MODES = ("decode-split", "decode", "prefill")
 WIDE_SLOT = 2**23  # "decode-slot": continuous-batching slots whose in-page offsets pass int32 (WIDE_PAGE)
-OPTIONS = ("causal", "non-causal", "window", "softcap", "window+softcap", "sinks", "chunk", "sinks+chunk", "tree")
+OPTIONS = (
+    "causal",
+    "non-causal",
+    "window",
+    "softcap",
+    "window+softcap",
+    "sinks",
+    "chunk",
+    "sinks+chunk",
+    "tree",
+    "tree+window",
+)
 KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
 
@@ -139,7 +150,7 @@ def _attention(dtype: str, head_dim: int, group: int, mode: str, option: str) ->
         softcap=30.0 if "softcap" in option else 0.0,
         sinks=torch.empty(q.shape[1], device="meta") if "sinks" in option else None,
         attention_chunk_size=8192 if "chunk" in option else -1,
-        tree_mask=torch.empty(q.shape[0], dtype=torch.int64, device="meta") if option == "tree" else None,
+        tree_mask=torch.empty(q.shape[0], dtype=torch.int64, device="meta") if "tree" in option else None,
     )
     return plan_flash_attention(args)[1]
 
@@ -158,6 +169,7 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
             ("bf16", 128, 8, "decode-split", "sinks"),
             ("bf16", 128, 4, "prefill", "sinks+chunk"),
             ("bf16", 128, 4, "prefill", "tree"),
+            ("fp16", 128, 4, "prefill", "tree+window"),
         ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):

@@ -131,8 +131,9 @@ def _attention_kernel(
         k_hi = cache_len + tl.minimum(q_start + BLOCK_Q, new)
     else:
         k_hi = kv_len
-    if WINDOW and TREE:  # the tile's shallowest node
-        k_lo = tl.maximum(tl.min(tl.where(row_ok, window_pos, kv_len)) - sliding_window + 1, 0)
+    if WINDOW and TREE:  # from the shallowest place a node can have, cache_len - 1 (a min over rows: 255
+        # registers on sm_80)
+        k_lo = tl.maximum(cache_len - sliding_window, 0)
     elif WINDOW:
         k_lo = tl.maximum(cache_len + q_start - sliding_window + 1, 0)
     else:
