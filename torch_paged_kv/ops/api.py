@@ -84,7 +84,9 @@ def flash_attention(
     `tree_mask` (int64 `[total_new]`, speculative decoding's tree verification) restricts which of its
     sequence's new tokens each query sees: bit t of query row r's entry set iff it may see the
     sequence's new token t (t < 64; a tree step has at most 64 new tokens per sequence); cached keys
-    are unaffected, and every other rule still applies (list a draft token after its ancestors).
+    are unaffected, and every other rule still applies (list a draft token after its ancestors),
+    except that a `sliding_window` (> 64 with a tree) is measured from the draft's depth,
+    `p = cache_length + popcount(tree_mask[r]) - 1`; chunks are refused with a tree.
     Accumulates in fp32 (an FP8 cache is dequantized on read; `q` is then fp32, fp16 or bf16).
     """
     return torch.ops.paged_kv.flash_attention.default(
