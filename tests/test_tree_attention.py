@@ -182,3 +182,14 @@ def test_step_plan_passes_the_tree(backend):
     plan.flash_attention(b.q, 0, 0.3, tree_mask=mask)
     out = plan.flash_attention(b.q, b.layer_idx, 0.3, tree_mask=mask)  # a later layer: the kept kernel
     torch.testing.assert_close(out.double(), _expected(b, mask), **ATTENTION_TOLERANCE[torch.float32])
+
+
+def test_a_row_without_its_own_bit_is_refused(backend):
+    """Each row's mask holds itself (its depth, which places its window, counts it): a mask that
+    leaves a row's own bit out is refused, naming the row, before anything is read."""
+    b, mask = _tree_step([5, 9], [4, 6], seed=3)
+    bad = mask.clone()
+    bad[6] &= ~(1 << 2)  # sequence 1's new token 2
+    with pytest.raises(ValueError, match=r"^tree_mask: row 6 lacks its own bit 2"):
+        pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=bad)
+    pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask)

@@ -140,7 +140,7 @@ def _check_flash_attention(a: FlashAttentionArgs, value_checks: bool) -> torch.d
             a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q.shape[0], None, a.sliding_window
         )
         if a.tree_mask is not None:
-            validate.check_tree_data(a.input_row_offsets)
+            validate.check_tree_data(a.input_row_offsets, a.tree_mask)
     return a.blocks.device
 
 

@@ -149,12 +149,20 @@ def check_read_data(
     _check_pages(blocks, lookup_table, first, kv_len)
 
 
-def check_tree_data(input_row_offsets: Tensor) -> None:
-    """A step with a `tree_mask`: no sequence has more new tokens than its bits can name."""
-    new = np.diff(_host(input_row_offsets))
+def check_tree_data(input_row_offsets: Tensor, tree_mask: Tensor) -> None:
+    """A step with a `tree_mask`: no sequence has more new tokens than its bits can name, and every
+    row's mask holds its own bit (a draft sees itself; its depth, which places its window, counts it)."""
+    offsets = _host(input_row_offsets).astype(np.int64)
+    new = np.diff(offsets)
     if new.size and new.max() > TREE_TOKENS:
         b = int(new.argmax())
         fail("tree_mask", f"sequence {b} has {new[b]} new tokens; a tree step names at most {TREE_TOKENS} per sequence")
+    bits = _host(tree_mask).astype(np.int64).view(np.uint64)
+    own = np.arange(bits.size, dtype=np.int64) - np.repeat(offsets[:-1], new)
+    missing = np.flatnonzero((bits >> own.astype(np.uint64)) & np.uint64(1) == 0)
+    if missing.size:
+        r = int(missing[0])
+        fail("tree_mask", f"row {r} lacks its own bit {own[r]} (each row's mask holds itself and its ancestors)")
 
 
 def check_copy_pages_data(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
