@@ -14,7 +14,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from hf_models import tiny_llama
+from transformers import DynamicCache, LlamaForCausalLM
 from transformers.generation.configuration_utils import CompileConfig
 
 from torch_paged_kv.integrations.hf_support import attention_layers
@@ -32,19 +33,7 @@ GREEDY = dict(max_new_tokens=12, min_new_tokens=12, **GREEDY_ARGS)
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        initializer_range=0.1,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from hf_models import tiny_llama
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
 import torch_paged_kv as pk
 from torch_paged_kv.__main__ import main as cli
@@ -34,19 +35,7 @@ CASES = {  # name -> (attn_implementation, kv_dtype)
 
 def tiny_model() -> LlamaForCausalLM:
     """The same weights in every process (seeded)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        initializer_range=0.1,
-    )
-    return LlamaForCausalLM(config).eval()
+    return tiny_llama()
 
 
 WINDOW = 6  # the hybrid model's: rows of 3..9 prompt tokens cross it before the save
