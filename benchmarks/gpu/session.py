@@ -91,7 +91,7 @@ TRITON = "tests/gpu/test_triton_gpu.py"
 CUTE = "tests/gpu/test_cute_gpu.py"
 CALLS = {
     "call1": Call(
-        budget_s=240,
+        budget_s=260,
         steps=(
             Step("kit-a", "kit", (".kit/a/stage.sh",), cap_s=30),
             Step("env", "shell", (f'nvidia-smi -L || true; {PYTHON} -c "{ENV_REPORT}"',), cap_s=40),
@@ -120,6 +120,7 @@ CALLS = {
             Step("generation", "pytest", ("tests/gpu/test_generation_gpu.py",), cap_s=60, deadline_s=50),
             Step("triton-tests", "pytest", (TRITON, "tests/gpu/test_decode_gpu.py"), cap_s=120, deadline_s=60),
             Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
+            Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
             Step(
                 "cuda-paths-tests",
                 "pytest",
