@@ -1,8 +1,8 @@
 """The two preset calls of a GPU visit: steps run in turn, each in its own process under a time cap,
 each ending in `VERDICT <name> PASS|FAIL|TIMEOUT <figure>` lines; a summary table prints last.
 
-    bash benchmarks/gpu/call1.sh [--dry-run]   # carry .kit/a: env, probes, decode GB/s, generation, Triton/MLA tests
-    bash benchmarks/gpu/call2.sh [--dry-run]   # carry .kit/b: CuTe kit, hang probe, bf16 CuTe tests, CuTe GB/s
+    bash benchmarks/gpu/call1.sh [--dry-run]   # carry .kit/a: env, probes, decode GB/s, generation, Triton tests
+    bash benchmarks/gpu/call2.sh [--dry-run]   # carry .kit/b: CuTe kit, CuTe tests and GB/s; MLA, variant, CUDA paths
 
 A call stops starting steps when its budget (`CALLS[...].budget_s`) is spent, so it returns well
 inside the device tool's timeout. Kernel-family probes run one test each with
@@ -91,7 +91,7 @@ TRITON = "tests/gpu/test_triton_gpu.py"
 CUTE = "tests/gpu/test_cute_gpu.py"
 CALLS = {
     "call1": Call(
-        budget_s=260,
+        budget_s=240,
         steps=(
             Step("kit-a", "kit", (".kit/a/stage.sh",), cap_s=30),
             Step("env", "shell", (f'nvidia-smi -L || true; {PYTHON} -c "{ENV_REPORT}"',), cap_s=40),
@@ -119,19 +119,10 @@ CALLS = {
             ),
             Step("generation", "pytest", ("tests/gpu/test_generation_gpu.py",), cap_s=60, deadline_s=50),
             Step("triton-tests", "pytest", (TRITON, "tests/gpu/test_decode_gpu.py"), cap_s=120, deadline_s=60),
-            Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
-            Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
-            Step(
-                "cuda-paths-tests",
-                "pytest",
-                ("tests/gpu/test_cuda_paths.py", "tests/gpu/test_distributed_gpu.py"),  # (NCCL needs two GPUs)
-                cap_s=40,
-                deadline_s=30,
-            ),
         ),
     ),
     "call2": Call(
-        budget_s=180,
+        budget_s=270,
         steps=(
             Step("kit-b", "kit", (".kit/b/stage.sh",), cap_s=100),
             Step("env", "shell", (f'{PYTHON} -c "{ENV_REPORT}"; {PYTHON} -c "{CUTLASS_REPORT}"',), cap_s=40),
@@ -161,6 +152,15 @@ CALLS = {
                 needs=("kit-b",),
                 unless_hung=("probe-cute-decode",),
                 dry_args=("benchmarks/bench_cute_decode.py", "--dry-run", "--page-sizes", "16"),
+            ),
+            Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
+            Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
+            Step(
+                "cuda-paths-tests",
+                "pytest",
+                ("tests/gpu/test_cuda_paths.py", "tests/gpu/test_distributed_gpu.py"),  # (NCCL needs two GPUs)
+                cap_s=40,
+                deadline_s=30,
             ),
         ),
     ),

@@ -31,8 +31,10 @@ def reference_matches_fp64(device: str) -> None:
 
 
 def offload_restore_round_trip(device: str) -> None:
+    """Offload, then another sequence takes every free page (the offloaded one's cached pages too) and
+    writes them: restore copies everything back from pinned memory, bit for bit."""
     params = pk.KVCacheParams(torch.float16, num_layers=2, num_kv_heads=2, head_dim=64, page_size=16)
-    cache = pk.PagedKVCacheCollection(params, num_pages=40, max_batch_size=4, max_seq_len=256, device=device)
+    cache = pk.PagedKVCacheCollection(params, num_pages=40, max_batch_size=4, max_seq_len=1024, device=device)
     cache.blocks.normal_()
     manager = pk.KVCacheManager(cache)
     manager.claim("a", list(range(100)))
@@ -44,7 +46,12 @@ def offload_restore_round_trip(device: str) -> None:
     free = manager.num_free_pages()
     manager.offload(["a"])
     assert manager.is_offloaded("a") and manager.num_free_pages() == free + 7
-    cache.blocks.normal_()  # whatever the pages held is gone from the device
+    taken = manager.num_free_pages() * 16
+    manager.claim("c", list(range(1000, 1000 + taken)))
+    step = manager.prepare_step(["c"], [taken])
+    cache.blocks[step.lookup_table[0, : taken // 16].long()] = torch.randn(1).to(cache.blocks)  # a's pages too
+    manager.commit_step()
+    manager.release("c")
     manager.restore(["a"])
     step = manager.prepare_step(["a"], [1], [[7]])
     assert torch.equal(cache.blocks[step.lookup_table[0, :7].long()], before)
@@ -88,8 +95,9 @@ def test_reference_backend_on_cuda_matches_fp64():
     reference_matches_fp64(DEVICE)
 
 
-def test_manager_offload_restore_through_pinned_memory():
-    offload_restore_round_trip(DEVICE)
+@pytest.mark.parametrize("device", [DEVICE, "cpu"])
+def test_manager_offload_restore_through_pinned_memory(device):
+    offload_restore_round_trip(device)
 
 
 def test_checkpoint_of_a_cuda_pool_round_trips(tmp_path):

@@ -12,7 +12,12 @@ import torch
 
 import torch_paged_kv as pk
 from torch_paged_kv.ops.triton import unavailable_reason
-from torch_paged_kv.testing import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_paged_batch
+from torch_paged_kv.testing import (
+    PagedBatch,
+    assert_attention_within_rounding,
+    attention_fp64_and_spread,
+    make_paged_batch,
+)
 
 if torch.cuda.is_available() and unavailable_reason(torch.device("cuda")) is not None:
     pytest.skip(unavailable_reason(torch.device("cuda")), allow_module_level=True)
@@ -49,8 +54,8 @@ def attend(b: PagedBatch, **options) -> torch.Tensor:
 
 
 def check(b: PagedBatch, out: torch.Tensor, **options) -> None:
-    expected = attention_fp64(b.q, b.keys, b.values, b.cache_lengths.tolist(), SCALE, **options)
-    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.bfloat16])
+    exact, spread = attention_fp64_and_spread(b.q, b.keys, b.values, b.cache_lengths.tolist(), SCALE, **options)
+    assert_attention_within_rounding(out, exact, spread)
 
 
 def sinks(b: PagedBatch, seed: int) -> torch.Tensor:

@@ -29,11 +29,20 @@ def fp8_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
 
 
+def _divisor(value: float | Tensor, device: torch.device) -> Tensor:
+    """`value` as an fp32 tensor on `device`. CUDA divides by a Python number or a CPU scalar as a
+    multiply by its reciprocal, which can round differently from the IEEE division the rule (and
+    the CPU and Triton backends) use, so the reference backend on a GPU divides by this instead."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float32)
+    return torch.full((), value, dtype=torch.float32, device=device)  # (a fill: CUDA graphs capture it)
+
+
 def quantize(x: Tensor, dtype: torch.dtype, granularity: int) -> tuple[Tensor, Tensor]:
     """`x` `[..., head_dim]` -> (`q` `[..., head_dim]` in `dtype`, `scales` `[..., head_dim / granularity]` fp32)."""
     top = fp8_max(dtype)
     groups = x.float().unflatten(-1, (x.shape[-1] // granularity, granularity))
-    scales = groups.abs().amax(-1) / top
+    scales = groups.abs().amax(-1) / _divisor(top, x.device)
     scales = scales.where(scales.isfinite(), torch.nan)  # a NaN or inf in the granule
     safe = torch.where(scales > 0, scales, 1.0)[..., None]
     q = torch.where(scales[..., None] > 0, groups / safe, 0.0).clamp_(-top, top)
@@ -43,7 +52,7 @@ def quantize(x: Tensor, dtype: torch.dtype, granularity: int) -> tuple[Tensor, T
 def quantize_static(x: Tensor, dtype: torch.dtype, scale: float | Tensor) -> Tensor:
     """`x` stored with one fixed `scale`: `round(x / scale)` clamped to ±dtype_max."""
     top = fp8_max(dtype)
-    q = (x.float() / scale).clamp_(-top, top)
+    q = (x.float() / _divisor(scale, x.device)).clamp_(-top, top)
     return q.masked_fill_(q.isnan(), torch.nan).to(dtype)  # the positive NaN: code 0x7F
 
 

@@ -9,20 +9,41 @@ The modules: `paged` (K/V batches, FP8 ones, `attention_fp64`), `mla` (latent ba
 oracles), `quantization` (FP8 attention error against bf16).
 """
 
-from .mla import MLABatch, absorb_query, make_mla_batch, mla_attention_fp64, mla_nonabsorbed_fp64, mla_row_contents
-from .paged import ATTENTION_TOLERANCE, PagedBatch, attention_fp64, make_fp8_batch, make_paged_batch
+from .mla import (
+    MLABatch,
+    absorb_query,
+    make_mla_batch,
+    mla_attention_fp64,
+    mla_attention_fp64_and_spread,
+    mla_nonabsorbed_fp64,
+    mla_row_contents,
+)
+from .paged import (
+    ATTENTION_TOLERANCE,
+    UNIT_ROUNDOFF,
+    PagedBatch,
+    assert_attention_within_rounding,
+    attention_fp64,
+    attention_fp64_and_spread,
+    make_fp8_batch,
+    make_paged_batch,
+)
 from .quantization import outlier_kv, quantized_attention_error
 
 __all__ = [
     "ATTENTION_TOLERANCE",
+    "UNIT_ROUNDOFF",
     "MLABatch",
     "PagedBatch",
     "absorb_query",
+    "assert_attention_within_rounding",
     "attention_fp64",
+    "attention_fp64_and_spread",
     "make_fp8_batch",
     "make_mla_batch",
     "make_paged_batch",
     "mla_attention_fp64",
+    "mla_attention_fp64_and_spread",
     "mla_nonabsorbed_fp64",
     "mla_row_contents",
     "outlier_kv",
