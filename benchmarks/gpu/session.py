@@ -87,11 +87,20 @@ def _probe(name: str, test: str) -> Step:
     return Step(f"probe-{name}", "pytest", (test,), cap_s=60, deadline_s=45, launch_blocking=True)
 
 
+def _on_gpu(benchmark: str, dry: str = "") -> str:
+    """A shell line running `benchmark` (a script and its arguments) where CUDA is visible, its tables
+    in the log only (a call brings back at most 6 files); elsewhere (a dry run) `dry` instead, the
+    same script at tiny sizes on CPU, or nothing."""
+    cuda = f"{PYTHON} -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'"
+    otherwise = f"BENCH_RESULTS_DIR=/tmp/bench {PYTHON} {dry}" if dry else "echo 'no CUDA GPU: not run'"
+    return f"if {cuda}; then BENCH_RESULTS_DIR=/tmp/bench {PYTHON} {benchmark}; else {otherwise}; fi"
+
+
 TRITON = "tests/gpu/test_triton_gpu.py"
 CUTE = "tests/gpu/test_cute_gpu.py"
 CALLS = {
     "call1": Call(
-        budget_s=240,
+        budget_s=300,
         steps=(
             Step("kit-a", "kit", (".kit/a/stage.sh",), cap_s=30),
             Step("env", "shell", (f'nvidia-smi -L || true; {PYTHON} -c "{ENV_REPORT}"',), cap_s=40),
@@ -117,12 +126,23 @@ CALLS = {
                     "triton,sdpa,store",
                 ),
             ),
+            Step(
+                "bench-fp8",
+                "shell",
+                (
+                    _on_gpu(
+                        "benchmarks/bench_fp8.py --device cuda --batch 64 --context 4096",
+                        dry="benchmarks/bench_fp8.py --device cpu --batch 2 --context 64 --accuracy-tokens 64",
+                    ),
+                ),
+                cap_s=60,
+            ),
             Step("generation", "pytest", ("tests/gpu/test_generation_gpu.py",), cap_s=60, deadline_s=50),
             Step("triton-tests", "pytest", (TRITON, "tests/gpu/test_decode_gpu.py"), cap_s=120, deadline_s=60),
         ),
     ),
     "call2": Call(
-        budget_s=270,
+        budget_s=300,
         steps=(
             Step("kit-b", "kit", (".kit/b/stage.sh",), cap_s=100),
             Step("env", "shell", (f'{PYTHON} -c "{ENV_REPORT}"; {PYTHON} -c "{CUTLASS_REPORT}"',), cap_s=40),
@@ -154,6 +174,7 @@ CALLS = {
                 dry_args=("benchmarks/bench_cute_decode.py", "--dry-run", "--page-sizes", "16"),
             ),
             Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
+            Step("bench-mla", "shell", (_on_gpu("benchmarks/bench_mla_gpu.py"),), cap_s=45),
             Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
             Step(
                 "cuda-paths-tests",
