@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import layout
-from .params import FP8_DTYPES
+from .ops.quant import FP8_DTYPES
 
 
 class PagedKVCache:

@@ -8,6 +8,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .ops.quant import FP8_DTYPES
+
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -15,7 +17,6 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "float8_e5m2": torch.float8_e5m2,
 }
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32}
 ROPE_DTYPE = torch.bfloat16
 """The rope part of an FP8 MLA row stays in this dtype (MAX's rope-aware row)."""

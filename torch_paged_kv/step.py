@@ -32,8 +32,8 @@ from torch import Tensor
 from .collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection, StepTensors
 from .layer_groups import LayerGroups
 from .ops import library, shape_checks
+from .ops.quant import FP8_DTYPES
 from .ops.records import FlashAttentionArgs, GatherKVArgs, StoreKVArgs
-from .params import FP8_DTYPES
 
 _OPS = torch.ops.paged_kv
 

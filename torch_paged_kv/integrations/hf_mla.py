@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..params import FP8_DTYPES
+from ..ops.quant import FP8_DTYPES
 from ..step import GroupStepPlan
 
 PENDING_KWARG = "paged_kv_latent"

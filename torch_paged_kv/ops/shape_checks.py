@@ -10,6 +10,7 @@ from typing import NoReturn
 import torch
 from torch import Tensor
 
+from .quant import FP8_DTYPES
 from .records import (
     CopyPagesArgs,
     FlashAttentionArgs,
@@ -21,7 +22,6 @@ from .records import (
 
 INDEX_DTYPE = torch.int32
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 TREE_TOKENS = 64
 """Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
