@@ -1,0 +1,77 @@
+"""benchmarks/gpu/profile_cute_decode.py without a GPU: the dry run runs the workload on CPU and writes
+the ncu commands it would run; a broken workload fails it; the summary reads ncu's details CSV."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "profile_cute_decode.py"
+_spec = importlib.util.spec_from_file_location("profile_cute_decode", SCRIPT)
+profile = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(profile)
+
+
+def dry_run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--kernels", "cute", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_dry_run_writes_the_ncu_command_and_a_table_last(tmp_path):
+    done = dry_run(tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == [profile.REPORT]  # one file comes back
+    report = (tmp_path / profile.REPORT).read_text()
+    (ncu,) = [line for line in report.splitlines() if line.startswith("$ ") and "--kernel-name" in line]
+    assert "--kernel-name regex:PagedDecodeSm90 --launch-skip 2 --launch-count 1" in ncu
+    assert all(f"--section {section}" in ncu for section in profile.SECTIONS)
+    assert ncu.endswith("--workload cute --page-size 64 --dry-run")  # the process it profiles
+    lines = done.stdout.rstrip().splitlines()
+    table = lines.index("| metric | cute |")
+    assert lines[table + 1] == "|---|---|" and lines[-1].startswith("report: ")
+
+
+def test_a_workload_that_fails_fails_the_dry_run(tmp_path):
+    done = dry_run(tmp_path, "--page-size", "0")
+    assert done.returncode == 1
+    assert done.stdout.rstrip().splitlines()[-1].startswith("no profile: cute: workload exit 1")
+
+
+HEADER = (
+    '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+    '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"'
+)
+
+
+def details(metrics: list[tuple[str, str, str]]) -> str:
+    launch = '"0","1","python3","h","kernel","1","7","(160,1,1)","(64,8,1)","0","9.0","S"'
+    rows = [f'{launch},"{name}","{unit}","{value}"' for name, unit, value in metrics]
+    return "\n".join(["==PROF== Connected to process 1", HEADER, *rows]) + "\n"
+
+
+def test_summary_reads_the_details_csv_and_ranks_the_stalls():
+    stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+    stalls = {"short_scoreboard": "10.50", "wait": "3.20", "long_scoreboard": "2.10", "barrier": "0.10"}
+    stalls |= {"mio_throttle": "7.00", "math_pipe_throttle": "0.50", "selected": "1,001.00"}
+    summary = profile.summarize(
+        details(
+            [("Duration", "ms", "1.60"), ("Block Limit Shared Mem", "block", "2"), ("Elapsed Cycles", "cycle", "9")]
+            + [(stall.format(name), "", value) for name, value in stalls.items()]
+        )
+    )
+    assert summary["Duration"] == "1.60 ms" and summary["Block Limit Shared Mem"] == "2 block"
+    assert "Elapsed Cycles" not in summary  # only `SUMMARY` metrics
+    ranked = [name for name in summary if name.startswith("stall: ")]
+    top = ["selected", "short_scoreboard", "mio_throttle", "wait", "long_scoreboard"]
+    assert ranked == [f"stall: {name}" for name in top]
+    assert summary["stall: selected"] == "1001.00 cycles/issue"
+
+
+def test_summary_of_no_csv_is_empty():
+    assert profile.summarize("") == {}
+    assert profile.summarize("==ERROR== ERR_NVGPUCTRPERM - no permission\n") == {}
