@@ -209,6 +209,7 @@ def profile(kernel: str, ncu: str | None, page_size: int, dry_run: bool, log: li
         return {}, ""
     if ncu is None:
         return {}, "ncu not found (PATH, /usr/local/cuda*/bin, /opt/nvidia/nsight-compute)"
+    report.unlink(missing_ok=True)  # a report left by an earlier run must not pass for this one's
     done = subprocess.run(command, capture_output=True, text=True, timeout=400)
     if done.returncode != 0 or not report.is_file():  # e.g. a stall metric this ncu does not know: once more without
         log += [done.stdout[-4000:], done.stderr[-4000:], "(again without the stall metrics)"]
