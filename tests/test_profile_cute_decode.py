@@ -75,3 +75,52 @@ def test_summary_reads_the_details_csv_and_ranks_the_stalls():
 def test_summary_of_no_csv_is_empty():
     assert profile.summarize("") == {}
     assert profile.summarize("==ERROR== ERR_NVGPUCTRPERM - no permission\n") == {}
+
+
+def fake_ncu(folder: Path, details_csv: str, *, refuse_metrics: bool = False, profile_nothing: bool = False) -> str:
+    """An `ncu` that writes a report for `--export` (unless `profile_nothing`: no kernel matched), fails
+    when asked for `--metrics` with `refuse_metrics`, and prints `details_csv` for `--import --csv`."""
+    script = folder / "ncu"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "args = sys.argv[1:]\n"
+        "if '--import' in args:\n"
+        f"    print({details_csv!r} if '--csv' in args else 'details page')\n"
+        "    sys.exit(0)\n"
+        f"if {refuse_metrics!r} and '--metrics' in args:\n"
+        "    print('==ERROR== Failed to find metric'); sys.exit(1)\n"
+        f"if not {profile_nothing!r}:\n"
+        "    open(args[args.index('--export') + 1], 'w').write('report')\n"
+        "print('==WARNING== No kernels were profiled.' if " + repr(profile_nothing) + " else '')\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_profile_runs_ncu_then_reads_the_details_page(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    (tmp_path / "profile_cute_decode.ncu-rep").write_text("an earlier run's")
+    csv_text = details([("Duration", "us", "712.00")])
+    log: list[str] = []
+    summary, failure = profile.profile("cute", fake_ncu(tmp_path, csv_text), 64, False, log)
+    assert (summary, failure) == ({"Duration": "712.00 us"}, "")
+    assert "details page\n" in log  # the text page goes to the report
+
+
+def test_profile_retries_without_the_stall_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    log: list[str] = []
+    ncu = fake_ncu(tmp_path, details([("Duration", "us", "1.0")]), refuse_metrics=True)
+    summary, failure = profile.profile("cute", ncu, 64, False, log)
+    runs = [line for line in log if line.startswith("$ ") and "--kernel-name" in line]
+    assert failure == "" and summary == {"Duration": "1.0 us"}
+    assert len(runs) == 2 and "--metrics" in runs[0] and "--metrics" not in runs[1]
+
+
+def test_profile_of_no_matched_kernel_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    (tmp_path / "profile_cute_decode.ncu-rep").write_text("an earlier run's")  # must not pass for this one
+    ncu = fake_ncu(tmp_path, details([("Duration", "us", "1.0")]), profile_nothing=True)
+    summary, failure = profile.profile("cute", ncu, 64, False, [])
+    assert summary == {} and failure == "ncu exit 0: no report written"
