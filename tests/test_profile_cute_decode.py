@@ -4,6 +4,7 @@ the ncu commands it would run; a broken workload fails it; the summary reads ncu
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,8 @@ def test_dry_run_writes_the_ncu_command_and_a_table_last(tmp_path):
     assert all(f"--section {section}" in ncu for section in profile.SECTIONS)
     assert ncu.endswith("--workload cute --page-size 64 --dry-run")  # the process it profiles
     lines = done.stdout.rstrip().splitlines()
+    (row,) = [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
+    assert row["kernel"] == "cute decode kernel" and row["us"] == "unavailable: dry run (CPU)"
     table = lines.index("| metric | cute |")
     assert lines[table + 1] == "|---|---|" and lines[-1].startswith("report: ")
 
@@ -124,3 +127,14 @@ def test_profile_of_no_matched_kernel_says_so(tmp_path, monkeypatch):
     ncu = fake_ncu(tmp_path, details([("Duration", "us", "1.0")]), profile_nothing=True)
     summary, failure = profile.profile("cute", ncu, 64, False, [])
     assert summary == {} and failure == "ncu exit 0: no report written"
+
+
+def test_decode_row_counts_the_benchmark_bytes():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cute_decode import DTYPE, SHAPE
+    from harness import decode_bytes
+
+    row = profile.decode_row("cute", 64, 1000.0, 3000.0, "")
+    assert row["us"] == 1000.0 and row["GB/s"] == decode_bytes(**SHAPE, dtype=DTYPE) / 1e6
+    assert row["of_copy"] == row["GB/s"] / 3000.0
+    assert profile.decode_row("cute", 64, None, 3000.0, "workload exit 1")["us"] == "unavailable: workload exit 1"

@@ -6,8 +6,10 @@
 Needs the CuTe DSL kit for the CuTe kernel (`. /tmp/kit/env.sh`, or a call after kit-b). Per kernel
 family in `--kernels` (cute: `PagedDecodeSm90`; triton: its `_attention_kernel`, the contrast):
 
-1. kernel times without a profiler attached: the decode run `TIMED_CALLS` times under
-   torch.profiler, µs per kernel (decode, split merge) and the decode kernel's GB/s;
+1. kernel times without ncu attached: the decode run `TIMED_CALLS` times under torch.profiler,
+   µs per kernel (decode, split merge), and the decode kernel's GB/s and fraction of the copy
+   bandwidth measured in the same process, printed at once as a `ROW {json}` line (a verdict in
+   benchmarks/gpu/session.py);
 2. `ncu` on a fresh process that makes `WARMUP_CALLS` calls (the first compiles) and one more,
    profiling only that last decode kernel (`--launch-skip`, `--launch-count 1`) with `SECTIONS`
    and the warp stall reasons, clocks left to the GPU (`--clock-control none`).
@@ -25,6 +27,7 @@ import argparse
 import csv
 import glob
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -36,6 +39,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 REPORT = "profile_cute_decode.txt"
 WARMUP_CALLS = 2
 TIMED_CALLS = 20
+COPY = "copy GB/s"  # the device-to-device copy bandwidth (read + write) the timed workload measures too
 KERNELS = {"cute": "PagedDecodeSm90", "triton": "_attention_kernel"}
 """Each family's decode kernel: the `ncu --kernel-name regex:` that picks it."""
 SHORT_NAMES = {"PagedDecodeSm90": "cute decode", "SplitCombine": "cute merge", "_attention_kernel": "triton decode"}
@@ -169,6 +173,10 @@ def workload(kernel: str, page_size: int, dry_run: bool, timed: int) -> dict[str
         device_us = getattr(event, "self_device_time_total", 0.0)
         if name is not None and device_us > 0:
             times[name] = times.get(name, 0.0) + device_us / timed
+    if device.type == "cuda":
+        from harness import copy_bandwidth_gbps
+
+        times[COPY] = copy_bandwidth_gbps(device)
     return times
 
 
@@ -188,13 +196,20 @@ def kernel_times(kernel: str, page_size: int, dry_run: bool, log: list[str]) -> 
     return times, f"workload exit {done.returncode}: {last[:160]}" if done.returncode else ""
 
 
-def decode_gbps(us: float) -> float:
-    """GB/s of a decode at the benchmark's shape that takes `us` (`harness.decode_bytes`)."""
-    sys.path.insert(0, str(BENCHMARKS))
-    from bench_cute_decode import DTYPE, SHAPE
-    from harness import decode_bytes
+def decode_row(kernel: str, page_size: int, us: float | None, copy_gbps: float | None, why_not: str) -> dict:
+    """The decode kernel's time as a benchmark row (`harness.DecodeBench.row`'s keys): µs, GB/s of
+    `harness.decode_bytes` at the benchmark's shape and its fraction of `copy_gbps`; without a time,
+    `us` says why (`unavailable: ...`)."""
+    row = {"kernel": f"{kernel} decode kernel", "page_size": page_size, "us": f"unavailable: {why_not}"}
+    row |= {"GB/s": None, "of_copy": None}
+    if us and copy_gbps:
+        sys.path.insert(0, str(BENCHMARKS))
+        from bench_cute_decode import DTYPE, SHAPE
+        from harness import decode_bytes
 
-    return decode_bytes(**SHAPE, dtype=DTYPE) / us / 1e3
+        gbps = decode_bytes(**SHAPE, dtype=DTYPE) / us / 1e3
+        row |= {"us": us, "GB/s": gbps, "of_copy": gbps / copy_gbps}
+    return row
 
 
 # -- the driver ----------------------------------------------------------------------------------------
@@ -253,10 +268,13 @@ def main() -> int:
     for kernel in kernels:
         start = time.monotonic()
         times, failure = kernel_times(kernel, args.page_size, args.dry_run, log)
+        copy_gbps = times.pop(COPY, None)
         column = {f"{name} us": f"{us:.1f}" for name, us in sorted(times.items())}
-        decode_us = times.get(f"{kernel} decode")
-        if decode_us and not args.dry_run:
-            column["decode kernel GB/s"] = f"{decode_gbps(decode_us):.0f}"
+        why_not = failure or ("dry run (CPU)" if args.dry_run else "no decode kernel in the torch.profiler trace")
+        row = decode_row(kernel, args.page_size, times.get(f"{kernel} decode"), copy_gbps, why_not)
+        print("ROW", json.dumps(row), flush=True)  # benchmarks/gpu/session.py makes it a verdict at once
+        if row["GB/s"] is not None:
+            column["decode kernel GB/s"] = f"{row['GB/s']:.0f} ({row['of_copy']:.2f} of copy)"
         summary, profile_failure = profile(kernel, ncu, args.page_size, args.dry_run, log)
         column.update(summary)
         column["seconds"] = f"{time.monotonic() - start:.0f}"
