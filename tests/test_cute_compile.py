@@ -2,6 +2,7 @@
 compile cache compiles once per key (also under threads, also from disk), and the operand's row
 arithmetic matches the cache views. The kernels themselves run only in tests/gpu/test_cute_gpu.py."""
 
+import itertools
 import re
 import subprocess
 import sys
@@ -102,6 +103,29 @@ def test_variants_assemble_without_spills(compiled):
     arch, variants_compiled, _ = compiled
     for key, path in variants_compiled:
         assert cli.ptxas_usage(path, arch).endswith(" 0 B spill"), key
+
+
+def test_consumer_lanes_read_each_key_and_element_of_a_tile_once():
+    """The consumers' lane mapping (`decode_sm90.consume`) for every decode variant: lane `(sub, part)`
+    of warp w at step t reads key `w * tile_n / 4 + t * keys_per_step + sub`, elements
+    `part * elems ...`; together they read each (key, element) of a tile exactly once, the softmax
+    blocks split the steps evenly, and the query and accumulator fit in 64 registers per lane."""
+    from cutlass import BFloat16
+
+    from torch_paged_kv.ops.cute.decode_sm90 import PagedDecodeSm90
+
+    for key in variants.all_keys("sm_90a"):
+        if key.kernel != "decode":
+            continue
+        k = PagedDecodeSm90(BFloat16, key.head_dim, key.page_size, key.group, key.tile_n, key.stages)
+        reads = torch.zeros(key.tile_n, key.head_dim, dtype=torch.int32)
+        per_warp = key.tile_n // k.consumer_warps
+        for warp, step, lane in itertools.product(range(k.consumer_warps), range(k.steps), range(32)):
+            sub, part = divmod(lane, k.key_lanes)
+            reads[warp * per_warp + step * k.keys_per_step + sub, part * k.elems : (part + 1) * k.elems] += 1
+        assert bool((reads == 1).all()), key
+        assert k.steps % k.block_steps == 0 and k.group * k.block_steps <= max(32, k.group), key
+        assert k.group * k.elems <= (32 if k.key_lanes < 32 else 64), key
 
 
 def test_cache_returns_same_object_and_compiles_once_under_threads():

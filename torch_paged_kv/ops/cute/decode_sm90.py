@@ -5,8 +5,11 @@ warp walks the CTA's key tiles and brings each tile's K and V rows into a `stage
 ring with plain TMA from the cache's row view: one `box_rows x head_dim` box per page
 (`box_rows = min(page_size, tile_n)`), signalled on a full mbarrier; tiles past the sequence's last
 page use a row coordinate past the tensor so TMA zero-fills them. `consumer_warps` warps each own
-`tile_n / consumer_warps` keys of a tile and all `group` query heads of the KV head (GQA packing):
-lanes split head_dim, scores are reduced with butterfly shuffles, softmax is online in fp32 (base 2).
+`tile_n / consumer_warps` keys of a tile and all `group` query heads of the KV head (GQA packing).
+A warp scores `keys_per_step` keys at once: each key's row is split over `key_lanes` lanes (as few as
+keep the query and accumulator within 32 registers each), reduced with butterfly shuffles; a block of
+scores is held in registers and the online softmax (fp32, base 2) is updated once per block, so the
+keys' dot products and shuffles are independent and overlap instead of forming one chain per key.
 The warps merge through shared memory and write a normalised partial output and its log-sum-exp;
 `combine.py` merges splits.
 
@@ -15,6 +18,8 @@ Every query row is handled on its own (the sequence is found by binary search in
 """
 
 from __future__ import annotations
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -52,9 +57,26 @@ class PagedDecodeSm90:
         self.consumer_warps = consumer_warps
         self.box_rows = min(page_size, tile_n)
         self.boxes = tile_n // self.box_rows
-        self.elems = head_dim // 32  # head_dim elements per lane
+        keys_per_warp = tile_n // consumer_warps
+        self.key_lanes = self.lanes_per_key(head_dim, group, keys_per_warp)
+        self.keys_per_step = 32 // self.key_lanes  # keys a warp scores at once, one per lane group
+        self.elems = head_dim // self.key_lanes  # head_dim elements per lane
+        self.steps = keys_per_warp // self.keys_per_step  # steps per tile and warp
+        self.block_steps = math.gcd(self.steps, max(1, 32 // group))  # steps per softmax update: 32 scores
+        self.key_levels = self.key_lanes.bit_length() - 1  # butterfly levels of a key's dot product
+        self.step_levels = self.keys_per_step.bit_length() - 1  # of the lane groups' final merge
         self.threads = 32 * (consumer_warps + 1)
         self.tile_bytes = 2 * tile_n * head_dim * dtype.width // 8  # K and V of one stage
+
+    @staticmethod
+    def lanes_per_key(head_dim: int, group: int, keys_per_warp: int) -> int:
+        """Lanes that share one key's row: the fewest (a power of two up to 32) that keep the query
+        and the accumulator at most 32 fp32 registers each (`group * head_dim / lanes`), a row slice
+        at most 16 elements (two 16-byte loads), and no more keys per step than a warp has per tile."""
+        lanes = 1
+        while lanes < 32 and (group * head_dim > 32 * lanes or head_dim > 16 * lanes or keys_per_warp * lanes < 32):
+            lanes *= 2
+        return lanes
 
     @staticmethod
     def check_page_size(page_size: int, tile_n: int) -> None:
@@ -290,17 +312,22 @@ class PagedDecodeSm90:
         )
         # The whole warp walks the tiles; only the transaction-count arrive is elected. `cute.copy` of
         # a TMA atom elects its one issuing lane itself: inside `elect_one` it would nest a second
-        # election in a single active lane (undefined for `elect.sync` over the full warp).
+        # election in a single active lane (undefined for `elect.sync` over the full warp). The tile's
+        # rows are read from the lookup table before the wait for its stage, which hides the read.
         for tile in cutlass.range(my_lo, my_hi, unroll=1):
             i = tile - my_lo
             stage = i % self.stages
-            cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) % 2) ^ 1)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tile_bytes)
+            rows = []
             for j in cutlass.range_constexpr(boxes):
                 key = tile * self.tile_n + j * box
                 k_row = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, k_offset)
                 v_row = self.page_row(mTable, seq, key, last_page, num_rows, page_stride, v_offset)
+                rows.append((k_row, v_row))
+            cute.arch.mbarrier_wait(empty + stage, ((i // self.stages) % 2) ^ 1)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(full + stage, self.tile_bytes)
+            for j in cutlass.range_constexpr(boxes):
+                k_row, v_row = rows[j]
                 slot = stage * boxes + j
                 cute.copy(atom, tKgK[None, k_row // box, kv_head], tKsK[None, slot], tma_bar_ptr=full + stage)
                 cute.copy(atom, tVgV[None, v_row // box, kv_head], tVsV[None, slot], tma_bar_ptr=full + stage)
@@ -329,16 +356,21 @@ class PagedDecodeSm90:
         my_hi: Int32,
         scale_log2: Float32,
     ) -> None:
-        """Consumer warps: online softmax over their keys of each tile, then a CTA merge."""
+        """Consumer warps: a warp scores `keys_per_step` keys at once (lane group `sub` takes one, its
+        `key_lanes` lanes split head_dim), holds `block_steps` steps of scores, and updates the online
+        softmax once per block; then the lane groups, and the warps, merge."""
         N, D, G, C, E = self.tile_n, self.head_dim, self.group, self.consumer_warps, self.elems
+        L, B = self.key_lanes, self.block_steps
         per_warp = N // C
-        lanes_k = cute.make_tensor(sK.iterator, cute.make_layout((E, 32, N * self.stages), stride=(1, E, D)))
-        lanes_v = cute.make_tensor(sV.iterator, cute.make_layout((E, 32, N * self.stages), stride=(1, E, D)))
+        sub = lane // L  # this lane's key of each step
+        part = lane % L  # this lane's head_dim slice: elements part * E ... part * E + E - 1
+        lanes_k = cute.make_tensor(sK.iterator, cute.make_layout((E, L, N * self.stages), stride=(1, E, D)))
+        lanes_v = cute.make_tensor(sV.iterator, cute.make_layout((E, L, N * self.stages), stride=(1, E, D)))
 
         q = cute.make_rmem_tensor((G, E), Float32)
         for g in cutlass.range_constexpr(G):
             for e in cutlass.range_constexpr(E):
-                q[g, e] = Float32(mQ[row, kv_head * G + g, lane * E + e]) * scale_log2
+                q[g, e] = Float32(mQ[row, kv_head * G + g, part * E + e]) * scale_log2
         m = cute.make_rmem_tensor((G,), Float32)
         row_sum = cute.make_rmem_tensor((G,), Float32)
         acc = cute.make_rmem_tensor((G, E), Float32)
@@ -347,41 +379,82 @@ class PagedDecodeSm90:
         acc.fill(0.0)
         k = cute.make_rmem_tensor((E,), Float32)
         v = cute.make_rmem_tensor((E,), Float32)
+        scores = cute.make_rmem_tensor((G, B), Float32)  # base-2 scores, then probabilities
 
         for tile in cutlass.range(my_lo, my_hi, unroll=1):
             i = tile - my_lo
             stage = i % self.stages
             cute.arch.mbarrier_wait(full + stage, (i // self.stages) % 2)
-            for kk in cutlass.range_constexpr(per_warp):
-                local = warp * per_warp + kk
-                key = tile * N + local
-                if (key >= lo) & (key < hi):
-                    k.store(lanes_k[None, lane, stage * N + local].load().to(Float32))
-                    v.store(lanes_v[None, lane, stage * N + local].load().to(Float32))
+            first_key = tile * N + warp * per_warp + sub
+            first_slot = stage * N + warp * per_warp + sub
+            for block in cutlass.range_constexpr(self.steps // self.block_steps):
+                # Scores of the block's keys: independent dot products and butterfly reductions.
+                # A key outside [lo, hi) scores -inf whatever its slot holds.
+                for b in cutlass.range_constexpr(self.block_steps):
+                    local = (block * self.block_steps + b) * self.keys_per_step
+                    key = first_key + local
+                    k.store(lanes_k[None, part, first_slot + local].load().to(Float32))
                     for g in cutlass.range_constexpr(G):
                         s = Float32(0.0)
                         for e in cutlass.range_constexpr(E):
                             s += q[g, e] * k[e]
-                        for offset in cutlass.range_constexpr(5):
-                            s += cute.arch.shuffle_sync_bfly(s, offset=16 >> offset)
-                        m_new = cutlass.max(m[g], s)
-                        corr = cute.math.exp2(m[g] - m_new, fastmath=True)
-                        p = cute.math.exp2(s - m_new, fastmath=True)
-                        row_sum[g] = row_sum[g] * corr + p
-                        m[g] = m_new
+                        for level in cutlass.range_constexpr(self.key_levels):
+                            s += cute.arch.shuffle_sync_bfly(s, offset=self.key_lanes >> (level + 1))
+                        scores[g, b] = Float32(cutlass.select_((key >= lo) & (key < hi), s, -Float32.inf))
+                # One online-softmax update per block.
+                for g in cutlass.range_constexpr(G):
+                    m_new = m[g]
+                    for b in cutlass.range_constexpr(self.block_steps):
+                        m_new = cute.arch.fmax(m_new, scores[g, b])
+                    base = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
+                    corr = cute.math.exp2(m[g] - base, fastmath=True)
+                    m[g] = m_new
+                    total = Float32(0.0)
+                    for b in cutlass.range_constexpr(self.block_steps):
+                        p = cute.math.exp2(scores[g, b] - base, fastmath=True)
+                        scores[g, b] = p
+                        total += p
+                    row_sum[g] = row_sum[g] * corr + total
+                    for e in cutlass.range_constexpr(E):
+                        acc[g, e] = acc[g, e] * corr
+                # acc += p * v; V of a key outside [lo, hi) counts as zeros (its slot may hold anything).
+                for b in cutlass.range_constexpr(self.block_steps):
+                    local = (block * self.block_steps + b) * self.keys_per_step
+                    key = first_key + local
+                    valid = (key >= lo) & (key < hi)
+                    v.store(lanes_v[None, part, first_slot + local].load().to(Float32))
+                    for e in cutlass.range_constexpr(E):
+                        v[e] = Float32(cutlass.select_(valid, v[e], Float32(0.0)))
+                    for g in cutlass.range_constexpr(G):
                         for e in cutlass.range_constexpr(E):
-                            acc[g, e] = acc[g, e] * corr + p * v[e]
+                            acc[g, e] += scores[g, b] * v[e]
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(empty + stage)
 
-        # Merge the consumer warps: each writes (m, l, acc); threads then own (g, d) pairs.
-        for g in cutlass.range_constexpr(G):
-            for e in cutlass.range_constexpr(E):
-                sAcc[warp, g, lane * E + e] = acc[g, e]
-            if lane == 0:
-                sStat[0, warp, g] = m[g]
-                sStat[1, warp, g] = row_sum[g]
+        # Merge the lane groups of the warp (butterfly over `sub`): every lane ends with the warp's state.
+        for level in cutlass.range_constexpr(self.step_levels):
+            offset = self.key_lanes << level
+            for g in cutlass.range_constexpr(G):
+                m_other = cute.arch.shuffle_sync_bfly(m[g], offset=offset)
+                sum_other = cute.arch.shuffle_sync_bfly(row_sum[g], offset=offset)
+                m_new = cute.arch.fmax(m[g], m_other)
+                base = Float32(cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new))
+                mine = cute.math.exp2(m[g] - base, fastmath=True)
+                theirs = cute.math.exp2(m_other - base, fastmath=True)
+                row_sum[g] = row_sum[g] * mine + sum_other * theirs
+                m[g] = m_new
+                for e in cutlass.range_constexpr(E):
+                    acc[g, e] = acc[g, e] * mine + cute.arch.shuffle_sync_bfly(acc[g, e], offset=offset) * theirs
+
+        # Merge the consumer warps: lane group 0 of each writes (m, l, acc); threads then own (g, d) pairs.
+        if sub == 0:
+            for g in cutlass.range_constexpr(G):
+                for e in cutlass.range_constexpr(E):
+                    sAcc[warp, g, part * E + e] = acc[g, e]
+                if lane == 0:
+                    sStat[0, warp, g] = m[g]
+                    sStat[1, warp, g] = row_sum[g]
         cute.arch.barrier(barrier_id=1, number_of_threads=32 * C)
         for idx in cutlass.range(tidx, G * D, 32 * C, unroll=1):
             g = idx // D
