@@ -1,8 +1,9 @@
-"""The two preset calls of a GPU visit: steps run in turn, each in its own process under a time cap,
+"""The preset calls of a GPU visit: steps run in turn, each in its own process under a time cap,
 each ending in `VERDICT <name> PASS|FAIL|TIMEOUT <figure>` lines; a summary table prints last.
 
-    bash benchmarks/gpu/call1.sh [--dry-run]   # carry .kit/a: env, probes, decode GB/s, generation, Triton tests
-    bash benchmarks/gpu/call2.sh [--dry-run]   # carry .kit/b: CuTe kit, CuTe tests and GB/s; MLA, variant, CUDA paths
+    bash benchmarks/gpu/call1.sh [--dry-run]   # carry .kit/a: env, probes, decode GB/s, FP8, generation, Triton tests
+    bash benchmarks/gpu/call2.sh [--dry-run]   # carry .kit/b: CuTe kit, CuTe tests, GB/s and profile
+    bash benchmarks/gpu/call3.sh [--dry-run]   # MLA tests and GB/s, variant and CUDA-path tests, compiled generate
 
 A call stops starting steps when its budget (`CALLS[...].budget_s`) is spent, so it returns well
 inside the device tool's timeout. Kernel-family probes run one test each with
@@ -10,11 +11,11 @@ inside the device tool's timeout. Kernel-family probes run one test each with
 pytest runs verbose, with a per-test deadline (`deadline_plugin.py`), so a hang or a kill leaves the
 test's name in the log. Benchmarks print each row as it is measured (`ROW {json}`), and each row
 becomes a verdict at once. Everything goes to stdout and `$OUT/<call>.log`, the summary to
-`$OUT/<call>.md`, the benchmark's table and JSON beside them (`BENCH_RESULTS_DIR`): 4 files a call.
+`$OUT/<call>.md`, a benchmark's table and JSON beside them (`BENCH_RESULTS_DIR`): at most 6 files a call.
 
 `--dry-run` runs the same call on a machine without a GPU: the pytest steps are collected (one
 collection per call; every named test must exist), the benchmarks run at tiny sizes on CPU tensors
-(Triton in its interpreter), the kit steps only look for their files. CI runs it
+(Triton in its interpreter), the kit steps only look for their files. CI runs them
 (tests/test_gpu_calls.py), so a typo here never costs device minutes.
 
 Only the standard library is imported: a broken torch or CUDA install fails a step, not the driver.
@@ -142,7 +143,7 @@ CALLS = {
         ),
     ),
     "call2": Call(
-        budget_s=300,
+        budget_s=270,
         steps=(
             Step("kit-b", "kit", (".kit/b/stage.sh",), cap_s=100),
             Step("env", "shell", (f'{PYTHON} -c "{ENV_REPORT}"; {PYTHON} -c "{CUTLASS_REPORT}"',), cap_s=40),
@@ -173,6 +174,21 @@ CALLS = {
                 unless_hung=("probe-cute-decode",),
                 dry_args=("benchmarks/bench_cute_decode.py", "--dry-run", "--page-sizes", "16"),
             ),
+            Step(
+                "profile-cute",
+                "bench",
+                ("benchmarks/gpu/profile_cute_decode.py", "--page-size", "64"),
+                cap_s=150,
+                needs=("kit-b",),
+                unless_hung=("probe-cute-decode",),
+                dry_args=("benchmarks/gpu/profile_cute_decode.py", "--dry-run"),
+            ),
+        ),
+    ),
+    "call3": Call(
+        budget_s=270,
+        steps=(
+            Step("env", "shell", (f'{PYTHON} -c "{ENV_REPORT}"',), cap_s=40),
             Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
             Step("bench-mla", "shell", (_on_gpu("benchmarks/bench_mla_gpu.py"),), cap_s=45),
             Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
@@ -182,6 +198,17 @@ CALLS = {
                 ("tests/gpu/test_cuda_paths.py", "tests/gpu/test_distributed_gpu.py"),  # (NCCL needs two GPUs)
                 cap_s=40,
                 deadline_s=30,
+            ),
+            Step(
+                "bench-hf",
+                "shell",
+                (
+                    _on_gpu(
+                        "benchmarks/bench_hf.py --dtype bfloat16 --compile --repeats 3",
+                        dry="benchmarks/bench_hf.py --repeats 1 --new-tokens 2 --layers 1 --hidden 64 --batch 2",
+                    ),
+                ),
+                cap_s=120,
             ),
         ),
     ),
