@@ -13,6 +13,7 @@ e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,17 @@ def fp8_bits_to_float(byte, MANT: tl.constexpr, BIAS: tl.constexpr, NAN_CODES: t
         normal = tl.where(special, normal | (255 << 23), normal)
     subnormal = (mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))).to(tl.int32, bitcast=True) | sign
     return tl.where(exponent == 0, subnormal, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_bits_to_operand(byte, dtype: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """The values of raw FP8 bytes (uint8) in `dtype`. `HW` (sm_89+): the hardware conversion,
+    FP8 -> fp16 then `dtype` (every FP8 value, NaN, infinities and -0 included, is exact in
+    fp16 and bf16); otherwise `fp8_bits_to_float`, then `dtype`."""
+    if HW:
+        fmt: tl.constexpr = tl.float8e4nv if MANT == 3 else tl.float8e5
+        return byte.to(fmt, bitcast=True).to(tl.float16).to(dtype)
+    return fp8_bits_to_float(byte, MANT, BIAS).to(dtype)
 
 
 @triton.jit
@@ -84,6 +96,18 @@ def quantize_granules(x, N: tl.constexpr, GRAN: tl.constexpr, MANT: tl.constexpr
     scale = tl.where(non_finite, float("nan"), tl.math.div_rn(tl.max(magnitude, 1), MAX))
     q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, tl.where(scale > 0, scale, 1.0)[:, None]), 0.0)
     return float_to_fp8_bits(tl.reshape(q, (N,)), MANT, BIAS, MAX), scale
+
+
+META_ARCH: ContextVar[int] = ContextVar("META_ARCH", default=90)
+"""The SM version that launches planned on "meta" tensors target (`aot` sets it per architecture)."""
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether kernels on `device` decode FP8 with the hardware conversion (`fp8_bits_to_operand`):
+    CUDA sm_89 and later; on "meta", whether `META_ARCH` is."""
+    if device.type == "meta":
+        return META_ARCH.get() >= 89
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 class Quantization(NamedTuple):
