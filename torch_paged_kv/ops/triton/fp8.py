@@ -1,11 +1,11 @@
 """FP8 <-> fp32 in Triton, for the kernels that store into and read from FP8 caches.
 
 Exact integer arithmetic on the raw bytes, so the same code runs on every GPU (sm_80 has no FP8
-conversion instructions) and in Triton's interpreter (which has no FP8 type): round to nearest
-even, saturating at the format's largest finite value, the rule of `ops/quant.py`. Tested bit for
-bit against torch's own conversion for every byte and for fp32 values of every binade. (On sm_89+
-the hardware `cvt` instructions would save a few integer operations per element: a change to
-measure on a GPU first.)
+conversion instructions) and in Triton's interpreter (whose FP8 emulation reads NaN codes as
+finite numbers): round to nearest even, saturating at the format's largest finite value, the rule
+of `ops/quant.py`. Tested bit for bit against torch's own conversion for every byte and for fp32
+values of every binade. Attention tiles, which only feed `tl.dot`, use the hardware conversion on
+sm_89+ instead (`fp8_bits_to_operand`): the integer decode made the sm_90 decode loops 2.5-3x longer.
 
 A format is described by its mantissa bits, exponent bias and largest finite value:
 e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57344.
