@@ -223,7 +223,7 @@ def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
             ("fp16", "fp8-g128", 16, "prefill"),
             ("bf16", "e5m2-static", 16, "decode"),
             ("fp32", "unquantized", 16, "decode"),
-            ("bf16", "fp8-g128", 16, "decode-slot"),  # (per-token FP8 rows spill 84 B there on sm_90, triton 3.9)
+            ("bf16", "fp8-g128", 16, "decode-slot"),  # (per-token rows spilled 84 B there with the integer decode)
         ]
         return
     for dtype, heads, mode in itertools.product(DTYPES, (16, 128), MODES):
