@@ -13,6 +13,7 @@ e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57
 
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -107,7 +108,12 @@ def hardware_fp8(device: torch.device) -> bool:
     CUDA sm_89 and later; on "meta", whether `META_ARCH` is."""
     if device.type == "meta":
         return META_ARCH.get() >= 89
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and _capability(device) >= (8, 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 class Quantization(NamedTuple):
