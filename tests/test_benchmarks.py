@@ -90,7 +90,7 @@ CPU_RUNS = {
         "3",
     ],
 }
-GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py", "bench_mla_gpu.py"]
+GPU_ONLY = ["bench_decode_gpu.py", "bench_cute_decode.py", "bench_mla_gpu.py", "bench_mla_tiles_gpu.py"]
 
 
 @pytest.fixture

@@ -297,15 +297,22 @@ def test_fp8_store_and_gather_match_the_reference_bit_for_bit(force_backend, dty
         assert torch.equal(ref, got)
 
 
+@pytest.mark.parametrize("hardware", [False, True], ids=["integer-decode", "hardware-cvt"])
 @pytest.mark.parametrize("dtype, granularity, continuous", FP8_CASES)
-def test_fp8_attention_matches_fp64(dtype, granularity, continuous):
+def test_fp8_attention_matches_fp64(dtype, granularity, continuous, hardware, monkeypatch):
     """Ragged prefill / chunked prefill / decode rows over FP8 pages against fp64 attention on the
-    dequantized K/V (what the cache holds), causal and windowed."""
+    dequantized K/V (what the cache holds), causal and windowed. Both read paths: the integer decode
+    (sm_80, the interpreter) and the FP8 -> fp16 conversion of sm_89+ (`hardware_fp8`), which the
+    interpreter emulates exactly for finite codes (these pages hold no NaN)."""
+    monkeypatch.setattr(triton_attention, "hardware_fp8", lambda device: hardware)
     b, new_keys, new_values = make_fp8_batch(
         [0, 21, 40, 7], [9, 5, 1, 1], dtype=dtype, granularity=granularity, continuous=continuous,
         page_size=64 if continuous else 8, seed=3,
     )  # fmt: skip
     ops.store_kv(new_keys, new_values, b.blocks, *b.step, b.layer_idx, b.scales)
+    launch = triton_attention.plan_flash_attention(FlashAttentionArgs(b.q, b.blocks, *b.step, b.layer_idx, 0.3,
+                                                                      scales=b.scales))[1][0]  # fmt: skip
+    assert launch.kwargs["HW_FP8"] is hardware
     for window in (-1, 6):
         out = ops.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, True, window, 0.0, b.scales)
         want = attention_fp64(b.q, b.keys, b.values, [0, 21, 40, 7], 0.3, True, window)

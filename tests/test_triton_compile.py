@@ -79,6 +79,31 @@ def test_16_bit_attention_uses_tensor_cores(compiled):
     assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
 
 
+FP8_CACHES = {"fp8", "fp8-g128", "e5m2-static", "over"}  # words naming an FP8 attention variant (`aot`)
+
+
+@pytest.mark.slow  # the AOT compile (the `compiled` fixture)
+def test_fp8_attention_converts_in_hardware_on_sm_90_and_decodes_integers_on_sm_80(compiled):
+    """FP8 pages reach `tl.dot` through the FP8 -> fp16 `cvt` on sm_90 (`fp8.hardware_fp8`), with no
+    spill: the integer decode made the sm_90 per-token MLA decode loop 3x longer and spilled (28-48
+    bytes). sm_80, which has no FP8 instructions, keeps the integer decode (its subnormal factor,
+    2^-9 or 2^-16, is a PTX constant there and absent on sm_90)."""
+    rows, keep = compiled
+    fp8 = [key for key in rows if key[1].split()[0].endswith("attention_kernel") and FP8_CACHES & set(key[1].split())]
+    assert {arch for arch, _ in fp8} == {80, 90} and {name.split()[0] for _, name in fp8} == {
+        "attention_kernel",
+        "mla_attention_kernel",
+    }
+    for arch, name in fp8:
+        stem = re.sub(r"[^\w.+-]+", "_", name)
+        ptx = (keep / f"sm{arch}" / f"{stem}.ptx").read_text()
+        hardware = re.search(r"cvt\.rn\.f16x2\.e(4m3|5m2)x2", ptx) is not None
+        integer = re.search(r"0f3B000000|0f37800000", ptx) is not None
+        assert (hardware, integer) == ((True, False) if arch == 90 else (False, True)), (arch, name)
+        if arch == 90:
+            assert rows[arch, name][1] == 0, (name, rows[arch, name])
+
+
 @pytest.mark.slow  # the AOT compile (the `compiled` fixture)
 def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
     """Triton passes ints below 2**31 as i32: `layer_idx * stride_layer` wrapped at layer 16 of a

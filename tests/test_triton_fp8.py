@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_paged_kv.ops.triton.fp8 import FORMATS, float_to_fp8_bits, fp8_bits_to_float
+from torch_paged_kv.ops.triton.fp8 import FORMATS, META_ARCH, float_to_fp8_bits, fp8_bits_to_float, hardware_fp8
 
 
 @triton.jit
@@ -104,3 +104,15 @@ def test_fp32_queries_over_fp8_pages_at_head_dim_256_are_left_to_the_reference(h
         force_backend(None)
     got = pk.flash_attention(*args, scales=b.scales)
     torch.testing.assert_close(got, reference.flash_attention(*args, scales=b.scales))
+
+
+def test_the_hardware_conversion_is_planned_for_sm_89_and_later_only():
+    """CPU tensors (the interpreter, whose FP8 emulation reads NaN codes as numbers) take the integer
+    decode; "meta" launches (`aot`) follow the architecture they are planned for."""
+    assert hardware_fp8(torch.device("cpu")) is False
+    for arch, hardware in ((80, False), (86, False), (89, True), (90, True), (100, True)):
+        token = META_ARCH.set(arch)
+        try:
+            assert hardware_fp8(torch.device("meta")) is hardware, arch
+        finally:
+            META_ARCH.reset(token)

@@ -32,6 +32,7 @@ QUANT = {
     "fp8-granule8": (torch.float8_e4m3fn, dict(quantization_granularity=8)),
     "e5m2-static": (torch.float8_e5m2, dict(static_scales=(0.01,))),
 }
+FP8_KINDS = ("fp8-per-token", "fp8-granule8", "e5m2-static")
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +107,20 @@ def _check(b, scale: float, causal: bool = True) -> None:
 
 @pytest.mark.parametrize("name", ATTENTION_CASES)
 def test_mla_attention_matches_reference_and_fp64(name):
+    _mla_attention_case(name)
+
+
+@pytest.mark.parametrize("name", [name for name, case in ATTENTION_CASES.items() if case[7] in FP8_KINDS])
+def test_fp8_rows_through_the_hardware_conversion_match_fp64(name, monkeypatch):
+    """The sm_89+ read path (`hardware_fp8`: FP8 -> fp16 by `cvt`, then the query's dtype), which the
+    interpreter emulates exactly for finite codes (these rows hold no NaN)."""
+    monkeypatch.setattr(triton_mla, "hardware_fp8", lambda device: True)
+    b = _mla_attention_case(name)
+    a = MLAAttentionArgs(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.1, True, b.scales)
+    assert triton_mla.plan_mla_attention(a)[1][0].kwargs["HW_FP8"] is True
+
+
+def _mla_attention_case(name: str):
     cached, new, page_size, continuous, heads, rank, rope, kind, causal = ATTENTION_CASES[name]
     dtype, quantization = QUANT[kind]
     b = make_mla_batch(
@@ -121,6 +136,7 @@ def test_mla_attention_matches_reference_and_fp64(name):
         **quantization,
     )
     _check(b, (rank + rope) ** -0.5, causal)
+    return b
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import torch_paged_kv.ops as ops
 from torch_paged_kv.ops import reference
 from torch_paged_kv.ops.records import FlashAttentionArgs
 from torch_paged_kv.ops.triton import unavailable_reason
+from torch_paged_kv.ops.triton.fp8 import FORMATS, fp8_bits_to_operand, hardware_fp8
 from torch_paged_kv.testing import ATTENTION_TOLERANCE as TOLERANCE
 from torch_paged_kv.testing import (
     PagedBatch,
@@ -267,6 +270,29 @@ def test_decode_step_compiled_reduce_overhead():
         assert torch.equal(batch.blocks, want_blocks)
         torch.testing.assert_close(got, want, **TOLERANCE[torch.bfloat16])
         batch.cache_lengths.add_(1)
+
+
+@triton.jit
+def _operand_kernel(src, dst, MANT: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(dst + i, fp8_bits_to_operand(tl.load(src + i), dst.dtype.element_ty, MANT, BIAS, HW))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fp8", list(FORMATS))
+def test_every_fp8_code_converts_in_hardware_like_torch(fp8, out_dtype):
+    """The attention kernels' sm_89+ read path (`cvt` to fp16, then the query's dtype) and the integer
+    decode of sm_80 give torch's value for every code, bit for bit (-0 and e5m2's infinities too),
+    NaN codes as NaN."""
+    mant, bias, _ = FORMATS[fp8]
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(CUDA)
+    want = raw.view(fp8).to(out_dtype)
+    nan, bits = want.isnan(), torch.int16 if out_dtype.itemsize == 2 else torch.int32
+    for hardware in (hardware_fp8(CUDA), False):
+        got = torch.empty(256, dtype=out_dtype, device=CUDA)
+        _operand_kernel[(1,)](raw, got, MANT=mant, BIAS=bias, HW=hardware)
+        assert torch.equal(got.isnan(), nan), hardware
+        assert torch.equal(got[~nan].view(bits), want[~nan].view(bits)), hardware
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from .common import (
     tile_rows,
 )
 from .flash_merge import plan_merge
-from .fp8 import covered, fp8_bits_to_float, quantization
+from .fp8 import covered, fp8_bits_to_operand, hardware_fp8, quantization
 
 PROGRAMS_PER_SM = 4
 """Attention programs one SM runs at once (the split rule's occupancy target; ops/splits.py)."""
@@ -101,6 +101,7 @@ def _attention_kernel(
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     FMAX: tl.constexpr,
+    HW_FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -164,8 +165,9 @@ def _attention_kernel(
         k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0)
         v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0)
         if QUANT != 0:  # FP8 bytes -> their exact values; the scales are applied where cheapest
-            k = fp8_bits_to_float(k, MANT, BIAS)
-            v = fp8_bits_to_float(v, MANT, BIAS)
+            OPERAND: tl.constexpr = tl.float32 if UPCAST or (QUANT == 1 and GROUPS > 1) else qt.dtype
+            k = fp8_bits_to_operand(k, OPERAND, MANT, BIAS, HW_FP8)
+            v = fp8_bits_to_operand(v, OPERAND, MANT, BIAS, HW_FP8)
             if QUANT == 1:
                 scale_row = scale0 + page.to(tl.int64) * scale_stride_page + in_page * scale_stride_token
                 if GROUPS == 1:  # one scale per key: applied to its score and its probability below
@@ -179,9 +181,8 @@ def _attention_kernel(
                     )
                     k = tl.reshape(tl.reshape(k, [BLOCK_N, GROUPS, GRAN]) * k_scale[:, :, None], [BLOCK_N, HEAD_DIM])
                     v = tl.reshape(tl.reshape(v, [BLOCK_N, GROUPS, GRAN]) * v_scale[:, :, None], [BLOCK_N, HEAD_DIM])
-            if not UPCAST:  # tensor cores in the query's dtype, as for 16-bit pages
-                k = k.to(qt.dtype)
-                v = v.to(qt.dtype)
+                    k = k.to(qt.dtype)  # tensor cores in the query's dtype, as for 16-bit pages
+                    v = v.to(qt.dtype)
         elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -359,6 +360,7 @@ def plan_flash_attention(a: FlashAttentionArgs) -> tuple[torch.Tensor, list[Laun
                 STEPS=search_steps(batch),
                 WIDE_PAGE=wide_page(blocks),
                 **quant.constexprs,
+                HW_FP8=hardware_fp8(q.device),
                 num_warps=num_warps,
             ),
         )

@@ -1,11 +1,11 @@
 """FP8 <-> fp32 in Triton, for the kernels that store into and read from FP8 caches.
 
 Exact integer arithmetic on the raw bytes, so the same code runs on every GPU (sm_80 has no FP8
-conversion instructions) and in Triton's interpreter (which has no FP8 type): round to nearest
-even, saturating at the format's largest finite value, the rule of `ops/quant.py`. Tested bit for
-bit against torch's own conversion for every byte and for fp32 values of every binade. (On sm_89+
-the hardware `cvt` instructions would save a few integer operations per element: a change to
-measure on a GPU first.)
+conversion instructions) and in Triton's interpreter (whose FP8 emulation reads NaN codes as
+finite numbers): round to nearest even, saturating at the format's largest finite value, the rule
+of `ops/quant.py`. Tested bit for bit against torch's own conversion for every byte and for fp32
+values of every binade. Attention tiles, which only feed `tl.dot`, use the hardware conversion on
+sm_89+ instead (`fp8_bits_to_operand`): the integer decode made the sm_90 decode loops 2.5-3x longer.
 
 A format is described by its mantissa bits, exponent bias and largest finite value:
 e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57344.
@@ -13,6 +13,8 @@ e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57
 
 from __future__ import annotations
 
+import functools
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -44,6 +46,17 @@ def fp8_bits_to_float(byte, MANT: tl.constexpr, BIAS: tl.constexpr, NAN_CODES: t
         normal = tl.where(special, normal | (255 << 23), normal)
     subnormal = (mantissa.to(tl.float32) * (2.0 ** (1 - BIAS - MANT))).to(tl.int32, bitcast=True) | sign
     return tl.where(exponent == 0, subnormal, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_bits_to_operand(byte, dtype: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, HW: tl.constexpr):
+    """The values of raw FP8 bytes (uint8) in `dtype`. `HW` (sm_89+): the hardware conversion,
+    FP8 -> fp16 then `dtype` (every FP8 value, NaN, infinities and -0 included, is exact in
+    fp16 and bf16); otherwise `fp8_bits_to_float`, then `dtype`."""
+    if HW:
+        fmt: tl.constexpr = tl.float8e4nv if MANT == 3 else tl.float8e5
+        return byte.to(fmt, bitcast=True).to(tl.float16).to(dtype)
+    return fp8_bits_to_float(byte, MANT, BIAS).to(dtype)
 
 
 @triton.jit
@@ -84,6 +97,23 @@ def quantize_granules(x, N: tl.constexpr, GRAN: tl.constexpr, MANT: tl.constexpr
     scale = tl.where(non_finite, float("nan"), tl.math.div_rn(tl.max(magnitude, 1), MAX))
     q = tl.where(scale[:, None] > 0, tl.math.div_rn(granules, tl.where(scale > 0, scale, 1.0)[:, None]), 0.0)
     return float_to_fp8_bits(tl.reshape(q, (N,)), MANT, BIAS, MAX), scale
+
+
+META_ARCH: ContextVar[int] = ContextVar("META_ARCH", default=90)
+"""The SM version that launches planned on "meta" tensors target (`aot` sets it per architecture)."""
+
+
+def hardware_fp8(device: torch.device) -> bool:
+    """Whether kernels on `device` decode FP8 with the hardware conversion (`fp8_bits_to_operand`):
+    CUDA sm_89 and later; on "meta", whether `META_ARCH` is."""
+    if device.type == "meta":
+        return META_ARCH.get() >= 89
+    return device.type == "cuda" and _capability(device) >= (8, 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 class Quantization(NamedTuple):

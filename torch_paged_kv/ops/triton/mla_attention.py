@@ -22,7 +22,7 @@ import triton.language as tl
 from ..records import MLAAttentionArgs
 from .common import Launch, is_interpreted, key_pages, online_softmax, query_tile, search_steps, store_rows, tile_rows
 from .flash_attention import num_splits
-from .fp8 import fp8_bits_to_float
+from .fp8 import fp8_bits_to_operand, hardware_fp8
 from .mla_merge import plan_mla_merge
 from .mla_store import granules, mla_views, quant_mode, view_strides
 
@@ -77,6 +77,7 @@ def _mla_attention_kernel(
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    HW_FP8: tl.constexpr,
     SCALES: tl.constexpr,
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
@@ -136,15 +137,16 @@ def _mla_attention_kernel(
             elif GROUPS == 1:  # one scale per token: likewise (loaded here, so page and offset die early)
                 scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
                 token_scale = tl.load(scales + scale_slot, mask=key_ok, other=0.0)
-            latent = fp8_bits_to_float(latent, MANT, BIAS)  # exact
             if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
+                latent = fp8_bits_to_operand(latent, tl.float32, MANT, BIAS, HW_FP8)
                 scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
                 granule = tl.load(
                     scales + scale_slot[:, None] + tl.arange(0, GROUPS)[None, :], mask=key_ok[:, None], other=0.0
                 )
                 latent = tl.reshape(latent, (BLOCK_N, GROUPS, RANK // GROUPS)) * granule[:, :, None]
-                latent = tl.reshape(latent, (BLOCK_N, RANK))
-            latent = latent.to(qn.dtype)
+                latent = tl.reshape(latent, (BLOCK_N, RANK)).to(qn.dtype)
+            else:  # exact in the query's dtype: the scale is applied to scores and probabilities
+                latent = fp8_bits_to_operand(latent, qn.dtype, MANT, BIAS, HW_FP8)
             rope = rope.to(qn.dtype)
         elif UPCAST:
             latent = latent.to(tl.float32)
@@ -179,18 +181,20 @@ def wide_page(*views: torch.Tensor | None) -> bool:
 
 
 def _blocks_for(
-    rank: int, heads: int, decode: bool, interpret: bool, fp32: bool, fp8: bool
+    rank: int, heads: int, decode: bool, interpret: bool, fp32: bool, fp8: bool, hw_fp8: bool = False
 ) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps). The `[BLOCK_M, kv_lora_rank]` fp32 accumulator and the
     query (held by every warp as the first `tl.dot` operand) dominate the registers: 16 rows at
     rank >= 256 (as vLLM's and SGLang's Triton MLA decode), up to 64 at small ranks. fp32 (FMAs, no
-    tensor cores) and FP8 rows (decoded in registers) take 16-key tiles over 8 warps: the largest
-    that compile without spills for sm_80 and sm_90 (see `aot`)."""
+    tensor cores) and FP8 rows decoded by integer arithmetic (sm_80) take 16-key tiles over 8 warps:
+    the largest that compile without spills (see `aot`). FP8 rows converted in hardware (`hw_fp8`,
+    sm_89+) take 32-key tiles over 8 warps (sm_90: 209 registers, no spill; 4 warps spill 192 bytes)."""
     heads_p = triton.next_power_of_2(heads)
     if interpret:
         rows, block_n, warps = 16, 16, 4
     elif rank >= 256:
-        rows, block_n, warps = 16, (16 if fp32 or fp8 else 32), (4 if decode and not (fp32 or fp8) else 8)
+        narrow = fp32 or (fp8 and not hw_fp8)
+        rows, block_n, warps = 16, (16 if narrow else 32), (4 if decode and not (fp32 or fp8) else 8)
     else:
         rows, block_n, warps = (16 if decode else 64 if rank <= 64 else 32), (16 if fp32 or fp8 else 64), 4
     block_h = min(heads_p, rows)
@@ -211,7 +215,8 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
     interpret = is_interpreted(q_nope)
     decode = total <= batch
     fp32 = q_nope.dtype == torch.float32
-    block_h, block_q, block_n, num_warps = _blocks_for(rank, heads, decode, interpret, fp32, scales is not None)
+    hw_fp8 = scales is not None and hardware_fp8(q_nope.device)
+    block_h, block_q, block_n, num_warps = _blocks_for(rank, heads, decode, interpret, fp32, scales is not None, hw_fp8)
     head_blocks = triton.cdiv(heads, block_h)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     splits = num_splits(batch * head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
@@ -268,6 +273,7 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
                 ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
                 GROUPS=granules(scales),
                 **quant,
+                HW_FP8=hw_fp8,
                 CAUSAL=bool(a.causal),
                 SPLIT=splits > 1,
                 WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
