@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU call 3 of 3, issued right after call 2 where the visit's time allows (device tool: no carry,
-# timeout_s 330; see docs/benchmarks.md, "GPU"): the MLA test file and MLA decode GB/s, the variant
-# and CUDA-path test files, then compiled PagedCache generation against StaticCache.
+# timeout_s 360; see docs/benchmarks.md, "GPU"): the MLA, variant and CUDA-path test files, MLA
+# decode tiles and FP8 read paths timed, then compiled PagedCache generation against StaticCache.
 # `--dry-run`: the same on CPU, no GPU.
 cd "$(dirname "$0")/../.." && exec python3 -u benchmarks/gpu/session.py call3 "$@"

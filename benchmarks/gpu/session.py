@@ -3,7 +3,7 @@ each ending in `VERDICT <name> PASS|FAIL|TIMEOUT <figure>` lines; a summary tabl
 
     bash benchmarks/gpu/call1.sh [--dry-run]   # carry .kit/a: env, probes, decode GB/s, FP8, generation, Triton tests
     bash benchmarks/gpu/call2.sh [--dry-run]   # carry .kit/b: CuTe kit, CuTe tests, GB/s and profile
-    bash benchmarks/gpu/call3.sh [--dry-run]   # MLA tests and GB/s, variant and CUDA-path tests, compiled generate
+    bash benchmarks/gpu/call3.sh [--dry-run]   # MLA, variant and CUDA-path tests, MLA tiles GB/s, compiled generate
 
 A call stops starting steps when its budget (`CALLS[...].budget_s`) is spent, so it returns well
 inside the device tool's timeout. Kernel-family probes run one test each with
@@ -186,11 +186,10 @@ CALLS = {
         ),
     ),
     "call3": Call(
-        budget_s=270,
+        budget_s=300,
         steps=(
             Step("env", "shell", (f'{PYTHON} -c "{ENV_REPORT}"',), cap_s=40),
             Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
-            Step("bench-mla", "shell", (_on_gpu("benchmarks/bench_mla_gpu.py"),), cap_s=45),
             Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
             Step(
                 "cuda-paths-tests",
@@ -199,6 +198,7 @@ CALLS = {
                 cap_s=40,
                 deadline_s=30,
             ),
+            Step("bench-mla-tiles", "shell", (_on_gpu("benchmarks/bench_mla_tiles_gpu.py"),), cap_s=75),
             Step(
                 "bench-hf",
                 "shell",
@@ -208,7 +208,7 @@ CALLS = {
                         dry="benchmarks/bench_hf.py --repeats 1 --new-tokens 2 --layers 1 --hidden 64 --batch 2",
                     ),
                 ),
-                cap_s=120,
+                cap_s=100,
             ),
         ),
     ),
