@@ -3,16 +3,17 @@ ones: the library is compiled `-march=native`, so without this a CPU with AVX-51
 ever test the bf16 dot-product path, one with AVX512-VBMI never the FP8 conversions without byte
 tables, and one with AVX-512 never the AVX2 path. Each case builds the
 library with `TORCH_PAGED_KV_CPU_FLAGS` in a fresh cache, checks that the build took the narrower
-path, and runs test_cpu.py (fp64 and reference comparisons) on it in a subprocess; the cases run at
-once, as many at a time as there are cores."""
+path, and runs test_cpu.py (fp64 and reference comparisons) on it in a subprocess; the cases start
+with the session, beside the slow set's other subprocesses (conftest.py's `background_runs`)."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -76,27 +77,24 @@ def _runnable(host_needs: set[str], cpu_flags: set[str]) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def started(request, tmp_path_factory, cpu_flags):
-    """flags -> the running build and test, for the selected cases this machine can run: all at once,
-    as many at a time as there are cores (a compile and a test run each, mostly one thread)."""
-    wanted = {item.callspec.params["flags"] for item in request.session.items if item.module is request.module}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=cores)
-    yield {
-        flags: pool.submit(_build_and_test, flags, tmp_path_factory.mktemp("isa"))
+def background_jobs(items, request) -> list[tuple[str, float, Callable[[], tuple[Run, Run | None]]]]:
+    """The selected cases this machine can run, for conftest's `background_runs` (about 100 s each,
+    a compile and a test run, on a loaded 2-core machine)."""
+    wanted = {item.callspec.params["flags"] for item in items}
+    cpu_flags, tmp = request.getfixturevalue("cpu_flags"), request.getfixturevalue("tmp_path_factory")
+    return [
+        (f"isa {flags}", 100, functools.partial(_build_and_test, flags, tmp.mktemp("isa")))
         for flags, host_needs, _ in CASES
         if flags in wanted and _runnable(host_needs, cpu_flags) is None
-    }
-    pool.shutdown(cancel_futures=True)
+    ]
 
 
 @pytest.mark.parametrize("flags, host_needs, expected", CASES, ids=[case[0] for case in CASES])
-def test_a_narrower_instruction_set_build_passes_the_cpu_tests(started, cpu_flags, flags, host_needs, expected):
+def test_a_narrower_instruction_set_build_passes_the_cpu_tests(background_runs, cpu_flags, flags, host_needs, expected):
     reason = _runnable(host_needs, cpu_flags)
     if reason is not None:
         pytest.skip(reason)
-    probe, tests = started[flags].result()
+    probe, tests = background_runs[f"isa {flags}"].result()
     assert probe.returncode == 0, probe.stderr
     assert tuple(map(int, probe.stdout.split())) == expected
     assert tests is not None

@@ -1,17 +1,18 @@
 """The examples users copy run end to end (each checks its own result and exits non-zero if wrong).
 
-Each runs in a fresh process, most compiling a model: the module starts the selected tests' examples
-at once, as many at a time as there are cores (the compiles are mostly one thread each), and each
-test checks its own example's output."""
+Each runs in a fresh process, most compiling a model: they start with the session, beside the
+slow set's other subprocesses (conftest.py's `background_runs`), and each test checks its own
+example's output."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -21,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 HF = importlib.util.find_spec("transformers") is not None
 
-# test name: (script, arguments), the longest first (started first, so that the last to start are short)
+# test name: (script, arguments)
 RUNS = {
     "compiled_decode": ("compiled_decode.py", "--requests", "4", "--new-tokens", "10", "--device", "cpu"),
     "mla_decode": ("mla_decode.py", "--requests", "3", "--new-tokens", "6", "--device", "cpu"),
@@ -33,33 +34,44 @@ RUNS = {
     "quickstart": ("quickstart.py",),
 }
 NEEDS_HF = {"hf_generate", "hf_mla_generate"}
+SECONDS = {  # roughly, each alone on a loaded 2-core machine: the longest start first
+    "compiled_decode": 50,
+    "mla_decode": 50,
+    "hf_generate": 30,
+    "tree_speculative": 30,
+    "hf_mla_generate": 27,
+    "disaggregated": 20,
+    "checkpoint_resume": 14,
+    "quickstart": 5,
+}
+Run = subprocess.CompletedProcess[str]
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(script: str, *args: str) -> Run:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, str(EXAMPLES / script), *args], env=env, capture_output=True, text=True, timeout=600
     )
 
 
-@pytest.fixture(scope="module")
-def started(request) -> dict[str, concurrent.futures.Future[subprocess.CompletedProcess[str]]]:
-    """name -> the running example, for the examples this session's selected tests check."""
-    wanted = {item.callspec.params["example"] for item in request.session.items if item.module is request.module}
+def background_jobs(items, request) -> list[tuple[str, float, Callable[[], Run]]]:
+    """The selected tests' examples, for conftest's `background_runs`."""
+    wanted = {item.callspec.params["example"] for item in items}
     if not HF:
         wanted -= NEEDS_HF
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=cores)
-    yield {name: pool.submit(_run, *RUNS[name]) for name in RUNS if name in wanted}
-    pool.shutdown(cancel_futures=True)
+    return [
+        (f"example {name}", seconds, functools.partial(_run, *RUNS[name]))
+        for name, seconds in SECONDS.items()
+        if name in wanted
+    ]
 
 
 @pytest.fixture
-def output(started, example) -> str:
+def output(background_runs, example) -> str:
     """The example's stdout, once it exited 0."""
     if example in NEEDS_HF and not HF:
         pytest.skip("needs transformers (the hf extra)")
-    done = started[example].result()
+    done = background_runs[f"example {example}"].result()
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
