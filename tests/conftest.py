@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.metadata
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -75,3 +76,25 @@ def cpu_flags() -> set[str]:
             return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     except OSError:
         return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_runs(request) -> Iterator[dict[str, concurrent.futures.Future[Any]]]:
+    """name -> a subprocess run that selected tests check (the slow set's builds, compiles and
+    examples), all started when the session starts, the longest first, as many at a time as there are
+    cores (each is mostly one thread). A test module lists its runs with a function
+    `background_jobs(its selected items, request)` -> [(name, rough seconds, function)] (`request`: this
+    fixture's, for session fixtures such as tmp_path_factory)."""
+    jobs = []
+    items = request.session.items
+    for module in dict.fromkeys(getattr(item, "module", None) for item in items):
+        plan = getattr(module, "background_jobs", None)
+        if plan is not None:
+            jobs += plan([item for item in items if getattr(item, "module", None) is module], request)
+    if not jobs:
+        yield {}
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=cores)
+    yield {name: pool.submit(run) for name, _, run in sorted(jobs, key=lambda job: -job[1])}
+    pool.shutdown(cancel_futures=True)

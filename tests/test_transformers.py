@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -358,21 +356,3 @@ def test_forward_without_cache(model, prompts):
         got = model(ids, attention_mask=mask, use_cache=False).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.slow  # a fresh process each
-@pytest.mark.parametrize(
-    "script, args, says",
-    [
-        ("hf_generate.py", ["--new-tokens", "8", "--batch", "2", "--repeats", "1"], "identical to DynamicCache: yes"),
-        ("quickstart.py", [], "matches SDPA"),
-    ],
-    ids=["hf_generate", "quickstart"],
-)
-def test_example_runs(script, args, says):
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert says in done.stdout

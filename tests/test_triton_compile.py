@@ -1,6 +1,7 @@
 """The Triton kernels compile for real GPUs, without one: `torch_paged_kv.ops.triton.aot --quick`
 (a representative subset of the launched variants) for sm_80 and sm_90, in a subprocess with
-triton in compiled mode (this session's triton may be in interpreter mode)."""
+triton in compiled mode (this session's triton may be in interpreter mode), started with the session
+beside the slow set's other subprocesses (conftest.py's `background_runs`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,18 +20,30 @@ pytest.importorskip("triton")
 ROW = re.compile(r"^sm(\d+)\s+(.+?)\s+(\d+)\s+(\d+)\s+(\S+)\s+[\d.]+$")
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> tuple[dict[tuple[int, str], tuple[int, int, str]], Path]:
-    """(arch, variant) -> (registers, spill bytes, tensor-core instructions), and the kept asm."""
-    keep = tmp_path_factory.mktemp("aot")
+def _compile(keep: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
-    run = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "torch_paged_kv.ops.triton.aot", "--arch", "90", "80", "--quick", "--keep", str(keep)],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def background_jobs(items, request) -> list[tuple[str, float, Callable[[], tuple[Path, Any]]]]:
+    """The AOT compile, if a selected test takes it, for conftest's `background_runs` (about 2 minutes
+    on a loaded 2-core machine)."""
+    if not any("compiled" in item.fixturenames for item in items):
+        return []
+    keep = request.getfixturevalue("tmp_path_factory").mktemp("aot")
+    return [("triton aot --quick", 120, lambda: (keep, _compile(keep)))]
+
+
+@pytest.fixture(scope="module")
+def compiled(background_runs) -> tuple[dict[tuple[int, str], tuple[int, int, str]], Path]:
+    """(arch, variant) -> (registers, spill bytes, tensor-core instructions), and the kept asm."""
+    keep, run = background_runs["triton aot --quick"].result()
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr[-5000:]
     rows = {(int(m[1]), m[2]): (int(m[3]), int(m[4]), m[5]) for m in map(ROW.match, run.stdout.splitlines()) if m}
