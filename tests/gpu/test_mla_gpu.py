@@ -13,9 +13,10 @@ from torch_paged_kv.ops.triton import unavailable_reason
 from torch_paged_kv.testing import (
     ATTENTION_TOLERANCE,
     assert_attention_within_rounding,
+    attention_fp64_and_spread,
     make_mla_batch,
+    mla_as_attention,
     mla_attention_fp64,
-    mla_attention_fp64_and_spread,
 )
 
 CUDA = torch.device("cuda")
@@ -72,7 +73,9 @@ def test_mla_attention_matches_reference_and_fp64(kind, name):
     # per-granule scales are applied to the latent tile, which the kernel then rounds to the query's
     # dtype for the tensor cores: the oracle reads those values
     latents = [t.to(b.q_nope.dtype) for t in b.latents] if kind == "fp8-granule128" else b.latents
-    exact, spread = mla_attention_fp64_and_spread(b.q_nope, b.q_rope, latents, b.ropes, cached, 192**-0.5)
+    exact, spread = attention_fp64_and_spread(
+        *mla_as_attention(b.q_nope, b.q_rope, latents, b.ropes), cached, 192**-0.5
+    )
     assert_attention_within_rounding(got, exact, spread)
     if kind != "fp8-granule128":  # (the reference reads the unrounded latents)
         assert_attention_within_rounding(got, reference_mla.mla_attention(*args).double(), spread)

@@ -11,7 +11,7 @@ import torch
 from ..layout import NULL_PAGE, table_width
 from ..ops import quant
 from ..params import KVCacheParams
-from .paged import attention_fp64, attention_fp64_and_spread
+from .paged import attention_fp64
 
 
 @dataclasses.dataclass
@@ -161,30 +161,14 @@ def mla_attention_fp64(
 ) -> torch.Tensor:
     """Absorbed MLA in float64, from the op contract: multi-query attention whose one key per token is
     `[latent; rope]`, whose query is `[q_nope; q_rope]`, and whose value is the latent."""
-    return attention_fp64(*_as_attention(q_nope, q_rope, latents, ropes), cache_lengths, softmax_scale, causal)
+    return attention_fp64(*mla_as_attention(q_nope, q_rope, latents, ropes), cache_lengths, softmax_scale, causal)
 
 
-def mla_attention_fp64_and_spread(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
-    latents: list[torch.Tensor],
-    ropes: list[torch.Tensor],
-    cache_lengths: Sequence[int],
-    softmax_scale: float,
-    causal: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`mla_attention_fp64`, the same weights over |latent|): the exact answer and the `spread` of
-    `assert_attention_within_rounding`."""
-    return attention_fp64_and_spread(
-        *_as_attention(q_nope, q_rope, latents, ropes), cache_lengths, softmax_scale, causal=causal
-    )
-
-
-def _as_attention(
+def mla_as_attention(
     q_nope: torch.Tensor, q_rope: torch.Tensor, latents: list[torch.Tensor], ropes: list[torch.Tensor]
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Absorbed MLA as one-kv-head attention: (query `[q_nope; q_rope]`, keys `[latent; rope]`, values
-    the latents)."""
+    the latents), the first arguments of `attention_fp64` or `attention_fp64_and_spread`."""
     keys = [
         torch.cat((latent.double(), rope.double()), dim=1)[:, None] for latent, rope in zip(latents, ropes, strict=True)
     ]
