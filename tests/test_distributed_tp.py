@@ -132,6 +132,30 @@ def test_diverging_page_decisions_fail_loudly_on_every_rank(rank_groups):
     assert all("same manager calls" in m for m in messages) and messages[0].startswith("rank 0 of 2")
 
 
+def _diverging_tree_paths(rank: int, world: int) -> str:
+    """Ranks that keep different tree paths of one length: the same lengths, pages and counts, but
+    different K/V in the pages (rank 0 keeps drafts 0 and 2, rank 1 drafts 0 and 3)."""
+    full = pk.KVCacheParams(torch.float32, 2, 4, HEAD_DIM, PAGE)
+    params, shard = shard_params(full, world, rank), tp_shard(full, world, rank)
+    m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64), tp_shard=shard)
+    m.claim("a")
+    run_step(m, ["a"], [[1, 2, 3, 4, 5, 6]], {"a": []})
+    for kept in ([0, 2], [0, 2 + rank]):  # the first agreed on (its next step passes), the second not
+        m.prepare_step(["a"], [4])  # a tree verify step (its ids come with accept)
+        m.commit_step()
+        m.accept("a", kept)
+    m.prepare_step(["a"], [1], [[9]])
+    with pytest.raises(TensorParallelDivergenceError, match="differ at step 4") as info:
+        m.commit_step()
+    assert m.cache_length("a") == 10  # nothing was committed
+    return str(info.value)
+
+
+def test_diverging_tree_paths_fail_loudly_on_every_rank(rank_groups):
+    messages = rank_groups.get(2).run(_diverging_tree_paths)
+    assert all("same manager calls" in m for m in messages)
+
+
 # -- a compiled tensor-parallel decode step --------------------------------------------------------------
 
 VOCAB, DIM, FFN, LAYERS, Q_HEADS, KV_HEADS = 64, 64, 128, 2, 4, 2

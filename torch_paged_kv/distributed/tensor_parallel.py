@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -87,9 +87,9 @@ class TensorParallelKVCacheManager(KVCacheManager):
     `collection` holds this rank's heads (`shard_params`), `tp_shard` says which (`tp_shard`); its
     `tp_size`/`tp_rank` must be this process's size/rank in `group` (no shard: a group of one).
     Call it exactly as every other rank does. Every `verify_every`-th `prepare_step` (default: each)
-    all-reduces a digest of the step (lengths, page counts, the last
-    page of each row, the pool's counters) over `cpu_group` (default `group`, which must then be a
-    gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
+    all-reduces a digest of the step (lengths, page counts, the last page of each row, the pool's
+    counters, every `rewind` and `accept` so far) over `cpu_group` (default `group`, which must then
+    be a gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
     all-reduce runs while the model does and `commit_step` checks it; without, `prepare_step` waits
     for it. Either raises `TensorParallelDivergenceError` on every rank if any differs, before the
     step is committed. `verify(full=True)` also compares every sequence's pages and the free list
@@ -124,6 +124,7 @@ class TensorParallelKVCacheManager(KVCacheManager):
         self.overlap = bool(overlap)
         self.steps_prepared = 0
         self._in_flight: tuple[int, torch.Tensor, dist.Work] | None = None
+        self._speculation = b""  # a running hash of every rewind and accept (see `_record`)
 
     def prepare_step(
         self, seq_ids: Sequence, num_new_tokens: Sequence[int], token_ids: Sequence[Sequence[int]] | None = None
@@ -147,6 +148,24 @@ class TensorParallelKVCacheManager(KVCacheManager):
         self._check_pending()
         super().commit_step()
 
+    def rewind(self, seq_id: Hashable, n: int) -> None:
+        """`KVCacheManager.rewind`, recorded for the next digest."""
+        super().rewind(seq_id, n)
+        self._record(seq_id, 0, n)
+
+    def accept(self, seq_id: Hashable, kept: Sequence[int], token_ids: Sequence[int] | None = None) -> None:
+        """`KVCacheManager.accept`, recorded for the next digest: ranks that keep different paths of
+        the same length end with the same lengths and pages but different K/V in them."""
+        super().accept(seq_id, kept, token_ids)
+        self._record(seq_id, 1, *kept)
+
+    def _record(self, seq_id: Hashable, *call: int) -> None:
+        """Chain a rewind or accept that succeeded (its arguments and the pages it left) into the
+        hash every later digest includes, so a rank that decided otherwise differs from then on."""
+        h = hashlib.blake2b(self._speculation, digest_size=16)
+        h.update(np.array([*call, self.cache_length(seq_id), *self.pages(seq_id)], dtype=np.int64).tobytes())
+        self._speculation = h.digest()
+
     def digest(self, full: bool = False) -> int:
         """A 56-bit digest of the page decisions so far (see the class docs); equal on every rank."""
         h = hashlib.blake2b(digest_size=7)
@@ -160,6 +179,7 @@ class TensorParallelKVCacheManager(KVCacheManager):
         sequences = self.sequences
         counters = (*self.page_pool.counts(), len(sequences), self.steps_prepared)
         h.update(np.array(counters, dtype=np.int64).tobytes())
+        h.update(self._speculation)
         if full:
             for seq_id in sequences:
                 pages = self.pages(seq_id)
