@@ -112,3 +112,11 @@ def test_each_call_fits_the_timeout_the_docs_give_it(call):
     carry, timeout = row.split(" | ")[2:4]
     assert carry == {"call1": '`[".kit/a"]`', "call2": '`[".kit/b"]`'}.get(call, "`[]`")
     assert session.CALLS[call].budget_s + 60 <= int(timeout) <= 600
+
+
+def test_a_shorter_budget_ends_the_call_sooner_and_never_extends_it(tmp_path):
+    """`--budget`: for a call issued with less device time left; it never raises the call's own."""
+    assert session.Session("call3", True, tmp_path, budget_s=120).spec.budget_s == 120
+    assert session.Session("call3", True, tmp_path, budget_s=9999).spec.budget_s == session.CALLS["call3"].budget_s
+    spent = session.Session("call3", False, tmp_path, budget_s=5)  # under 10 s left: no step starts
+    assert spent.blocked(spent.spec.steps[0]).verdict == "TIMEOUT"

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -353,8 +353,10 @@ def row_verdict(step: str, row: dict, dry_run: bool) -> Verdict:
 
 
 class Session:
-    def __init__(self, call: str, dry_run: bool, out_dir: Path) -> None:
+    def __init__(self, call: str, dry_run: bool, out_dir: Path, budget_s: int | None = None) -> None:
         self.call, self.spec, self.dry_run = call, CALLS[call], dry_run
+        if budget_s is not None:  # a call issued with less device time left than its own budget
+            self.spec = replace(self.spec, budget_s=min(budget_s, self.spec.budget_s))
         self.out_dir = out_dir
         out_dir.mkdir(parents=True, exist_ok=True)
         self.out = Output(out_dir / f"{call}.log")
@@ -530,9 +532,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="no GPU: collect the tests, run the benchmarks tiny on CPU"
     )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        metavar="SECONDS",
+        help="end the call sooner than its own budget (the device time left less about 60 s), so its "
+        "summary and files come back before the device tool's limit kills it",
+    )
     args = parser.parse_args(argv)
     out_dir = Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu")
-    return Session(args.call, args.dry_run, out_dir).run()
+    return Session(args.call, args.dry_run, out_dir, args.budget).run()
 
 
 if __name__ == "__main__":
