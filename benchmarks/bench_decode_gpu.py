@@ -6,7 +6,8 @@ shuffled. Every attention row is checked against SDPA on the same K/V before it 
 store_kv row against the key/value it writes. GB/s: `harness.decode_bytes`; "of_copy" divides by a
 measured device-to-device copy (read + write).
 
-    PYTHONPATH=. python3 benchmarks/bench_decode_gpu.py [--page-sizes 1,16,128] [--kernels triton,sdpa,flex,store]
+    PYTHONPATH=. python3 benchmarks/bench_decode_gpu.py [--page-sizes 1,16,128]
+        [--kernels triton,splits,sdpa,flex,store]
     PYTHONPATH=. python3 benchmarks/bench_decode_gpu.py --dry-run     # tiny, on CPU (Triton interpreted)
 
 The copy bandwidth and every row are printed as they are measured (`COPY`, `ROW` lines), then a
@@ -19,6 +20,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from unittest import mock
 
 import torch
 from harness import DecodeBench, DecodeInputs, WrongOutputError, forced_backend, gpu_main, matches
@@ -31,11 +33,16 @@ PAGE_SIZES = (1, 16, 128)
 DTYPE = torch.bfloat16
 KERNELS = {
     "triton": "triton paged",
+    "splits": "triton paged, forced splits",
     "sdpa": "SDPA contiguous",
     "flex": "flex paged",
     "store": "store_kv, one token per sequence, CUDA graph",
 }
 ORDER = tuple(KERNELS.values())
+# "splits": Triton with the split count forced, against the plan's (ops/splits.py assumes 4 programs
+# per SM; the bf16 d128 decode variant compiles to 160 registers, 3 per SM on sm_90, so the plan's
+# 2 splits fill 2.6 waves at the benchmark's shape where 3 would fill 3.9)
+FORCED_SPLITS = (1, 2, 3, 4, 6, 8)
 STORE_TARGET_US = 10.0  # store_kv of 64 tokens under a CUDA graph
 
 
@@ -66,6 +73,19 @@ def flex_paged(x: DecodeInputs, key: torch.Tensor, value: torch.Tensor) -> Calla
     compiled = torch.compile(flex_attention)
     q = x.q[:, :, None]  # [batch, q_heads, 1, head_dim]
     return lambda: compiled(q, k_cache, v_cache, block_mask=block_mask, scale=x.scale, enable_gqa=True)[:, :, 0]
+
+
+def forced_splits(x: DecodeInputs, splits: int) -> Callable[[], torch.Tensor]:
+    """`x.paged_attention("triton")` with the decode split count forced to `splits`."""
+    from torch_paged_kv.ops.triton import flash_attention as triton_flash  # (imports triton: after --dry-run's env)
+
+    run = x.paged_attention("triton")
+
+    def call() -> torch.Tensor:
+        with mock.patch.object(triton_flash, "num_splits", lambda *_: splits):
+            return run()
+
+    return call
 
 
 def graphed(fn: Callable[[], None]) -> Callable[[], None]:
@@ -115,6 +135,15 @@ def measure(
             rows.append(
                 bench.row(KERNELS["triton"], page, run, matches(expected, "triton"), target=bandwidth_target(page))
             )
+        for splits in FORCED_SPLITS if "splits" in kernels else ():
+            rows.append(
+                bench.row(
+                    f"{KERNELS['splits']} {splits}",
+                    page,
+                    lambda n=splits: forced_splits(x, n),
+                    matches(expected, "splits"),
+                )
+            )
         if "sdpa" in kernels and page == page_sizes[0]:
             rows.append(bench.sdpa_row(x, key, value, expected))
         if "flex" in kernels:
@@ -133,7 +162,7 @@ def measure(
                     target=(f"<= {STORE_TARGET_US:g} us", lambda row: row["us"] <= STORE_TARGET_US),
                 )
             )
-    rows.sort(key=lambda r: ORDER.index(r["kernel"]))
+    rows.sort(key=lambda r: ORDER.index(r["kernel"].rstrip("0123456789 ")))
     return rows, bench.setup()
 
 

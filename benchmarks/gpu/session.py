@@ -116,7 +116,7 @@ CALLS = {
             Step(
                 "bench-decode",
                 "bench",
-                ("benchmarks/bench_decode_gpu.py", "--page-sizes", "16", "--kernels", "triton,sdpa,store"),
+                ("benchmarks/bench_decode_gpu.py", "--page-sizes", "16", "--kernels", "triton,splits,sdpa,store"),
                 cap_s=75,
                 dry_args=(
                     "benchmarks/bench_decode_gpu.py",
@@ -124,7 +124,7 @@ CALLS = {
                     "--page-sizes",
                     "16",
                     "--kernels",
-                    "triton,sdpa,store",
+                    "triton,splits,sdpa,store",
                 ),
             ),
             Step(
