@@ -87,6 +87,7 @@ ATTENTION_CASES = {
     "chunked-page3-bf16": ([7, 0, 12], [6, 3, 5], 3, False, 2, 32, 16, "bf16", True),
     "noncausal-page16-h20": ([20, 3], [5, 2], 16, False, 20, 16, 8, "fp16", False),
     "decode-ragged": ([45, 3, 0], [1, 1, 1], 4, False, 8, 32, 16, "bf16", True),
+    "decode-h40": ([45, 3, 70], [1, 1, 1], 8, False, 40, 32, 16, "bf16", True),  # 3 head blocks, one partial
     "slots-no-rope": ([10, 0, 21], [1, 6, 1], 24, True, 4, 32, 0, "fp32", True),
     "fp8-per-token-mixed": ([12, 0, 30], [1, 5, 2], 8, False, 4, 32, 16, "fp8-per-token", True),
     "fp8-granule8-decode": ([40, 7], [1, 1], 8, False, 4, 32, 16, "fp8-granule8", True),

@@ -1,12 +1,16 @@
 """`mla_attention`: absorbed MLA (one latent row per token, shared by every head) for ragged prefill,
 chunked prefill and decode, with split-KV for decode.
 
-Grid `(query tiles, head blocks, splits)`. A query tile packs `BLOCK_Q` tokens of one sequence times
-`BLOCK_H` heads (`BLOCK_M = BLOCK_Q * BLOCK_H >= 16` rows, the `tl.dot` minimum), so each key tile
-(`BLOCK_N` rows: `kv_lora_rank` latent + `rope_dim` rope elements) is loaded once per program and
-serves all its rows: scores `q_nope . latent + q_rope . rope`, then `p . latent` into a `[BLOCK_M,
-kv_lora_rank]` fp32 accumulator (the latent is both key and value). Heads beyond `BLOCK_H` are
-other programs over the same rows (served from L2). Tiles and the causal key range are those of
+Grid `(query tiles x head blocks, 1, splits)`. A query tile packs `BLOCK_Q` tokens of one sequence
+times `BLOCK_H` heads (`BLOCK_M = BLOCK_Q * BLOCK_H >= 16` rows, the `tl.dot` minimum), so each key
+tile (`BLOCK_N` rows: `kv_lora_rank` latent + `rope_dim` rope elements) is loaded once per program
+and serves all its rows: scores `q_nope . latent + q_rope . rope`, then `p . latent` into a
+`[BLOCK_M, kv_lora_rank]` fp32 accumulator (the latent is both key and value). Heads beyond
+`BLOCK_H` are other programs over the same rows, numbered next to each other on grid x: CUDA starts
+blocks in grid order, x fastest (observed, not promised), so they run at the same time and all but
+the first find each key tile in L2. (On grid y, as on the first H100 run, a tile's head blocks
+started a whole grid row apart; decode at 128 heads read 0.12-0.15 of the copy bandwidth, at 16
+heads 0.51-0.57.) Tiles and the causal key range are those of
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
 `mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
 one scale per token the scale multiplies the scores and the probabilities instead of every element
@@ -87,8 +91,9 @@ def _mla_attention_kernel(
     STEPS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_H
-    tile = tl.program_id(0)
-    head_block = tl.program_id(1)
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    tile = tl.program_id(0) // head_blocks  # head blocks fastest: a tile's run side by side
+    head_block = tl.program_id(0) % head_blocks
     split = tl.program_id(2)
     seq, row0, new, q_start = query_tile(input_row_offsets, batch, tile, BLOCK_Q, STEPS)
     if q_start >= new:
@@ -231,7 +236,7 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
     launches = [
         Launch(
             _mla_attention_kernel,
-            (total // block_q + batch, head_blocks, splits),
+            ((total // block_q + batch) * head_blocks, 1, splits),
             (
                 q_nope,
                 q_rope,
