@@ -8,9 +8,8 @@ and serves all its rows: scores `q_nope . latent + q_rope . rope`, then `p . lat
 `[BLOCK_M, kv_lora_rank]` fp32 accumulator (the latent is both key and value). Heads beyond
 `BLOCK_H` are other programs over the same rows, numbered next to each other on grid x: CUDA starts
 blocks in grid order, x fastest (observed, not promised), so they run at the same time and all but
-the first find each key tile in L2. (On grid y, as on the first H100 run, a tile's head blocks
-started a whole grid row apart; decode at 128 heads read 0.12-0.15 of the copy bandwidth, at 16
-heads 0.51-0.57.) Tiles and the causal key range are those of
+the first find each key tile in L2 (on grid y, a tile's head blocks started a grid row apart: at
+128 heads, batch 64, about 3 of the 8 rows fit one wave, so the latent came from memory twice). Tiles and the causal key range are those of
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
 `mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
 one scale per token the scale multiplies the scores and the probabilities instead of every element
