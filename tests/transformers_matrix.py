@@ -127,6 +127,7 @@ MLA = dict(
     head_dim=None,
     num_key_value_heads=4,
 )
+DEEPSEEK_MOE = dict(MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
 WINDOW = "sliding-window layers (window 8, crossed)"
 SHARING = "K/V-sharing layers (under `paged_kv` fed only the last prompt position, as transformers trims them)"
 MLA_NOTE = "MLA: one latent + rope row per token; absorbed MLA over the pages under `paged_kv`"
@@ -255,22 +256,14 @@ FAMILIES: tuple[Family, ...] = (
         "DeepSeek-V2 (MLA)",
         "DeepseekV2Config",
         "DeepseekV2ForCausalLM",
-        dict(MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32),
+        DEEPSEEK_MOE,
         notes=MLA_NOTE,
     ),
     Family(
         "DeepSeek-V3 (MLA)",
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(
-            MLA,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            first_k_dense_replace=1,
-            moe_intermediate_size=32,
-            n_group=1,
-            topk_group=1,
-        ),
+        dict(DEEPSEEK_MOE, n_group=1, topk_group=1),
         notes=MLA_NOTE,
     ),
     Family(

@@ -88,6 +88,23 @@ inline vf bcast(const typename Storage<DT>::T* p) {
   }
 }
 
+// acc[v] += x * y[v] for RV row vectors, x element 0 of p broadcast: one row of a tile's outer product.
+template <int DT, int RV>
+inline void fma_broadcast(vf (&acc)[RV], const typename Storage<DT>::T* p, const vf (&y)[RV]) {
+  const vf x = bcast<DT>(p);
+  UNROLLED
+  for (int v = 0; v < RV; ++v) acc[v] += x * y[v];
+}
+
+// out[i * ld + v * W + lane] = acc[i][v]: a tile's accumulators, N rows of RV vectors, to memory.
+template <int N, int RV>
+inline void store_tile(const vf (&acc)[N][RV], float* out, int64_t ld) {
+  UNROLLED
+  for (int i = 0; i < N; ++i)
+    UNROLLED
+    for (int v = 0; v < RV; ++v) store_f32(out + i * ld + v * W, acc[i][v]);
+}
+
 // f(std::integral_constant<int, RV>()) for RV = rv, 1 <= rv <= KM_RV: a tile's count of row
 // vectors as the template argument the tiles take (the last group of a head's rows may be short).
 template <class F>
@@ -150,18 +167,11 @@ inline void qk_tile_km(const float* qt, int64_t ldq, const typename Storage<DT>:
     UNROLLED
     for (int v = 0; v < RV; ++v) q[v] = load_f32(qt + d * ldq + v * W);
     UNROLLED
-    for (int t = 0; t < NT; ++t) {
-      const vf k = bcast<DT>(rows[t] + d);
-      UNROLLED
-      for (int v = 0; v < RV; ++v) acc[t][v] += k * q[v];
-    }
+    for (int t = 0; t < NT; ++t) fma_broadcast<DT>(acc[t], rows[t] + d, q);
     share.issue(d);
   }
   share.issue_from(D);
-  UNROLLED
-  for (int t = 0; t < NT; ++t)
-    UNROLLED
-    for (int v = 0; v < RV; ++v) store_f32(St + t * ldS + v * W, acc[t][v]);
+  store_tile(acc, St, ldS);
 }
 
 // St[t * ldS + r] = q_r . k_t for the nv row vectors of Qt and n keys, keys-major.
@@ -203,18 +213,11 @@ inline void pv_tile_km(const float* pt, int64_t ldp, const typename Storage<DT>:
     for (int v = 0; v < RV; ++v) p[v] = load_f32(pt + t * ldp + v * W);
     const typename Storage<DT>::T* row = vrows[t] + ofs;
     UNROLLED
-    for (int j = 0; j < ND; ++j) {
-      const vf x = bcast<DT>(row + j);
-      UNROLLED
-      for (int v = 0; v < RV; ++v) acc[j][v] += x * p[v];
-    }
+    for (int j = 0; j < ND; ++j) fma_broadcast<DT>(acc[j], row + j, p);
     share.issue(t);
   }
   share.issue_from(n);
-  UNROLLED
-  for (int j = 0; j < ND; ++j)
-    UNROLLED
-    for (int v = 0; v < RV; ++v) store_f32(ot + j * ldo + v * W, acc[j][v]);
+  store_tile(acc, ot, ldo);
 }
 
 // Ot[d * ldo + r] = Ot[d * ldo + r] * alpha[r] + sum_t Pt[t * ldp + r] * v_t[d] for the nv row
