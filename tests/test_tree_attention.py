@@ -170,14 +170,17 @@ def test_trees_with_windows_and_chunks_match_fp64(backend, monkeypatch, dtype, o
     """Windows of 64 or less and chunks, measured between positions (a new token's is its depth), on
     a ragged batch: long cached prefixes with split key ranges (cpu kernels told to split at 16 keys),
     one sequence with no cache, a 40-draft tree crossing the cpu kernels' 32-token items and Triton's
-    query tiles, a plain decode row and a 64-draft tree. The rules hide some ancestors the mask shows."""
+    query tiles, a plain decode row and a 64-draft tree; attention sinks on top. The rules hide some
+    ancestors the mask shows."""
     monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
     monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
     b, mask = _tree_step([600, 0, 93, 20, 90], [40, 12, 1, 7, 64], seed=13, deep=True, dtype=dtype)
     window, chunk = option.get("sliding_window", -1), option.get("attention_chunk_size", -1)
     assert hidden_ancestors(b, mask, window, chunk) > 0 or window == 64  # (64: only the deepest of 64 drafts)
-    out = _attend(b, mask, **option)
-    torch.testing.assert_close(out.double(), _expected(b, mask, **option), **ATTENTION_TOLERANCE[dtype])
+    sinks = torch.randn(b.q.shape[1], generator=torch.Generator().manual_seed(3))
+    out = _attend(b, mask, sinks=sinks, **option)
+    expected = _expected(b, mask, sinks=sinks, **option)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize(

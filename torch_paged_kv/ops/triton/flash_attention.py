@@ -206,7 +206,7 @@ def _attention_kernel(
             bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(t, 0), 63).to(tl.int64)[None, :]) & 1
             allowed = allowed & ((t < 0)[None, :] | ((t < 64)[None, :] & (bit != 0)))
             if WINDOW or CHUNK:  # a new key's position: cache_len + its depth - 1
-                mine = (t >= 0) & (t < new) & (row0 + t < total)
+                mine = (t >= 0) & (t < new) & (row0 + t >= 0) & (row0 + t < total)  # (an unchecked call's rows)
                 halves = tree.to(tl.pointer_type(tl.int32)) + 2 * (row0 + t).to(tl.int64)  # (little-endian)
                 depth = popcount32(tl.load(halves, mask=mine, other=0)) + popcount32(
                     tl.load(halves + 1, mask=mine, other=0)
