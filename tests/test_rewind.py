@@ -599,6 +599,11 @@ class WindowModel:
     manager's groups (paged `store_kv` / `flash_attention`)."""
 
     WINDOW, VOCAB, DIM, HEADS, HEAD_DIM = 5, 24, 16, 2, 8
+    CHUNK = -1  # layer 0's attention_chunk_size
+
+    def masks(self, layer: int) -> dict:
+        """Layer `layer`'s window or chunk options."""
+        return {"sliding_window": self.WINDOW} if layer == 1 else {"attention_chunk_size": self.CHUNK}
 
     def __init__(self, seed: int, noise: float = 0.0, base: WindowModel | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
@@ -628,8 +633,7 @@ class WindowModel:
         x = self.emb[tokens] + self.pos[: len(tokens)]
 
         def attend(layer, q, k, v):
-            window = self.WINDOW if layer == 1 else -1
-            return attention_fp64(q, [k], [v], [0], self.HEAD_DIM**-0.5, sliding_window=window).float()
+            return attention_fp64(q, [k], [v], [0], self.HEAD_DIM**-0.5, **self.masks(layer)).float()
 
         return self._layers(x, attend)
 
@@ -639,11 +643,25 @@ class WindowModel:
         steps = m.prepare_step([seq_id], [len(tokens)], [tokens])
         x = self.emb[tokens] + self.pos[start : start + len(tokens)]
 
+        return self._paged(m, steps, x)
+
+    def tree_step(self, m: KVCacheManager, seq_id, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """The logits of a tree verify step (`tokens` in tree order, `parents` -1 for a root) after
+        `seq_id`'s cached ones: each node at the position of its depth, seeing its ancestors."""
+        start = m.cache_length(seq_id)
+        paths = [path_of(parents, t) for t in range(len(tokens))]
+        bits = [sum(1 << i for i in path) for path in paths]
+        x = self.emb[tokens] + self.pos[[start + len(path) - 1 for path in paths]]
+        steps = m.prepare_step([seq_id], [len(tokens)])  # no ids: a tree's pages are no causal prefix
+        return self._paged(m, steps, x, torch.tensor(bits, dtype=torch.int64))
+
+    def _paged(self, m: KVCacheManager, steps, x: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         def attend(layer, q, k, v):
             c, step = m.collections[layer], steps[layer]
             tpk.store_kv(k.contiguous(), v.contiguous(), c.blocks, *step, 0)
-            window = self.WINDOW if layer == 1 else -1
-            return tpk.flash_attention(q.contiguous(), c.blocks, *step, 0, self.HEAD_DIM**-0.5, sliding_window=window)
+            return tpk.flash_attention(
+                q.contiguous(), c.blocks, *step, 0, self.HEAD_DIM**-0.5, tree_mask=tree_mask, **self.masks(layer)
+            )
 
         out = self._layers(x, attend)
         m.commit_step()
@@ -682,6 +700,66 @@ def test_linear_speculation_on_a_sliding_window_model_gives_plain_greedy_tokens(
         expected.append(int(target.logits(prompt + expected)[-1].argmax()))
     assert out == expected
     assert 0 < kept < k * len(out) and crossed >= 2, (kept, crossed)  # max_rewind=0 refuses `crossed` rewinds
+
+
+class NarrowModel(WindowModel):
+    """WindowModel with a window of 2 (layer 1) and chunks of 4 (layer 0): a tree's paths of 3 or 4
+    nodes cross both."""
+
+    WINDOW, CHUNK = 2, 4
+
+
+def draft_tree(draft: WindowModel, context: list[int]) -> tuple[list[int], list[int]]:
+    """Tokens and parents of a tree rooted at `context[-1]`: the draft's top 2, top 2, then top 1 at
+    each level below (11 nodes, depth 4)."""
+    tokens, parents, level = [context[-1]], [-1], [0]
+    for width in (2, 2, 1):
+        below = []
+        for node in level:
+            logits = draft.logits(context + [tokens[i] for i in path_of(parents, node)[1:]])[-1]
+            for token in logits.topk(width).indices.tolist():
+                tokens.append(token)
+                parents.append(node)
+                below.append(len(tokens) - 1)
+        level = below
+    return tokens, parents
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])  # (Triton: head_dim >= 16)
+def test_tree_speculation_on_window_and_chunked_layers_gives_plain_greedy_tokens(force_backend, backend):
+    """Verify a draft tree in one step and `accept` the path the target agrees with, on a cache whose
+    layer 1 is a sliding-window group (window 2, page 4) and layer 0 attends in chunks of 4: every
+    node's logits are those of its path recomputed without a cache (so its window and chunk were
+    measured from its depth), and the tokens are plain greedy decoding's."""
+    force_backend(backend)
+    target = NarrowModel(0)
+    draft = NarrowModel(1, noise=0.6, base=target)
+    full = tpk.KVCacheParams(torch.float32, 1, WindowModel.HEADS, WindowModel.HEAD_DIM, page_size=4)
+    sliding = dataclasses.replace(full, sliding_window=NarrowModel.WINDOW)
+    m = KVCacheManager(tpk.LayerGroups.allocate([full, sliding], [[0], [1]], [24, 12], 1, 64), max_rewind=10)
+    prompt = [3, 17, 5, 9, 21, 2, 11]
+    m.claim("s", prompt)
+    out = [int(target.step(m, "s", prompt)[-1].argmax())]
+    kept = 0
+    while len(out) < 24:
+        context = prompt + out
+        tokens, parents = draft_tree(draft, context)
+        logits = target.tree_step(m, "s", tokens, parents)
+        for node in range(len(tokens)):  # each node: its path's logits
+            path = context[:-1] + [tokens[i] for i in path_of(parents, node)]
+            torch.testing.assert_close(logits[node], target.logits(path)[-1], atol=1e-4, rtol=1e-4)
+        greedy = logits.argmax(-1).tolist()
+        path = [0]
+        while child := [c for c in range(len(tokens)) if parents[c] == path[-1] and tokens[c] == greedy[path[-1]]]:
+            path.append(child[0])
+        m.accept("s", path, [tokens[i] for i in path])
+        out += [*(tokens[i] for i in path[1:]), greedy[path[-1]]]
+        kept += len(path) - 1
+    expected: list[int] = []
+    for _ in range(len(out)):
+        expected.append(int(target.logits(prompt + expected)[-1].argmax()))
+    assert out == expected
+    assert kept > 0
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ contiguous K/V (`testing.attention_fp64`, written from the op contract alone).""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
+from test_sliding_pages import drop_pages
 
 import torch_paged_kv as pk
 from torch_paged_kv import ops
@@ -36,14 +38,16 @@ def tree_bits(parents: list[int]) -> list[int]:
     return [_int64(b) for b in bits]
 
 
-def random_tree(n: int, rng: random.Random) -> list[int]:
-    return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+def random_tree(n: int, rng: random.Random, deep: bool = False) -> list[int]:
+    """Parents of a random tree of n drafts; `deep`: each one's parent among the 3 before it (depths
+    about n / 2, so windows and chunks cut through its paths)."""
+    return [-1] + [rng.randrange(max(i - 3, -1) if deep else -1, i) for i in range(1, n)]
 
 
-def _tree_step(cached: list[int], new: list[int], seed: int, **options):
+def _tree_step(cached: list[int], new: list[int], seed: int, deep: bool = False, **options):
     rng = random.Random(seed)
     b = make_paged_batch(cached, new, page_size=4, group=2, head_dim=32, seed=seed, **options)
-    mask = torch.tensor([m for n in new for m in tree_bits(random_tree(n, rng))], dtype=torch.int64)
+    mask = torch.tensor([m for n in new for m in tree_bits(random_tree(n, rng, deep))], dtype=torch.int64)
     return b, mask
 
 
@@ -121,33 +125,104 @@ def test_trees_with_a_window_wider_than_64(backend, monkeypatch, dtype, window):
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[dtype])
 
 
-def test_a_tree_with_a_window_runs_in_a_step_plan(backend):
-    b, mask = _tree_step([200, 90], [12, 30], seed=17)
-    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
-    plan = pk.StepPlan(b.blocks, pk.StepTensors(*b.step), first_layer=0)
-    out = plan.flash_attention(b.q, b.layer_idx, 0.3, sliding_window=70, tree_mask=mask)
-    expected = _expected(b, mask, sliding_window=70)
-    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
+def depths(mask: torch.Tensor) -> list[int]:
+    """Each row's depth: the bits of its mask (itself and its ancestors)."""
+    return [bin(bits % 2**64).count("1") for bits in mask.tolist()]
+
+
+def hidden_ancestors(b, mask: torch.Tensor, window: int = -1, chunk: int = -1) -> int:
+    """(row, ancestor) pairs of the step whose positions (depths) put the ancestor out of the row's
+    window or chunk: what the mask shows and the rules hide."""
+    hidden, row = 0, 0
+    for cached, new in zip(b.cache_lengths.tolist(), (b.input_row_offsets.diff()).tolist(), strict=True):
+        bits, depth = mask[row : row + new].tolist(), depths(mask[row : row + new])
+        for r, t in itertools.product(range(new), range(new)):
+            if t != r and (bits[r] >> t) & 1:
+                p, pt = cached + depth[r] - 1, cached + depth[t] - 1
+                hidden += (0 < window <= p - pt) or (chunk > 0 and p // chunk != pt // chunk)
+        row += new
+    return hidden
+
+
+WINDOWS_AND_CHUNKS = [
+    {"sliding_window": 1},
+    {"sliding_window": 3},
+    {"sliding_window": 17},
+    {"sliding_window": 64},
+    {"attention_chunk_size": 1},
+    {"attention_chunk_size": 4},
+    {"attention_chunk_size": 16},
+    {"attention_chunk_size": 100},
+    {"sliding_window": 17, "attention_chunk_size": 16},
+    {"sliding_window": 3, "attention_chunk_size": 4, "causal": False},
+]
+
+
+def _ids(option: dict) -> str:
+    return ",".join(
+        f"{k.replace('sliding_window', 'w').replace('attention_chunk_size', 'c')}={v}" for k, v in option.items()
+    )
+
+
+@pytest.mark.parametrize("option", WINDOWS_AND_CHUNKS, ids=_ids)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_trees_with_windows_and_chunks_match_fp64(backend, monkeypatch, dtype, option):
+    """Windows of 64 or less and chunks, measured between positions (a new token's is its depth), on
+    a ragged batch: long cached prefixes with split key ranges (cpu kernels told to split at 16 keys),
+    one sequence with no cache, a 40-draft tree crossing the cpu kernels' 32-token items and Triton's
+    query tiles, a plain decode row and a 64-draft tree; attention sinks on top. The rules hide some
+    ancestors the mask shows."""
+    monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
+    b, mask = _tree_step([600, 0, 93, 20, 90], [40, 12, 1, 7, 64], seed=13, deep=True, dtype=dtype)
+    window, chunk = option.get("sliding_window", -1), option.get("attention_chunk_size", -1)
+    assert hidden_ancestors(b, mask, window, chunk) > 0 or window == 64  # (64: only the deepest of 64 drafts)
+    sinks = torch.randn(b.q.shape[1], generator=torch.Generator().manual_seed(3))
+    out = _attend(b, mask, sinks=sinks, **option)
+    expected = _expected(b, mask, sinks=sinks, **option)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize(
-    "option, message",
-    [
-        ({"sliding_window": 64}, "takes a sliding_window only wider than 64 .*got 64"),
-        ({"sliding_window": 1}, "takes a sliding_window only wider than 64 .*got 1"),
-        ({"attention_chunk_size": 8}, "cannot take an attention_chunk_size"),
-        ({"attention_chunk_size": 8, "sliding_window": 200}, "cannot take an attention_chunk_size"),
-    ],
+    "option",
+    [{"sliding_window": 3}, {"attention_chunk_size": 4}, {"sliding_window": 5, "attention_chunk_size": 4}],
+    ids=_ids,
 )
-def test_a_tree_step_refuses_narrow_windows_and_chunks(backend, option, message):
-    """A window of 64 or less could drop an ancestor the mask shows, and chunks are measured from a
-    draft's place in the step: refused, changing nothing."""
-    b, mask = _tree_step([600, 300], [6, 1], seed=7)
+def test_a_chain_is_causal_attention_with_windows_and_chunks(backend, option):
+    """A chain's depths are its places in the step: the tree rules give plain causal attention with
+    the same window and chunks (and sinks)."""
+    b = make_paged_batch([5, 0, 17, 30], [7, 3, 5, 33], page_size=4, group=2, head_dim=32, seed=5)
+    new = [7, 3, 5, 33]
+    chain = torch.tensor([m for n in new for m in tree_bits(list(range(-1, n - 1)))], dtype=torch.int64)
+    sinks = torch.randn(b.q.shape[1], generator=torch.Generator().manual_seed(2))
+    out = _attend(b, chain, sinks=sinks, **option)
+    plain = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, sinks=sinks, **option)
+    torch.testing.assert_close(out, plain, **ATTENTION_TOLERANCE[torch.float32])
+    torch.testing.assert_close(
+        out.double(), _expected(b, None, sinks=sinks, **option), **ATTENTION_TOLERANCE[torch.float32]
+    )
+
+
+@pytest.mark.parametrize("option", [{"sliding_window": 70}, {"sliding_window": 5, "attention_chunk_size": 8}], ids=_ids)
+def test_a_tree_with_a_window_runs_in_a_step_plan(backend, option):
+    b, mask = _tree_step([200, 90], [12, 30], seed=17, deep=True)
     pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
-    before = b.blocks.clone()
-    with pytest.raises(ValueError, match=f"^tree_mask: a tree step {message}"):
-        pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask, **option)
-    assert torch.equal(b.blocks, before)
+    plan = pk.StepPlan(b.blocks, pk.StepTensors(*b.step), first_layer=0)
+    out = plan.flash_attention(b.q, b.layer_idx, 0.3, tree_mask=mask, **option)
+    expected = _expected(b, mask, **option)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("window", [2, 5, 9])
+def test_a_tree_with_a_narrow_window_reads_only_held_pages(backend, window):
+    """Pages below what the step's first token's window needs are gone (the null page; what they held
+    poisoned), as a sliding group's manager leaves them: a tree row, whose window starts at its depth,
+    never reads them."""
+    b, mask = _tree_step([5, 17, 30, 41], [9, 12, 1, 20], seed=window, deep=True, fill=300.0)
+    assert drop_pages(b, window) > 0
+    out = _attend(b, mask, sliding_window=window)
+    expected = _expected(b, mask, sliding_window=window)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
 
 
 def test_a_tree_of_more_than_64_drafts_is_refused(backend):

@@ -1,7 +1,8 @@
 """The Triton attention variants newer than the first GPU plan, on CUDA at real sizes against the fp64
-oracle on contiguous K/V: attention sinks, chunked attention, tree masks (with a window wider than
-64 and sinks), and sliding windows over tables whose pages below the window are the null page (a
-layer group's). The `cpu` variant runs the same bodies at small sizes in the Triton interpreter."""
+oracle on contiguous K/V: attention sinks, chunked attention, tree masks (with windows and chunks
+measured between depths, and sinks), and sliding windows over tables whose pages below the window
+are the null page (a layer group's). The `cpu` variant runs the same bodies at small sizes in the
+Triton interpreter."""
 
 from __future__ import annotations
 
@@ -63,13 +64,14 @@ def sinks(b: PagedBatch, seed: int) -> torch.Tensor:
     return (torch.randn(b.q.shape[1], generator=gen) * 3.0).to(b.q.device)
 
 
-def tree_masks(new: list[int], seed: int) -> torch.Tensor:
-    """Random trees, one per sequence: each draft's mask holds itself and its ancestors."""
+def tree_masks(new: list[int], seed: int, deep: bool = False) -> torch.Tensor:
+    """Random trees, one per sequence: each draft's mask holds itself and its ancestors (`deep`: each
+    draft's parent among the 3 before it, so depths reach about n / 2)."""
     rng, masks = random.Random(seed), []
     for n in new:
         bits: list[int] = []
         for i in range(n):
-            parent = rng.randrange(-1, i) if i else -1
+            parent = rng.randrange(max(i - 3, -1) if deep else -1, i) if i else -1
             bits.append((1 << i) | (bits[parent] if parent >= 0 else 0))
         masks += [b - (1 << 64) if b >= 1 << 63 else b for b in bits]
     return torch.tensor(masks, dtype=torch.int64)
@@ -102,6 +104,28 @@ def test_trees_with_sinks(device, window):
     mask, s = tree_masks(new, seed=window).to(device), sinks(b, 3)
     out = attend(b, tree_mask=mask, sinks=s, sliding_window=window)
     check(b, out, tree_mask=mask, sinks=s, sliding_window=window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"sliding_window": 3},
+        {"sliding_window": 64},
+        {"attention_chunk_size": 16},
+        {"sliding_window": 17, "attention_chunk_size": 128},
+    ],
+    ids=["window3", "window64", "chunk16", "window17+chunk128"],
+)
+def test_trees_with_narrow_windows_and_chunks(device, option):
+    """Deep ragged trees whose windows (64 or less) and chunks are measured between depths, ancestors
+    included, with sinks, over long and empty prefixes."""
+    long = SIZES[device][4]
+    new = [40, 64, 1, 24]
+    b = batch(device, [long, 0, 700 % long, 120], new, seed=7)
+    mask, s = tree_masks(new, seed=11, deep=True).to(device), sinks(b, 4)
+    out = attend(b, tree_mask=mask, sinks=s, **option)
+    check(b, out, tree_mask=mask, sinks=s, **option)
 
 
 @pytest.mark.parametrize("device", DEVICES)

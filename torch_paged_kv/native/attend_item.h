@@ -112,35 +112,53 @@ thread_local Scratch tls_scratch;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// The key positions [lo, hi) that new token i of sequence b may see. A tree step's window is measured
-// from the node's position, cached + depth - 1 (depth: the bits of itself and its ancestors), which
-// is at most its place in the step; the window (> 64) reaches every ancestor, left to mask_tree.
+// A tree step's position of new token t of sequence b, as a query and as a key: cached + its depth - 1
+// (depth: the bits of its mask, itself and its ancestors), at most its place in the step, cached + t.
+inline int64_t tree_position(const AttnArgs& a, int64_t b, int64_t t) {
+  return a.cache_lengths[b] + __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + t])) - 1;
+}
+
+// The key indices [lo, hi) that new token i of sequence b may see. In a tree step windows and chunks
+// are measured from the node's position p (tree_position) and cover the keys whose positions
+// are in [p - window + 1, p] and p's chunk; a key's position is at most its index, so lo bounds
+// the indices too, and the new keys in the range are masked by mask_tree. Since p >= cached (depth
+// >= 1), lo is never below the step's first token's (cached - window + 1, or its chunk's start):
+// no page before what that token needs (which a sliding group's manager may have released) is read.
 inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
   int64_t cached = a.cache_lengths[b];
   int64_t kv_len = cached + (a.offsets[b + 1] - a.offsets[b]);
   int64_t pos = cached + i;
   *hi = a.causal ? pos + 1 : kv_len;
-  const int64_t from =
-      a.tree != nullptr ? cached + __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + i])) - 1 : pos;
+  const int64_t from = a.tree != nullptr ? tree_position(a, b, i) : pos;
   *lo = a.window > 0 ? std::max<int64_t>(0, from - a.window + 1) : 0;
   if (a.chunk > 0) {  // the query's chunk only
-    const int64_t start = pos / a.chunk * a.chunk;
+    const int64_t start = from / a.chunk * a.chunk;
     *lo = std::max(*lo, start);
-    *hi = std::min(*hi, start + a.chunk);
+    // (a tree's new keys: positions up to the chunk's end at any index, left to mask_tree)
+    if (a.tree == nullptr) *hi = std::min(*hi, start + a.chunk);
   }
 }
 
 constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for
 constexpr int64_t BLOCK_BYTES = 128 << 10;  // K + V bytes of one key block of an item (L2-sized)
 
-// A tree step: row `token` of item `it` sees its sequence's new token t (key position cached + t)
-// only where bit t of its tree mask is set (t < 64); scores s[a0, a1) are those of keys k0 + a0 ...
+// A tree step: row `token` of item `it` sees its sequence's new token t (key index cached + t) only
+// where bit t of its tree mask is set (t < 64) and, by positions (tree_position), t is inside the
+// row's window and chunk; scores s[a0, a1) are those of keys k0 + a0 ... (cached keys in the row's
+// key_range all pass its window and chunk: no mask on them).
 inline void mask_tree(const AttnArgs& a, const Item& it, int64_t token, int64_t k0, int64_t a0, int64_t a1, float* s) {
   const int64_t cached = a.cache_lengths[it.b];
   const uint64_t bits = static_cast<uint64_t>(a.tree[a.offsets[it.b] + it.q0 + token]);
+  const bool by_position = a.window > 0 || a.chunk > 0;
+  const int64_t p = by_position ? tree_position(a, it.b, it.q0 + token) : 0;
   for (int64_t t = std::max(a0, cached - k0); t < a1; ++t) {
     const int64_t j = k0 + t - cached;  // the key's index among the new tokens
-    if (j >= 64 || !((bits >> j) & 1u)) s[t] = -std::numeric_limits<float>::infinity();
+    bool seen = j < 64 && ((bits >> j) & 1u);
+    if (seen && by_position) {
+      const int64_t pj = tree_position(a, it.b, j);
+      seen = (a.window <= 0 || p - pj < a.window) && (a.chunk <= 0 || p / a.chunk == pj / a.chunk);
+    }
+    if (!seen) s[t] = -std::numeric_limits<float>::infinity();
   }
 }
 

@@ -86,7 +86,8 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
         int64_t lo_first, hi_first, lo_last, hi_last;
         key_range(a, b, q0, &lo_first, &hi_first);
         key_range(a, b, q0 + nq - 1, &lo_last, &hi_last);
-        for (int64_t i = q0 + 1; a.tree != nullptr && i < q0 + nq; ++i) {  // a tree's windows start by depth
+        // a tree's windows and chunks start by depth (key_range: never before the step's first token's)
+        for (int64_t i = q0 + 1; a.tree != nullptr && i < q0 + nq; ++i) {
           int64_t lo, hi;
           key_range(a, b, i, &lo, &hi);
           lo_first = std::min(lo_first, lo);

@@ -83,10 +83,10 @@ def flash_attention(
     denominator and nothing to its output: `out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))`.
     `tree_mask` (int64 `[total_new]`, speculative decoding's tree verification) restricts which of its
     sequence's new tokens each query sees: bit t of query row r's entry set iff it may see the
-    sequence's new token t (t < 64; a tree step has at most 64 new tokens per sequence); cached keys
-    are unaffected, and every other rule still applies (list a draft token after its ancestors),
-    except that a `sliding_window` (> 64 with a tree) is measured from the draft's depth,
-    `p = cache_length + popcount(tree_mask[r]) - 1`; chunks are refused with a tree.
+    sequence's new token t (t < 64; a tree step has at most 64 new tokens per sequence; list a draft
+    token after its ancestors). Every new token of a tree step has the position of its depth,
+    `cache_length + popcount(tree_mask[row]) - 1`, as a query and as a key, and windows and chunks
+    are measured between positions (a chain is plain causal attention); cached keys keep theirs.
     Accumulates in fp32 (an FP8 cache is dequantized on read; `q` is then fp32, fp16 or bf16).
     """
     return torch.ops.paged_kv.flash_attention.default(

@@ -265,27 +265,43 @@ def flash_attention(
     for start in range(0, max_new, rows):
         stop = min(start + rows, max_new)
         allowed = None
-        if not sees_all:
-            window = sliding_window if tree is None else -1  # a tree's window: from each node's depth
-            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, window, chunk)
-            if tree is not None:
-                allowed = allowed & _tree_allowed(tree[:, start:stop], cache_lengths, key_pos, sliding_window)
+        if tree is not None:  # positions are depths: windows and chunks from them
+            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, -1)
+            allowed = allowed & _tree_allowed(tree, start, stop, cache_lengths, key_pos, sliding_window, chunk)
+        elif not sees_all:
+            allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, sliding_window, chunk)
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap, sinks).transpose(1, 2)
     return out[seq, tok].to(q.dtype)
 
 
-def _tree_allowed(tree: torch.Tensor, lengths: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """`[batch, 1, n, max_kv]`: the keys each query's tree bits (`tree` `[batch, n]` int64) let it see:
-    cached keys (with a `window` > 0, those less than `window` before its position `lengths + depth - 1`,
-    its depth being its bit count), and new token t (key position `lengths + t`) where bit t (< 64) is set."""
+def _tree_allowed(
+    tree: torch.Tensor,
+    start: int,
+    stop: int,
+    lengths: torch.Tensor,
+    key_pos: torch.Tensor,
+    window: int,
+    chunk: int,
+) -> torch.Tensor:
+    """`[batch, 1, n, max_kv]`: what the tree rules let the queries at new-token indices start..stop-1
+    see (`tree` `[batch, max_new]` int64, each row's bits, 0 past a sequence's new tokens). Every new
+    token's position, as a query and as a key, is `lengths + depth - 1`, its depth being its bit count;
+    a cached key's is its index. A query sees new token t (key index `lengths + t`) only where its bit
+    t (< 64) is set; windows and chunks are measured between positions."""
+    depth = ((tree[:, :, None] >> torch.arange(64, device=tree.device)) & 1).sum(-1)  # [batch, max_new]
     t = key_pos[None, :] - lengths[:, None].long()  # [batch, max_kv]: the key's index among the new tokens
-    bits = torch.bitwise_right_shift(tree[:, :, None], t.clamp(0, 63)[:, None, :]) & 1
-    cached = (t < 0)[:, None, :]
+    new = (t >= 0) & (t < tree.shape[1])
+    key_depth = torch.gather(depth, 1, t.clamp(0, tree.shape[1] - 1))
+    k_pos = torch.where(new, lengths[:, None] + key_depth - 1, key_pos[None, :])[:, None, :]
+    q_pos = (lengths[:, None] + depth[:, start:stop] - 1)[:, :, None]  # [batch, n, 1]
+    bits = torch.bitwise_right_shift(tree[:, start:stop, None], t.clamp(0, 63)[:, None, :]) & 1
+    allowed = (t < 0)[:, None, :] | ((new & (t < 64))[:, None, :] & (bits == 1))
     if window > 0:
-        depth = ((tree[:, :, None] >> torch.arange(64, device=tree.device)) & 1).sum(-1, keepdim=True)
-        cached = cached & (depth - 1 - t[:, None, :] < window)  # (its position) - (key position)
-    return (cached | (((t >= 0) & (t < 64))[:, None, :] & (bits == 1)))[:, None]
+        allowed = allowed & (q_pos - k_pos < window)
+    if chunk > 0:
+        allowed = allowed & (q_pos // chunk == k_pos // chunk)
+    return allowed[:, None]
 
 
 def step_lengths(

@@ -248,19 +248,6 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
             fail("tree_mask", f"expected device {blocks.device} (that of blocks), got {tree.device}")
         if tree.stride(0) != 1 and tree.shape[0] > 1:
             fail("tree_mask", f"expected unit stride (kernels index it densely), got stride {tree.stride(0)}")
-        if chunk > 0:
-            fail(
-                "tree_mask",
-                "a tree step cannot take an attention_chunk_size: chunks are measured from each new token's "
-                "place in the step, a tree node's position is its depth (verify such layers with a linear draft)",
-            )
-        if 0 < a.sliding_window <= TREE_TOKENS:
-            fail(
-                "tree_mask",
-                f"a tree step takes a sliding_window only wider than {TREE_TOKENS} (the largest tree), got "
-                f"{a.sliding_window}: the window is measured from a node's depth and the tree's own keys are "
-                "left to the mask, exact only when no ancestor can fall out of the window",
-            )
 
 
 def _describe(t: object) -> str:

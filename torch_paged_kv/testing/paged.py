@@ -238,22 +238,25 @@ def attention_fp64(
         scores = torch.einsum("qhd,khd->hqk", qs, kk) * softmax_scale
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
-        p = cached + torch.arange(new)[:, None]
-        j = torch.arange(k.shape[0])[None, :]
+        # positions: key j < cached at j; new token t at cached + t, or in a tree step at its depth
+        # (cached + the bits of its own mask - 1), as a query and as a key
+        place = torch.arange(k.shape[0])
+        position = place.clone()
+        if tree_mask is not None:
+            rows = tree_mask[row : row + new].tolist()
+            depth = torch.tensor([bin(bits % 2**64).count("1") for bits in rows])
+            position[cached:] = cached + depth - 1
+            sees = torch.tensor([[t < 64 and bool((bits >> t) & 1) for t in range(new)] for bits in rows])
+        p, j = position[cached:, None], position[None, :]
         allowed = torch.ones(new, k.shape[0], dtype=torch.bool)
-        if causal:
-            allowed &= j <= p
-        if sliding_window > 0 and tree_mask is None:
+        if causal:  # by place in the step
+            allowed &= place[None, :] <= place[cached:, None]
+        if sliding_window > 0:
             allowed &= p - j < sliding_window
         if attention_chunk_size > 0:
             allowed &= p // attention_chunk_size == j // attention_chunk_size
         if tree_mask is not None:  # new token t of this sequence only where the query's bit t is set
-            for i, bits in enumerate(tree_mask[row : row + new].tolist()):
-                position = cached + bin(bits % 2**64).count("1") - 1  # a node's depth counts its ancestors
-                for key in range(cached):  # a window over cached keys is measured from that position
-                    allowed[i, key] &= sliding_window <= 0 or position - key < sliding_window
-                for t in range(new):
-                    allowed[i, cached + t] &= t < 64 and bool((bits >> t) & 1)
+            allowed[:, cached:] &= sees
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
         top = scores.amax(-1, keepdim=True)
         sink = None if sinks is None else sinks.double().to(scores.device)[:, None, None]

@@ -55,6 +55,7 @@ OPTIONS = (
     "sinks+chunk",
     "tree",
     "tree+window",
+    "tree+chunk",
 )
 KV_HEADS = 8
 LAYER = 3  # a plain i32 (layer 0 and 1 specialise: 16-divisible, constant)
@@ -171,6 +172,7 @@ def _attention_cases(quick: bool) -> Iterator[tuple[str, int, int, str, str]]:
             ("bf16", 128, 4, "prefill", "sinks+chunk"),
             ("bf16", 128, 4, "prefill", "tree"),
             ("fp16", 128, 4, "prefill", "tree+window"),
+            ("bf16", 128, 4, "prefill", "tree+chunk"),
         ]
         return
     for dtype, head_dim, group, mode in itertools.product(DTYPES, HEAD_DIMS, GROUPS, MODES):

@@ -105,6 +105,17 @@ def popcount64(x):
 
 
 @triton.jit
+def popcount32(x):
+    """The set bits of each int32 in `x` (all 32), by SWAR arithmetic (as `popcount64`)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    return x & 0x3F
+
+
+@triton.jit
 def online_softmax(s, m_i, l_i):
     """One key tile of the online softmax, in base 2: `s` the tile's scores times log2(e), -inf where
     masked; `m_i` and `l_i` each row's running max and sum. Returns (the tile's probabilities against

@@ -28,6 +28,7 @@ from .common import (
     is_interpreted,
     key_pages,
     online_softmax,
+    popcount32,
     popcount64,
     query_tile,
     search_steps,
@@ -115,12 +116,12 @@ def _attention_kernel(
     first_head = kv_head * GROUP
     tok, head, q_rows, row_ok = tile_rows(q_start, row0, new, total, first_head, first_head + GROUP, GROUP_P, BLOCK_M)
     pos = cache_len + tok
-    window_pos = pos  # where a row's sliding window is measured from
+    q_pos = pos  # a row's position, where its window and chunk are measured from
     dim = tl.arange(0, HEAD_DIM)
     if TREE:  # each query row's bits over its sequence's new tokens
         tree_bits = tl.load(tree + q_rows, mask=row_ok, other=0)
-        if WINDOW:  # measured from a node's position: cached + depth - 1, at most its place in the step
-            window_pos = (cache_len + popcount64(tree_bits) - 1).to(pos.dtype)
+        if WINDOW or CHUNK:  # a node's position: cached + depth - 1, at most its place in the step
+            q_pos = (cache_len + popcount64(tree_bits) - 1).to(pos.dtype)
     qt = tl.load(
         q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :], mask=row_ok[:, None], other=0.0
     )
@@ -132,16 +133,21 @@ def _attention_kernel(
         k_hi = cache_len + tl.minimum(q_start + BLOCK_Q, new)
     else:
         k_hi = kv_len
-    if WINDOW and TREE:  # from the shallowest place a node can have, cache_len - 1 (a min over rows: 255
-        # registers on sm_80)
-        k_lo = tl.maximum(cache_len - sliding_window, 0)
-    elif WINDOW:
-        k_lo = tl.maximum(cache_len + q_start - sliding_window + 1, 0)
+    # A tree's rows start from the shallowest position a node can have, cache_len (depth 1; a min over
+    # the rows took 255 registers on sm_80): the step's first token's start, so no page before what
+    # that token needs (which a sliding group's manager may have released) is read. A key's position
+    # is at most its index, so a position bound is an index bound.
+    if TREE:
+        first = cache_len
+    else:
+        first = cache_len + q_start
+    if WINDOW:
+        k_lo = tl.maximum(first - sliding_window + 1, 0)
     else:
         k_lo = 0
     if CHUNK:  # keys in the chunks of the tile's queries only
-        k_lo = tl.maximum(k_lo, (cache_len + q_start) // chunk * chunk)
-        if not CAUSAL:
+        k_lo = tl.maximum(k_lo, first // chunk * chunk)
+        if not CAUSAL and not TREE:  # (a tree's new keys may sit past their position's chunk)
             k_hi = tl.minimum(k_hi, ((cache_len + tl.minimum(q_start + BLOCK_Q, new) - 1) // chunk + 1) * chunk)
     # Split s takes key tiles s, s + num_splits, ...: balanced whatever the actual length.
     start = (k_lo // BLOCK_N) * BLOCK_N + split * BLOCK_N
@@ -192,16 +198,24 @@ def _attention_kernel(
         if SOFTCAP:
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))  # softcap * tanh(s / softcap)
         allowed = row_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
+        if CAUSAL:  # by place in the step
             allowed = allowed & (j[None, :] <= pos[:, None])
-        if WINDOW:
-            allowed = allowed & (window_pos[:, None] - j[None, :] < sliding_window)
-        if CHUNK:
-            allowed = allowed & (j[None, :] // chunk == pos[:, None] // chunk)
+        k_pos = j
         if TREE:  # new token t (key cache_len + t) only where the query's bit t (< 64) is set
             t = j - cache_len
             bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(t, 0), 63).to(tl.int64)[None, :]) & 1
             allowed = allowed & ((t < 0)[None, :] | ((t < 64)[None, :] & (bit != 0)))
+            if WINDOW or CHUNK:  # a new key's position: cache_len + its depth - 1
+                mine = (t >= 0) & (t < new) & (row0 + t >= 0) & (row0 + t < total)  # (an unchecked call's rows)
+                halves = tree.to(tl.pointer_type(tl.int32)) + 2 * (row0 + t).to(tl.int64)  # (little-endian)
+                depth = popcount32(tl.load(halves, mask=mine, other=0)) + popcount32(
+                    tl.load(halves + 1, mask=mine, other=0)
+                )
+                k_pos = tl.where(mine, cache_len + depth - 1, j)
+        if WINDOW:
+            allowed = allowed & (q_pos[:, None] - k_pos[None, :] < sliding_window)
+        if CHUNK:
+            allowed = allowed & (k_pos[None, :] // chunk == q_pos[:, None] // chunk)
         s = tl.where(allowed, s * 1.4426950408889634, float("-inf"))  # base-2 softmax: times log2(e)
         p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
         if QUANT == 1 and GROUPS == 1:
