@@ -325,3 +325,29 @@ def test_wide_slots_take_int64_in_page_offsets(tmp_path):
     assert torch.equal(blocks[1, 0, 0, -4:, 0, :16], latent) and torch.equal(blocks[1, 0, 0, -4:, 0, 16:], rope)
     assert not blocks[0, 0, 0, :8].any()  # where the wrapped offsets pointed
     assert triton_mla.wide_page(*mla_views(blocks, 16, None)[:2])
+
+
+def test_64_head_tiles_match_fp64_in_the_interpreter(monkeypatch):
+    """The tile sm_90 decode takes at 64+ heads (64 heads x 32 keys), forced in the interpreter: 96
+    heads make two head blocks, the second half empty; per-token FP8 rows too."""
+    monkeypatch.setattr(triton_mla, "_blocks_for", lambda *_: (64, 1, 32, 8))
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        _check(make_mla_batch([40, 3], [1, 1], page_size=8, num_heads=96, dtype=dtype, seed=5), 0.2)
+
+
+@pytest.mark.parametrize(
+    ("heads", "decode", "dtype", "fp8", "granules", "expected"),
+    [
+        (128, True, "bf16", False, False, (64, 1, 32, 8)),
+        (64, True, "bf16", True, False, (64, 1, 32, 8)),
+        (32, True, "bf16", False, False, (16, 1, 32, 4)),  # fewer heads than one tile
+        (128, False, "bf16", False, False, (16, 1, 32, 8)),  # prefill
+        (128, True, "fp32", False, False, (16, 1, 16, 8)),  # no tensor cores
+        (128, True, "bf16", True, True, (16, 1, 32, 8)),  # scale granules (not timed)
+    ],
+)
+def test_sm90_decode_at_64_heads_or_more_takes_64_head_tiles(heads, decode, dtype, fp8, granules, expected):
+    fp32 = dtype == "fp32"
+    got = triton_mla._blocks_for(512, heads, decode, False, fp32, fp8, hw_fp8=True, wgmma=True, granules=granules)
+    assert got == expected
+    assert triton_mla._blocks_for(512, heads, decode, False, fp32, fp8, hw_fp8=True, wgmma=False)[0] == 16

@@ -59,6 +59,7 @@ CASES = {  # (cached, new, page_size, heads)
     "decode-split-page64-h16": ([5000, 3], [1, 1], 64, 16),
     "prefill-page64-h16": ([0, 100], [150, 37], 64, 16),
     "chunked-page1-h128": ([40, 0], [20, 9], 1, 128),
+    "decode-split-page64-h96": ([7000, 64, 1], [1, 1, 1], 64, 96),  # (sm_90: two 64-head tiles, one partial)
 }
 
 

@@ -226,6 +226,8 @@ def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
             ("bf16", "e5m2-static", 16, "decode"),
             ("fp32", "unquantized", 16, "decode"),
             ("bf16", "fp8-g128", 16, "decode-slot"),  # (per-token rows spilled 84 B there with the integer decode)
+            ("bf16", "unquantized", 128, "decode-split"),  # 64-head wgmma tiles on sm_90
+            ("bf16", "fp8", 128, "decode"),
         ]
         return
     for dtype, heads, mode in itertools.product(DTYPES, (16, 128), MODES):
@@ -234,6 +236,8 @@ def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
         yield dtype, cache, 16, mode  # (fp32 queries over FP8 rows run on the reference backend)
     for cache in MLA_CACHES:
         yield "bf16", cache, 16, "decode-slot"
+    for dtype, cache in itertools.product(("bf16", "fp16"), list(MLA_CACHES)[1:]):
+        yield dtype, cache, 128, "decode-split"  # (64-head wgmma tiles on sm_90 for per-token and static scales)
 
 
 def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:

@@ -103,12 +103,20 @@ META_ARCH: ContextVar[int] = ContextVar("META_ARCH", default=90)
 """The SM version that launches planned on "meta" tensors target (`aot` sets it per architecture)."""
 
 
+def sm_version(device: torch.device) -> int:
+    """The SM version kernels on `device` compile for (90 for sm_90); `META_ARCH` on "meta"; 0 off CUDA."""
+    if device.type == "meta":
+        return META_ARCH.get()
+    if device.type != "cuda":
+        return 0
+    major, minor = _capability(device)
+    return 10 * major + minor
+
+
 def hardware_fp8(device: torch.device) -> bool:
     """Whether kernels on `device` decode FP8 with the hardware conversion (`fp8_bits_to_operand`):
     CUDA sm_89 and later; on "meta", whether `META_ARCH` is."""
-    if device.type == "meta":
-        return META_ARCH.get() >= 89
-    return device.type == "cuda" and _capability(device) >= (8, 9)
+    return sm_version(device) >= 89
 
 
 @functools.cache

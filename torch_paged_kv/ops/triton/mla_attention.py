@@ -8,8 +8,8 @@ and serves all its rows: scores `q_nope . latent + q_rope . rope`, then `p . lat
 `[BLOCK_M, kv_lora_rank]` fp32 accumulator (the latent is both key and value). Heads beyond
 `BLOCK_H` are other programs over the same rows, numbered next to each other on grid x: CUDA starts
 blocks in grid order, x fastest (observed, not promised), so they run at the same time and all but
-the first find each key tile in L2 (on grid y, a tile's head blocks started a grid row apart: at
-128 heads, batch 64, about 3 of the 8 rows fit one wave, so the latent came from memory twice). Tiles and the causal key range are those of
+the first find each key tile in L2 (on an H100 no faster than head blocks on grid y at 128 heads:
+that decode is bound by instruction issue). Tiles and the causal key range are those of
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
 `mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
 one scale per token the scale multiplies the scores and the probabilities instead of every element
@@ -25,7 +25,7 @@ import triton.language as tl
 from ..records import MLAAttentionArgs
 from .common import Launch, is_interpreted, key_pages, online_softmax, query_tile, search_steps, store_rows, tile_rows
 from .flash_attention import num_splits
-from .fp8 import fp8_bits_to_operand, hardware_fp8
+from .fp8 import fp8_bits_to_operand, hardware_fp8, sm_version
 from .mla_merge import plan_mla_merge
 from .mla_store import granules, mla_views, quant_mode, view_strides
 
@@ -176,6 +176,12 @@ def _mla_attention_kernel(
     )  # fmt: skip
 
 
+WGMMA_TILES = tuple(int(n) for n in triton.__version__.split(".")[:2]) < (3, 9)
+"""Whether decode at 64 or more heads on sm_90 takes 64-head wgmma tiles (`_blocks_for`). `aot` compiles
+them without spills under triton 3.6 and 3.8 (8 bytes under 3.7 over FP8 rows) but with 232-520
+bytes of spills under 3.9; they were timed on an H100 under 3.6 only."""
+
+
 def wide_page(*views: torch.Tensor | None) -> bool:
     """Whether an offset inside one page, `(page_size - 1) * token stride`, passes int32 in any of the
     `mla_views` views. Only then does the kernel widen each key's in-page offset to int64 (an i32
@@ -185,17 +191,30 @@ def wide_page(*views: torch.Tensor | None) -> bool:
 
 
 def _blocks_for(
-    rank: int, heads: int, decode: bool, interpret: bool, fp32: bool, fp8: bool, hw_fp8: bool = False
+    rank: int,
+    heads: int,
+    decode: bool,
+    interpret: bool,
+    fp32: bool,
+    fp8: bool,
+    hw_fp8: bool = False,
+    wgmma: bool = False,
+    granules: bool = False,
 ) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps). The `[BLOCK_M, kv_lora_rank]` fp32 accumulator and the
     query (held by every warp as the first `tl.dot` operand) dominate the registers: 16 rows at
     rank >= 256 (as vLLM's and SGLang's Triton MLA decode), up to 64 at small ranks. fp32 (FMAs, no
     tensor cores) and FP8 rows decoded by integer arithmetic (sm_80) take 16-key tiles over 8 warps:
     the largest that compile without spills (see `aot`). FP8 rows converted in hardware (`hw_fp8`,
-    sm_89+) take 32-key tiles over 8 warps (sm_90: 209 registers, no spill; 4 warps spill 192 bytes)."""
+    sm_89+) take 32-key tiles over 8 warps (sm_90: 209 registers, no spill; 4 warps spill 192 bytes).
+    Decode with 64 heads or more on sm_90 (`wgmma`: see `WGMMA_TILES`) takes 64 heads x 32 keys over
+    8 warps, on wgmma, over 16-bit rows or FP8 rows with one scale per token or tensor: on an H100
+    at 128 heads 1.4-1.5x faster than 16-head tiles in bf16 and 3x over FP8 rows (docs/mla.md)."""
     heads_p = triton.next_power_of_2(heads)
     if interpret:
         rows, block_n, warps = 16, 16, 4
+    elif wgmma and decode and rank >= 256 and heads >= 64 and not fp32 and not granules and (hw_fp8 or not fp8):
+        rows, block_n, warps = 64, 32, 8
     elif rank >= 256:
         narrow = fp32 or (fp8 and not hw_fp8)
         rows, block_n, warps = 16, (16 if narrow else 32), (4 if decode and not (fp32 or fp8) else 8)
@@ -220,7 +239,10 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
     decode = total <= batch
     fp32 = q_nope.dtype == torch.float32
     hw_fp8 = scales is not None and hardware_fp8(q_nope.device)
-    block_h, block_q, block_n, num_warps = _blocks_for(rank, heads, decode, interpret, fp32, scales is not None, hw_fp8)
+    wgmma = WGMMA_TILES and sm_version(q_nope.device) == 90
+    block_h, block_q, block_n, num_warps = _blocks_for(
+        rank, heads, decode, interpret, fp32, scales is not None, hw_fp8, wgmma, granules(scales) > 1
+    )
     head_blocks = triton.cdiv(heads, block_h)
     width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     splits = num_splits(batch * head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
