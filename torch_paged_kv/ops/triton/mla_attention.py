@@ -178,7 +178,7 @@ def _mla_attention_kernel(
 
 WGMMA_TILES = tuple(int(n) for n in triton.__version__.split(".")[:2]) < (3, 9)
 """Whether decode at 64 or more heads on sm_90 takes 64-head wgmma tiles (`_blocks_for`). `aot` compiles
-them without spills under triton 3.6 and 3.8 (8 bytes under 3.7 over FP8 rows) but with 232-520
+them without spills under triton 3.6 and 3.8 (8-16 bytes under 3.7 over FP8 rows) but with 232-520
 bytes of spills under 3.9; they were timed on an H100 under 3.6 only."""
 
 
