@@ -120,3 +120,25 @@ def test_sinks_chunks_and_trees_compile_fullgraph_without_recompiling():
             torch.compiler.set_stance("default")
         assert torch.equal(out, expected)
         assert torch.equal(collection.blocks, eager_blocks)
+
+
+@pytest.mark.parametrize("check_with_traces", [True, False])
+def test_traced_shape_checks_compile_and_refuse(monkeypatch, check_with_traces):
+    """`shape_checks.check_traced` under `torch.compile(fullgraph=True, dynamic=True)` traces with no
+    graph break through `torch._check_with` (torch 2.13 on) and through `torch._check` (older torch,
+    forced here), and refuses mismatched rows either way (with the message where `_check_with` runs)."""
+    from torch_paged_kv.ops import shape_checks
+
+    monkeypatch.setattr(shape_checks, "CHECK_WITH_TRACES", check_with_traces)
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, dynamic=True, backend="eager")
+    def rows_checked(t: torch.Tensor, rows: int) -> torch.Tensor:
+        shape_checks.check_step_rows("key", t, rows, 3, 0)
+        return t * 2
+
+    t = torch.randn(5, 2)
+    torch.testing.assert_close(rows_checked(t, 5), t * 2)
+    match = "key: layer 3 got other new rows than layer 0" if check_with_traces else ""
+    with pytest.raises((ValueError, RuntimeError), match=match):  # (dynamo wraps a failing traced check)
+        rows_checked(torch.randn(6, 2), 7)

@@ -27,8 +27,23 @@ TREE_TOKENS = 64
 """Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
 
 
+CHECK_WITH_TRACES = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+"""Whether dynamo traces `torch._check_with(ValueError, ...)`: from torch 2.13 (its handlers of the
+`torch._check*` family, pytorch#181552); torch 2.11 (the GPU machine's) breaks the graph on it."""
+
+
 def fail(name: str, message: str) -> NoReturn:
     raise ValueError(f"{name}: {message}")
+
+
+def check_traced(cond: bool | torch.SymBool, message: Callable[[], str]) -> None:
+    """`ValueError(message())` unless `cond`, traceable. While compiling on a torch older than 2.13
+    (`CHECK_WITH_TRACES`), `torch._check(cond)`: a `RuntimeError` without the message (that dynamo
+    took no message closure either)."""
+    if CHECK_WITH_TRACES or not torch.compiler.is_compiling():
+        torch._check_with(ValueError, cond, message)
+    else:
+        torch._check(cond)
 
 
 def _require(cond: bool | torch.SymBool, name: str, message: Callable[[], str]) -> None:
@@ -37,7 +52,7 @@ def _require(cond: bool | torch.SymBool, name: str, message: Callable[[], str]) 
     A plain `True` (every eager call) returns at once: `torch._check_with` costs about 2.5 us."""
     if cond is True:
         return
-    torch._check_with(ValueError, cond, lambda: f"{name}: {message()}")
+    check_traced(cond, lambda: f"{name}: {message()}")
 
 
 def _check_index(name: str, t: Tensor, dims: tuple[int, ...], device: torch.device) -> None:
@@ -197,7 +212,7 @@ def check_step_rows(name: str, t: Tensor, step_rows: int | torch.SymInt, layer_i
         return
     # traced sizes: a message of constants only (what torch.compile accepts in a check)
     message = f"{name}: layer {layer_idx} got other new rows than layer {first_layer}; every layer takes the same"
-    torch._check_with(ValueError, rows == step_rows, lambda: message)
+    check_traced(rows == step_rows, lambda: message)
 
 
 def check_flash_attention_meta(a: FlashAttentionArgs) -> None:
