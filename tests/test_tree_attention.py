@@ -268,3 +268,35 @@ def test_a_row_without_its_own_bit_is_refused(backend):
     with pytest.raises(ValueError, match=r"^tree_mask: row 6 lacks its own bit 2"):
         pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=bad)
     pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"sliding_window": 1},
+        {"sliding_window": 4},
+        {"attention_chunk_size": 4},
+        {"sliding_window": 3, "attention_chunk_size": 8},
+        {"sliding_window": 2, "causal": False},
+    ],
+    ids=_ids,
+)
+def test_masks_naming_later_drafts_count_them_in_depths(backend, monkeypatch, option):
+    """The checks take a row whose mask also names later new tokens (only its own bit is required);
+    its depth counts them, so its position (a query's and a key's) passes its place in the step, and
+    every backend must still follow the contract: a key deeper than its place is seen by the rows
+    whose window or chunk holds its position (cpu items split at 16 keys)."""
+    monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
+    rng = random.Random(23)
+    b, mask = _tree_step([40, 0, 9], [12, 6, 20], seed=23)
+    row = 0
+    for new in (b.input_row_offsets.diff()).tolist():  # 2 to 4 later bits in the first half of the rows
+        for t in range(new // 2):
+            for later in rng.sample(range(t + 1, new), rng.randrange(2, 5)):
+                mask[row + t] |= 1 << later
+        row += new
+    places = torch.cat([torch.arange(n) for n in b.input_row_offsets.diff().tolist()])
+    assert (torch.tensor(depths(mask)) - 1 > places).sum() > 5
+    out = _attend(b, mask, **option)
+    torch.testing.assert_close(out.double(), _expected(b, mask, **option), **ATTENTION_TOLERANCE[torch.float32])

@@ -113,17 +113,18 @@ thread_local Scratch tls_scratch;
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // A tree step's position of new token t of sequence b, as a query and as a key: cached + its depth - 1
-// (depth: the bits of its mask, itself and its ancestors), at most its place in the step, cached + t.
+// (depth: the bits of its mask, itself and its ancestors; a mask that also names later tokens, which
+// the checks take, puts it past its place in the step, cached + t).
 inline int64_t tree_position(const AttnArgs& a, int64_t b, int64_t t) {
   return a.cache_lengths[b] + __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + t])) - 1;
 }
 
 // The key indices [lo, hi) that new token i of sequence b may see. In a tree step windows and chunks
-// are measured from the node's position p (tree_position) and cover the keys whose positions
-// are in [p - window + 1, p] and p's chunk; a key's position is at most its index, so lo bounds
-// the indices too, and the new keys in the range are masked by mask_tree. Since p >= cached (depth
-// >= 1), lo is never below the step's first token's (cached - window + 1, or its chunk's start):
-// no page before what that token needs (which a sliding group's manager may have released) is read.
+// are measured from the node's position p (tree_position) and cover the cached keys in
+// [p - window + 1, p] and p's chunk; every new key stays in the range (a new key's position need not
+// be at most its index), masked by mask_tree. Since p >= cached (depth >= 1), lo is never below the
+// step's first token's (cached - window + 1, or its chunk's start): no page before what that token
+// needs (which a sliding group's manager may have released) is read.
 inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
   int64_t cached = a.cache_lengths[b];
   int64_t kv_len = cached + (a.offsets[b + 1] - a.offsets[b]);
@@ -137,6 +138,7 @@ inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int6
     // (a tree's new keys: positions up to the chunk's end at any index, left to mask_tree)
     if (a.tree == nullptr) *hi = std::min(*hi, start + a.chunk);
   }
+  if (a.tree != nullptr) *lo = std::min(*lo, cached);
 }
 
 constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for

@@ -120,7 +120,7 @@ def _attention_kernel(
     dim = tl.arange(0, HEAD_DIM)
     if TREE:  # each query row's bits over its sequence's new tokens
         tree_bits = tl.load(tree + q_rows, mask=row_ok, other=0)
-        if WINDOW or CHUNK:  # a node's position: cached + depth - 1, at most its place in the step
+        if WINDOW or CHUNK:  # a node's position: cached + depth - 1
             q_pos = (cache_len + popcount64(tree_bits) - 1).to(pos.dtype)
     qt = tl.load(
         q + (q_rows * q_stride_row + head * q_stride_head)[:, None] + dim[None, :], mask=row_ok[:, None], other=0.0
@@ -135,8 +135,8 @@ def _attention_kernel(
         k_hi = kv_len
     # A tree's rows start from the shallowest position a node can have, cache_len (depth 1; a min over
     # the rows took 255 registers on sm_80): the step's first token's start, so no page before what
-    # that token needs (which a sliding group's manager may have released) is read. A key's position
-    # is at most its index, so a position bound is an index bound.
+    # that token needs (which a sliding group's manager may have released) is read. Every new key is
+    # in the range (its position may pass its index where a mask names later tokens), masked below.
     if TREE:
         first = cache_len
     else:
