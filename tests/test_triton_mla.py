@@ -327,12 +327,18 @@ def test_wide_slots_take_int64_in_page_offsets(tmp_path):
     assert triton_mla.wide_page(*mla_views(blocks, 16, None)[:2])
 
 
-def test_64_head_tiles_match_fp64_in_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_64_head_tiles_match_fp64_in_the_interpreter(monkeypatch, splits):
     """The tile sm_90 decode takes at 64+ heads (64 heads x 32 keys), forced in the interpreter: 96
-    heads make two head blocks, the second half empty; per-token FP8 rows too."""
+    heads make two head blocks, the second half empty; per-token FP8 rows too; and forced splits,
+    some holding no key of the shorter sequences, merged."""
     monkeypatch.setattr(triton_mla, "_blocks_for", lambda *_: (64, 1, 32, 8))
+    monkeypatch.setattr(triton_mla, "num_splits", lambda *_: splits)
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        _check(make_mla_batch([40, 3], [1, 1], page_size=8, num_heads=96, dtype=dtype, seed=5), 0.2)
+        b = make_mla_batch([140, 3, 70], [1, 1, 1], page_size=8, num_heads=96, dtype=dtype, seed=5)
+        a = MLAAttentionArgs(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales)
+        assert len(triton_mla.plan_mla_attention(a)[1]) == (2 if splits > 1 else 1)  # (the merge)
+        _check(b, 0.2)
 
 
 @pytest.mark.parametrize(
