@@ -144,6 +144,7 @@ def hidden_ancestors(b, mask: torch.Tensor, window: int = -1, chunk: int = -1) -
     return hidden
 
 
+INTERPRETER_UPCASTS = "Triton's interpreter computes bf16 pages in fp32 too: the bf16 case runs the same code"
 WINDOWS_AND_CHUNKS = [
     {"sliding_window": 1},
     {"sliding_window": 3},
@@ -172,6 +173,8 @@ def test_trees_with_windows_and_chunks_match_fp64(backend, monkeypatch, dtype, o
     one sequence with no cache, a 40-draft tree crossing the cpu kernels' 32-token items and Triton's
     query tiles, a plain decode row and a 64-draft tree; attention sinks on top. The rules hide some
     ancestors the mask shows."""
+    if backend == "triton" and dtype == torch.float32:
+        pytest.skip(INTERPRETER_UPCASTS)
     monkeypatch.setattr(cpu_kernels, "MIN_SPLIT_KEYS", 16)
     monkeypatch.setattr(cpu_kernels, "WANT_ITEMS", 64)
     b, mask = _tree_step([600, 0, 93, 20, 90], [40, 12, 1, 7, 64], seed=13, deep=True, dtype=dtype)
