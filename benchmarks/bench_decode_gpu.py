@@ -17,6 +17,7 @@ markdown table; writes benchmarks/results/bench_decode_gpu.{md,json}; exits 0 wi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -75,17 +76,11 @@ def flex_paged(x: DecodeInputs, key: torch.Tensor, value: torch.Tensor) -> Calla
     return lambda: compiled(q, k_cache, v_cache, block_mask=block_mask, scale=x.scale, enable_gqa=True)[:, :, 0]
 
 
-def forced_splits(x: DecodeInputs, splits: int) -> Callable[[], torch.Tensor]:
-    """`x.paged_attention("triton")` with the decode split count forced to `splits`."""
+def forced_splits(splits: int) -> contextlib.AbstractContextManager:
+    """Within it, Triton's decode plan takes `splits` splits (one patch per row: none in the timed calls)."""
     from torch_paged_kv.ops.triton import flash_attention as triton_flash  # (imports triton: after --dry-run's env)
 
-    run = x.paged_attention("triton")
-
-    def call() -> torch.Tensor:
-        with mock.patch.object(triton_flash, "num_splits", lambda *_: splits):
-            return run()
-
-    return call
+    return mock.patch.object(triton_flash, "num_splits", lambda *_: splits)
 
 
 def graphed(fn: Callable[[], None]) -> Callable[[], None]:
@@ -136,14 +131,9 @@ def measure(
                 bench.row(KERNELS["triton"], page, run, matches(expected, "triton"), target=bandwidth_target(page))
             )
         for splits in FORCED_SPLITS if "splits" in kernels else ():
-            rows.append(
-                bench.row(
-                    f"{KERNELS['splits']} {splits}",
-                    page,
-                    lambda n=splits: forced_splits(x, n),
-                    matches(expected, "splits"),
-                )
-            )
+            with forced_splits(splits):
+                run = lambda: x.paged_attention("triton")
+                rows.append(bench.row(f"{KERNELS['splits']} {splits}", page, run, matches(expected, "splits")))
         if "sdpa" in kernels and page == page_sizes[0]:
             rows.append(bench.sdpa_row(x, key, value, expected))
         if "flex" in kernels:

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_paged_kv.ops.triton.fp8 import FORMATS, META_ARCH, float_to_fp8_bits, fp8_bits_to_float, hardware_fp8
+from torch_paged_kv.ops.triton.common import META_ARCH
+from torch_paged_kv.ops.triton.fp8 import FORMATS, float_to_fp8_bits, fp8_bits_to_float, hardware_fp8
 
 
 @triton.jit

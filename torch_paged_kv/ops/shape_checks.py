@@ -27,7 +27,7 @@ TREE_TOKENS = 64
 """Most new tokens of one sequence in a step with a `tree_mask` (one int64 of bits per query)."""
 
 
-CHECK_WITH_TRACES = tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+CHECK_WITH_TRACES = torch.__version__ >= "2.13"  # (a TorchVersion: compared as a version)
 """Whether dynamo traces `torch._check_with(ValueError, ...)`: from torch 2.13 (its handlers of the
 `torch._check*` family, pytorch#181552); torch 2.11 (the GPU machine's) breaks the graph on it."""
 

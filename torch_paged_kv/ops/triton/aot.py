@@ -30,10 +30,9 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, MLAAttentionArgs, StoreKVArgs, StoreLatentArgs
-from .common import Launch
+from .common import META_ARCH, Launch
 from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
-from .fp8 import META_ARCH
 from .gather_kv import plan_gather_kv
 from .mla_attention import plan_mla_attention
 from .mla_store import plan_store_latent

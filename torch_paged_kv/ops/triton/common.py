@@ -7,6 +7,8 @@ set before triton is first imported; kernels on CUDA tensors need it unset.
 
 from __future__ import annotations
 
+import functools
+from contextvars import ContextVar
 from typing import Any, NamedTuple
 
 import torch
@@ -15,6 +17,25 @@ import triton.language as tl
 
 MAX_GRID = (2**31 - 1, 65535, 65535)
 """CUDA's launch limits on grid x, y and z: a dimension that grows with the cache goes on x."""
+
+
+META_ARCH: ContextVar[int] = ContextVar("META_ARCH", default=90)
+"""The SM version that launches planned on "meta" tensors target (`aot` sets it per architecture)."""
+
+
+def sm_version(device: torch.device) -> int:
+    """The SM version kernels on `device` compile for (90 for sm_90); `META_ARCH` on "meta"; 0 off CUDA."""
+    if device.type == "meta":
+        return META_ARCH.get()
+    if device.type != "cuda":
+        return 0
+    major, minor = _capability(device)
+    return 10 * major + minor
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def grid_fits(grid: tuple[int, ...]) -> bool:

@@ -13,13 +13,13 @@ e4m3fn (`torch.float8_e4m3fn`): 3, 7, 448; e5m2 (`torch.float8_e5m2`): 2, 15, 57
 
 from __future__ import annotations
 
-import functools
-from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .common import sm_version
 
 FORMATS = {torch.float8_e4m3fn: (3, 7, 448.0), torch.float8_e5m2: (2, 15, 57344.0)}
 """FP8 dtype -> (mantissa bits, exponent bias, largest finite value)."""
@@ -99,29 +99,10 @@ def quantize_granules(x, N: tl.constexpr, GRAN: tl.constexpr, MANT: tl.constexpr
     return float_to_fp8_bits(tl.reshape(q, (N,)), MANT, BIAS, MAX), scale
 
 
-META_ARCH: ContextVar[int] = ContextVar("META_ARCH", default=90)
-"""The SM version that launches planned on "meta" tensors target (`aot` sets it per architecture)."""
-
-
-def sm_version(device: torch.device) -> int:
-    """The SM version kernels on `device` compile for (90 for sm_90); `META_ARCH` on "meta"; 0 off CUDA."""
-    if device.type == "meta":
-        return META_ARCH.get()
-    if device.type != "cuda":
-        return 0
-    major, minor = _capability(device)
-    return 10 * major + minor
-
-
 def hardware_fp8(device: torch.device) -> bool:
     """Whether kernels on `device` decode FP8 with the hardware conversion (`fp8_bits_to_operand`):
-    CUDA sm_89 and later; on "meta", whether `META_ARCH` is."""
+    CUDA sm_89 and later; on "meta", whether `common.META_ARCH` is."""
     return sm_version(device) >= 89
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 class Quantization(NamedTuple):

@@ -23,9 +23,19 @@ import triton
 import triton.language as tl
 
 from ..records import MLAAttentionArgs
-from .common import Launch, is_interpreted, key_pages, online_softmax, query_tile, search_steps, store_rows, tile_rows
+from .common import (
+    Launch,
+    is_interpreted,
+    key_pages,
+    online_softmax,
+    query_tile,
+    search_steps,
+    sm_version,
+    store_rows,
+    tile_rows,
+)
 from .flash_attention import num_splits
-from .fp8 import fp8_bits_to_operand, hardware_fp8, sm_version
+from .fp8 import fp8_bits_to_operand, hardware_fp8
 from .mla_merge import plan_mla_merge
 from .mla_store import granules, mla_views, quant_mode, view_strides
 
