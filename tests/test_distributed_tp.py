@@ -156,6 +156,35 @@ def test_diverging_tree_paths_fail_loudly_on_every_rank(rank_groups):
     assert all("same manager calls" in m for m in messages)
 
 
+
+def _diverging_token_ids(rank: int, world: int) -> list[str]:
+    """Ranks whose sampled tokens differ (same lengths and pages): in a step's ids, and in accept's."""
+    full = pk.KVCacheParams(torch.float32, 2, 4, HEAD_DIM, PAGE)
+    params, shard = shard_params(full, world, rank), tp_shard(full, world, rank)
+    messages = []
+    for where in ("step", "accept"):
+        m = TensorParallelKVCacheManager(pk.PagedKVCacheCollection(params, 32, 4, 64), tp_shard=shard)
+        m.claim("a")
+        m.prepare_step(["a"], [3], [[1, 2, 3]])
+        m.commit_step()
+        if where == "step":
+            m.prepare_step(["a"], [1], [[4 + rank]])
+        else:
+            m.prepare_step(["a"], [3])  # a verify step: the kept tokens' ids come with accept
+            m.commit_step()
+            m.accept("a", [0, 1], token_ids=[4, 5 + rank])
+            m.prepare_step(["a"], [1], [[6]])
+        with pytest.raises(TensorParallelDivergenceError, match="differ at step") as info:
+            m.commit_step()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_diverging_token_ids_fail_loudly_on_every_rank(rank_groups):
+    per_rank = rank_groups.get(2).run(_diverging_token_ids)
+    assert all(len(messages) == 2 and all("same manager calls" in m for m in messages) for messages in per_rank)
+
+
 # -- a compiled tensor-parallel decode step --------------------------------------------------------------
 
 VOCAB, DIM, FFN, LAYERS, Q_HEADS, KV_HEADS = 64, 64, 128, 2, 4, 2

@@ -87,8 +87,8 @@ class TensorParallelKVCacheManager(KVCacheManager):
     `collection` holds this rank's heads (`shard_params`), `tp_shard` says which (`tp_shard`); its
     `tp_size`/`tp_rank` must be this process's size/rank in `group` (no shard: a group of one).
     Call it exactly as every other rank does. Every `verify_every`-th `prepare_step` (default: each)
-    all-reduces a digest of the step (lengths, page counts, the last page of each row, the pool's
-    counters, every `rewind` and `accept` so far) over `cpu_group` (default `group`, which must then
+    all-reduces a digest of the step (its rows' slots, lengths, page counts, last pages and token
+    ids, the pool's counters, every `rewind` and `accept` so far) over `cpu_group` (default `group`, which must then
     be a gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
     all-reduce runs while the model does and `commit_step` checks it; without, `prepare_step` waits
     for it. Either raises `TensorParallelDivergenceError` on every rank if any differs, before the
@@ -157,24 +157,29 @@ class TensorParallelKVCacheManager(KVCacheManager):
         """`KVCacheManager.accept`, recorded for the next digest: ranks that keep different paths of
         the same length end with the same lengths and pages but different K/V in them."""
         super().accept(seq_id, kept, token_ids)
-        self._record(seq_id, 1, *kept)
+        self._record(seq_id, 1, *kept, token_ids=token_ids)
 
-    def _record(self, seq_id: Hashable, *call: int) -> None:
-        """Chain a rewind or accept that succeeded (its arguments and the pages it left) into the
-        hash every later digest includes, so a rank that decided otherwise differs from then on."""
+    def _record(self, seq_id: Hashable, *call: int, token_ids: Sequence[int] | None = None) -> None:
+        """Chain a rewind or accept that succeeded (its arguments, the sequence's slot, the pages it left
+        and accept's token ids) into the hash every later digest includes, so a rank that decided
+        otherwise differs from then on."""
         h = hashlib.blake2b(self._speculation, digest_size=16)
-        h.update(np.array([*call, self.cache_length(seq_id), *self.pages(seq_id)], dtype=np.int64).tobytes())
+        slot = self._seqs.get(seq_id, "seq_id").slot
+        h.update(np.array([*call, slot, self.cache_length(seq_id), *self.pages(seq_id)], dtype=np.int64).tobytes())
+        ids = [] if token_ids is None else [int(t) for t in token_ids]
+        h.update(np.array([len(ids) if token_ids is not None else -1, *ids], dtype=np.int64).tobytes())
         self._speculation = h.digest()
 
     def digest(self, full: bool = False) -> int:
         """A 56-bit digest of the page decisions so far (see the class docs); equal on every rank."""
         h = hashlib.blake2b(digest_size=7)
         table = self.page_table
-        rows = self.prepared_rows
-        if rows is not None:
-            counts = table.num_pages[rows.slots]
-            last = table.rows[rows.slots, np.maximum(counts - 1, 0)]
-            for array in (rows.new_lengths, rows.num_new, counts, last):
+        step = self._pending
+        if step is not None:
+            counts = table.num_pages[step.slots]
+            last = table.rows[step.slots, np.maximum(counts - 1, 0)]
+            ids = np.full(1, -1) if step.token_ids is None else step.token_ids
+            for array in (step.slots, step.new_lengths, step.num_new, counts, last, ids):
                 h.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
         sequences = self.sequences
         counters = (*self.page_pool.counts(), len(sequences), self.steps_prepared)
