@@ -9,6 +9,7 @@ plain model (Llama), a K/V-sharing one (Gemma4) and an MLA one (DeepSeek-V3). Th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,6 +31,12 @@ TABLE_START, TABLE_END = "<!-- supported-models: start -->\n", "<!-- supported-m
 
 
 CELLS = matrix.all_cells() if FULL else matrix.ci_cells()
+SHARING_LANDED = matrix.Before("5.23")  # kv_sharing_modes: K/V sharing refused before (the matrix checks that)
+MLA_KWARGS_LANDED = matrix.Before("5.24")  # Cache.update(kwargs=...): paged_kv on MLA refused before
+needs_sharing = pytest.mark.skipif(SHARING_LANDED.applies(), reason="K/V sharing is refused before transformers 5.23")
+needs_mla_kwargs = pytest.mark.skipif(
+    MLA_KWARGS_LANDED.applies(), reason="paged_kv on MLA models is refused before transformers 5.24"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -79,6 +86,7 @@ def reference(model, default_attn: str, mode: str = "batch") -> torch.Tensor:
 
 
 # -- K/V sharing with trimmed shared layers (Gemma4) ----------------------------------------------
+@needs_sharing
 def test_gemma4_trimmed_shared_layers_attend_as_the_last_positions(monkeypatch):
     """Gemma4 feeds its K/V-sharing layers only the last `logits_to_keep` positions of a prefill (and
     slices the 4-D mask's query dimension): under `paged_kv` they attend from a trailing plan (the
@@ -125,6 +133,7 @@ def test_mla_pool_holds_the_models_latent_and_rope_rows():
                 torch.testing.assert_close(stored, expected_rows, rtol=1e-5, atol=1e-5)
 
 
+@needs_mla_kwargs
 def test_mla_under_paged_kv_runs_absorbed_attention_over_the_pages(monkeypatch):
     """Under `paged_kv` every MLA layer stores its real tokens' rows and attends with `mla_attention`
     (the model's own attention is never called), and the tokens equal DynamicCache's."""
@@ -163,6 +172,7 @@ def test_mla_rows_past_each_length_never_reach_the_model():
     torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
 
 
+@needs_mla_kwargs
 def test_fp8_mla_pool_only_under_paged_kv():
     """An FP8 MLA pool is read by absorbed attention only: the default attention is refused, naming
     `kv_dtype`, before anything is stored; under `paged_kv` the pool stores FP8 latent rows."""
@@ -247,7 +257,34 @@ def test_check_config_refusals_name_the_field():
                 hf_support.check_config(config, paged)
     hf_support.check_config(SimpleNamespace(**{**vars(llama), "use_bidirectional_attention": "vision"}), True)
     chunked = dict(layer_types=["chunked_attention", "full_attention"], attention_chunk_size=8, model_type="gpt_oss")
-    hf_support.check_config(SimpleNamespace(**{**vars(llama), **chunked}), True)  # sinks and chunks: served
+    if not hf_support._generate_breaks_chunked_masks():  # (see the next test)
+        hf_support.check_config(SimpleNamespace(**{**vars(llama), **chunked}), True)  # sinks and chunks: served
+
+
+def test_chunked_layers_refused_where_transformers_generate_breaks_their_masks(monkeypatch):
+    """transformers 5.17's `generate` hands `create_chunked_causal_mask` a `block_sequence_ids` it
+    does not take (every compileable cache, StaticCache too): chunked models are refused there, in
+    both columns, naming `config.layer_types`; where the mask function takes it they are served."""
+    from transformers import masking_utils
+
+    config = matrix.model_of(family("Llama4 (text)"))[0].config
+    if not hf_support._generate_breaks_chunked_masks():
+        for paged in (False, True):
+            hf_support.check_config(config, paged)  # this transformers: served
+    taken = masking_utils.create_chunked_causal_mask
+
+    def without_block_ids(config, inputs_embeds, attention_mask, past_key_values, position_ids=None):
+        return taken(config, inputs_embeds, attention_mask, past_key_values, position_ids)
+
+    monkeypatch.setattr(masking_utils, "create_chunked_causal_mask", without_block_ids)
+    if "block_sequence_ids" not in inspect.signature(masking_utils.create_masks_for_generate).parameters:
+        pytest.skip("this transformers' create_masks_for_generate passes no block_sequence_ids")
+    for paged in (False, True):
+        with pytest.raises(ValueError, match="^config.layer_types: chunked_attention layers: transformers "):
+            hf_support.check_config(config, paged)
+    with pytest.raises(ValueError, match="^config.layer_types: chunked_attention"):
+        PagedCache(config, 1, 16, page_size=4)
+    hf_support.check_config(matrix.model_of(family("Llama"))[0].config, True)  # no chunked layers: served
 
 
 def test_switching_to_paged_kv_is_checked_at_the_next_step():
@@ -287,6 +324,7 @@ def test_pool_follows_the_keys_unless_allocated_from_the_config():
     assert not eager.collection.cache_lengths.any()
 
 
+@needs_mla_kwargs
 def test_compiled_mla_decode_matches_and_does_not_recompile():
     """DeepSeek-V3's decode step under `paged_kv` compiled with `fullgraph=True` (the latents reach the
     attention through the layer's kwargs, inside the graph): DynamicCache's tokens, and a second

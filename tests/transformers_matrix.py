@@ -3,8 +3,11 @@
 Each family is a tiny random model built in code from its config class (no downloads), fp32 on CPU.
 Each cell is (family, column, mode): `generate` with a `PagedCache`, once under the model's default
 attention ("default" column) and once under `attn_implementation="paged_kv"`, compared token for
-token with the same `generate` over transformers' `DynamicCache` under the default attention. The
-family declares each column's outcome, and a cell passes only when it happens:
+token with the same `generate` over transformers' `DynamicCache`: under the default attention for
+the default column, under `eager` (transformers' definition of the model's attention) for the
+`paged_kv` column (transformers 5.17's Gemma2 defaults to `sdpa`, which drops its logit softcap).
+The family declares each column's outcome (and, in `older`, what older transformers give where it
+refuses by design), and a cell passes only when it happens:
 
 - `EXACT`: every generated token equals DynamicCache's, and every logit is within 1e-4 of its
   (relative to the largest logit; fp32 rounding is ~1e-6);
@@ -27,12 +30,13 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = ("default", "paged_kv")
@@ -58,6 +62,20 @@ Outcome = str | Refused
 
 
 @dataclasses.dataclass(frozen=True)
+class Before:
+    """What a column gives on transformers older than `version` (None: as declared for the newest)."""
+
+    version: str
+    default: Outcome | None = None
+    paged_kv: Outcome | None = None
+
+    def applies(self) -> bool:
+        import transformers
+
+        return Version(transformers.__version__) < Version(self.version)
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """A transformers family as a tiny random model, and what each column of the matrix must give.
 
@@ -72,9 +90,16 @@ class Family:
     default: Outcome = EXACT
     paged_kv: Outcome = EXACT
     notes: str = ""
+    older: tuple[Before, ...] = ()
 
     def expected(self, column: str) -> Outcome:
-        return self.default if column == "default" else self.paged_kv
+        """The column's outcome on the installed transformers: the oldest `older` entry that applies,
+        else the newest."""
+        for before in sorted(self.older, key=lambda b: Version(b.version)):
+            outcome = getattr(before, column)
+            if outcome is not None and before.applies():
+                return outcome
+        return getattr(self, column)
 
     def build(self) -> torch.nn.Module:
         import transformers
@@ -138,6 +163,9 @@ NOT_ON_INTERFACE = (
     "`from_pretrained`, ignored by `set_attn_implementation`); `PagedCache` refuses a config that names it"
 )
 
+SHARING_BEFORE_5_23 = (Before("5.23", Refused("config"), Refused("config")),)  # no `kv_sharing_modes` yet
+MLA_BEFORE_5_24 = (Before("5.24", paged_kv=Refused("attn_implementation")),)  # no `Cache.update(kwargs=)` yet
+
 FAMILIES: tuple[Family, ...] = (
     Family("Llama", "LlamaConfig", "LlamaForCausalLM"),
     Family("Mistral", "MistralConfig", "MistralForCausalLM", SLIDING, notes=WINDOW),
@@ -170,6 +198,7 @@ FAMILIES: tuple[Family, ...] = (
             activation_sparsity_pattern=[0.0] * 6,
         ),
         notes=SHARING + ", " + WINDOW,
+        older=SHARING_BEFORE_5_23,
     ),
     Family(
         "Gemma4 (text, K/V sharing)",
@@ -185,6 +214,7 @@ FAMILIES: tuple[Family, ...] = (
             hidden_size_per_layer_input=8,
         ),
         notes=SHARING + ", " + WINDOW,
+        older=SHARING_BEFORE_5_23,
     ),
     Family(
         "Gemma4 (text, default head dims)",
@@ -222,6 +252,7 @@ FAMILIES: tuple[Family, ...] = (
             attn_scale=0.5,
         ),
         notes=CHUNKED,
+        older=(Before("5.23", Refused("config.layer_types"), Refused("config.layer_types")),),
     ),
     Family("Cohere", "CohereConfig", "CohereForCausalLM"),
     Family("Cohere2", "Cohere2Config", "Cohere2ForCausalLM", dict(SLIDING, sliding_window_pattern=2), notes=WINDOW),
@@ -233,7 +264,13 @@ FAMILIES: tuple[Family, ...] = (
     Family("StableLM", "StableLmConfig", "StableLmForCausalLM", dict(head_dim=None)),
     Family("GPT-NeoX", "GPTNeoXConfig", "GPTNeoXForCausalLM", dict(head_dim=None, num_key_value_heads=None)),
     Family("GPT-2", "GPT2Config", "GPT2LMHeadModel", GPT2_NAMES, notes="learned absolute positions"),
-    Family("GPT-J", "GPTJConfig", "GPTJForCausalLM", dict(GPT2_NAMES, rotary_dim=8)),
+    Family(
+        "GPT-J",
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        dict(GPT2_NAMES, rotary_dim=8),
+        older=(Before("5.24", paged_kv=Refused("config.model_type")),),  # on the attention interface from 5.24
+    ),
     Family("Starcoder2", "Starcoder2Config", "Starcoder2ForCausalLM", dict(SLIDING, head_dim=None), notes=WINDOW),
     Family("SmolLM3", "SmolLM3Config", "SmolLM3ForCausalLM"),
     Family("EXAONE4", "Exaone4Config", "Exaone4ForCausalLM", dict(SLIDING, sliding_window_pattern=2), notes=WINDOW),
@@ -244,6 +281,7 @@ FAMILIES: tuple[Family, ...] = (
         "MiniCPM3ForCausalLM",
         dict(MLA, q_lora_rank=16, scale_emb=1, dim_model_base=64),
         notes=MLA_NOTE,
+        older=MLA_BEFORE_5_24,
     ),
     Family(
         "GLM4-MoE-Lite (MLA)",
@@ -251,6 +289,7 @@ FAMILIES: tuple[Family, ...] = (
         "Glm4MoeLiteForCausalLM",
         dict(MLA, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
         notes=MLA_NOTE + " (interleaved rope)",
+        older=MLA_BEFORE_5_24,
     ),
     Family(
         "DeepSeek-V2 (MLA)",
@@ -258,6 +297,7 @@ FAMILIES: tuple[Family, ...] = (
         "DeepseekV2ForCausalLM",
         DEEPSEEK_MOE,
         notes=MLA_NOTE,
+        older=MLA_BEFORE_5_24,
     ),
     Family(
         "DeepSeek-V3 (MLA)",
@@ -265,6 +305,7 @@ FAMILIES: tuple[Family, ...] = (
         "DeepseekV3ForCausalLM",
         dict(DEEPSEEK_MOE, n_group=1, topk_group=1),
         notes=MLA_NOTE,
+        older=MLA_BEFORE_5_24,
     ),
     Family(
         "Falcon",
@@ -387,7 +428,7 @@ class CellResult:
 
 
 _models: dict[str, tuple[torch.nn.Module, str]] = {}
-_references: dict[tuple[str, str], list[Generated]] = {}  # (family, mode) -> DynamicCache's tokens
+_references: dict[tuple[str, str, str], list[Generated]] = {}  # (family, mode, attention) -> DynamicCache's
 
 
 def model_of(family: Family) -> tuple[torch.nn.Module, str]:
@@ -419,10 +460,11 @@ def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
     model, default_attn = model_of(family)
     expected = family.expected(column)
     rows = len(mode.lengths) * mode.beams
-    key = (family.name, mode_name)
+    reference_attn = default_attn if column == "default" else "eager"
+    key = (family.name, mode_name, reference_attn)
     if key not in _references:
         try:
-            set_attention(model, default_attn)
+            set_attention(model, reference_attn)
             _references[key] = run(model, lambda: DynamicCache(config=model.config), mode)
         except Exception as e:  # the reference itself fails: the family's config is wrong here
             return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
@@ -455,7 +497,7 @@ def _refusal(error: ValueError, caches: list) -> str:
     if stored:
         return f"ValueError after tokens were stored: {message}"[:300]
     field = message.split(":", 1)[0]
-    if " " in field or not field.startswith("config"):
+    if " " in field or not (field.startswith("config") or field == "attn_implementation"):
         return f"ValueError naming no config field: {message}"[:300]
     return str(Refused(field))
 
@@ -489,13 +531,18 @@ def markdown_table() -> str:
         "|---|---|---|---|---|",
     ]
     for f in FAMILIES:
-        cells = [_table_cell(f.default), _table_cell(f.paged_kv)]
+        cells = [
+            _table_cell(getattr(f, c), [(b.version, getattr(b, c)) for b in f.older if getattr(b, c) is not None])
+            for c in COLUMNS
+        ]
         lines.append(f"| {f.name} | `{f.config}` | {cells[0]} | {cells[1]} | {f.notes} |")
     return "\n".join(lines) + "\n"
 
 
-def _table_cell(outcome: Outcome) -> str:
-    return "exact" if outcome == EXACT else f"refused: `{outcome.field}`"
+def _table_cell(outcome: Outcome, older: Sequence[tuple[str, Outcome]] = ()) -> str:
+    """The newest outcome, then what older transformers give where that differs."""
+    text = "exact" if outcome == EXACT else f"refused: `{outcome.field}`"
+    return text + "".join(f"; before {version}: {_table_cell(o)}" for version, o in older)
 
 
 def main() -> int:

@@ -111,6 +111,14 @@ def check_config(config: Any, paged: bool) -> None:
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
             "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
         )
+    if "chunked_attention" in types and _generate_breaks_chunked_masks():
+        import transformers
+
+        raise ValueError(
+            f"config.layer_types: chunked_attention layers: transformers {transformers.__version__}'s generate "
+            "passes `block_sequence_ids` to `create_chunked_causal_mask`, which does not take it, for every "
+            "compileable cache (StaticCache too); use transformers >= 5.23 or a DynamicCache for this model"
+        )
     if not paged:
         return
     model_type = getattr(config, "model_type", None)
@@ -148,6 +156,19 @@ def on_attention_interface(config: Any) -> bool:
     model_class = getattr(transformers, name, None) if name else None
     can_set = getattr(model_class, "_can_set_attn_implementation", None)
     return True if can_set is None else bool(can_set())
+
+
+def _generate_breaks_chunked_masks() -> bool:
+    """Whether this transformers' `create_masks_for_generate` hands `create_chunked_causal_mask` an
+    argument it does not take (`block_sequence_ids`; so in 5.17, not in 5.5 or 5.23): a `TypeError` in
+    `generate` before the first token, for every compileable cache."""
+    import inspect
+
+    from transformers import masking_utils
+
+    passed = inspect.signature(masking_utils.create_masks_for_generate).parameters
+    taken = inspect.signature(masking_utils.create_chunked_causal_mask).parameters
+    return "block_sequence_ids" in passed and "block_sequence_ids" not in taken
 
 
 def check_attention_call(module: Any, kwargs: dict[str, Any]) -> None:
