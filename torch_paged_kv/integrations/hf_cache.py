@@ -376,14 +376,17 @@ class PagedCache(Cache):
             self.pool.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count); the
-        pages past the new lengths, and those below a sliding window's start, go back. A row that would
-        need tokens a sliding window gave back already raises `ValueError` (nothing changed) unless
+        """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count); a
+        positive count is the number of columns to keep, as transformers before 5.24 passes it
+        (`crop(max_length)` in its assisted decoding; no change when there are no more). The pages past
+        the new lengths, and those below a sliding window's start, go back. A row that would need
+        tokens a sliding window gave back already raises `ValueError` (nothing changed) unless
         `activate_past_recording()` kept them."""
+        if self.pool is None:
+            return
         if tokens_to_remove > 0:
-            raise ValueError(f"tokens_to_remove: pass a negative count of tokens to drop, got {tokens_to_remove}")
-        if self.pool is not None:
-            self.pool.crop(tokens_to_remove)
+            tokens_to_remove = min(0, tokens_to_remove - int(self.pool.columns))
+        self.pool.crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes a copy of row `beam_idx[i]`."""
