@@ -52,7 +52,7 @@ def check_inputs(latent: torch.Tensor, rope: torch.Tensor, kv_lora_rank: int, ro
             raise ValueError(
                 f"{name}: an MLA PagedCache expects the compressed latent and rope key [batch, 1, new, "
                 f"{kv_lora_rank} | {rope_dim}] from the model's attention, got {tuple(t.shape)} (a transformers "
-                "version that decompresses K/V before Cache.update: use transformers >= 5.24 or a DynamicCache)"
+                "version that decompresses K/V before Cache.update: use transformers >= 5.17 or a DynamicCache)"
             )
 
 

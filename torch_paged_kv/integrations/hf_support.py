@@ -19,6 +19,8 @@ KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' layer types whose cache is plain K/V per token (what a pool layer holds)."""
 NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
 """transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
+MLA_LATENT_UPDATE = "5.17"
+"""The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
 per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
@@ -74,13 +76,26 @@ def cache_groups(config: Any, cached_layers: list[int], max_cache_len: int) -> l
     return list(groups.items())
 
 
+GLOBAL_LAYER_FIELDS = {"head_dim": "global_head_dim", "num_key_value_heads": "num_global_key_value_heads"}
+"""Gemma4's fields for its full-attention layers where the config has no `per_layer_config`
+(transformers 5.5): `global_head_dim` when set; `num_global_key_value_heads` under `attention_k_eq_v`."""
+
+
 def _per_layer(config: Any, name: str, layers: list[int]) -> dict[int, Any]:
     """`name` of each layer in `layers`: from `config.per_layer_config` where the config has one
-    (transformers >= 5.2x: a global read of a per-layer field raises there), else the global value."""
+    (transformers >= 5.2x: a global read of a per-layer field raises there), else the global value,
+    or for a full-attention layer its `GLOBAL_LAYER_FIELDS` value where the config has that."""
     per_layer = getattr(config, "per_layer_config", None)
-    if per_layer is None:
-        return dict.fromkeys(layers, getattr(config, name, None))
-    return {i: getattr(per_layer[i], name, None) for i in layers}
+    if per_layer is not None:
+        return {i: getattr(per_layer[i], name, None) for i in layers}
+    value = getattr(config, name, None)
+    types = getattr(config, "layer_types", None)
+    glob = getattr(config, GLOBAL_LAYER_FIELDS.get(name, ""), None)
+    if name == "num_key_value_heads" and not getattr(config, "attention_k_eq_v", False):
+        glob = None
+    if not glob or not types:
+        return dict.fromkeys(layers, value)
+    return {i: value if types[i] == "sliding_attention" else glob for i in layers}
 
 
 def attention_layers(config: Any) -> tuple[list[int], list[int]]:
@@ -110,6 +125,14 @@ def check_config(config: Any, paged: bool) -> None:
         raise ValueError(
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
             "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
+        )
+    if is_mla(config) and _mla_update_gets_decompressed_kv():
+        import transformers
+
+        raise ValueError(
+            f"config.kv_lora_rank: transformers {transformers.__version__}'s MLA attention hands Cache.update "
+            "per-head K/V decompressed from the latent; PagedCache caches the latent itself (verified from "
+            f"transformers {MLA_LATENT_UPDATE}); use a newer transformers or a DynamicCache"
         )
     if "chunked_attention" in types and _generate_breaks_chunked_masks():
         import transformers
@@ -156,6 +179,15 @@ def on_attention_interface(config: Any) -> bool:
     model_class = getattr(transformers, name, None) if name else None
     can_set = getattr(model_class, "_can_set_attn_implementation", None)
     return True if can_set is None else bool(can_set())
+
+
+def _mla_update_gets_decompressed_kv() -> bool:
+    """Whether this transformers predates `MLA_LATENT_UPDATE`, the first version seen to hand an MLA
+    cache's `update` the latent and the rope key (5.5 hands it per-head K/V; versions between are unchecked)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) < Version(MLA_LATENT_UPDATE)
 
 
 def _generate_breaks_chunked_masks() -> bool:
