@@ -85,6 +85,12 @@ SIZES: dict[str, int] = dict(
     num_shared_experts=1,
     n_group=1,
     topk_group=1,
+    num_expert_group=1,
+    num_experts_per_token=2,
+    expert_ffn_hidden_size=32,
+    zero_expert_num=2,
+    linear_num_heads=4,
+    linear_head_dim=16,
     kv_lora_rank=32,
     q_lora_rank=16,
     qk_rope_head_dim=8,
@@ -115,6 +121,21 @@ SIZES: dict[str, int] = dict(
     first_k_dense_replace=1,
     initializer_range=0.1,
 )
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "codegen": dict(rotary_dim=8),
+    "hunyuan_v1_dense": dict(head_dim=16),
+    "hunyuan_v1_moe": dict(head_dim=16),
+    "nemotron": dict(num_key_value_heads=2),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1),
+    "bamba": dict(mamba_d_head=32, attn_layer_indices=[1, 3], num_hidden_layers=4),
+    "granitemoehybrid": dict(mamba_d_head=32, layer_types=["mamba", "attention"] * 2, num_hidden_layers=4),
+    "falcon_h1": dict(mamba_d_head=32, mamba_d_ssm=128),
+    "mamba2": dict(num_heads=4, head_dim=32),
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),
+    "lfm2": dict(layer_types=["conv", "full_attention"] * 2, num_hidden_layers=4),  # its default: no conv layers
+}
+"""Per model type, config kwargs on top of `shrink` where the generic sizes do not build (or, for lfm2,
+do not keep what makes the family itself)."""
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
 TOKENS = dict(pad_token_id=matrix.PAD, bos_token_id=matrix.BOS, eos_token_id=matrix.EOS)
 
@@ -124,11 +145,11 @@ def shrink(defaults: dict[str, Any]) -> dict[str, Any]:
     shrunk the same way."""
     out: dict[str, Any] = {}
     for key, value in defaults.items():
-        if isinstance(value, dict) and "model_type" in value:
-            out[key] = {**value, **shrink(value)}
+        if isinstance(value, dict) and "model_type" in value:  # a sub-config: its per-layer entries go
+            out[key] = {**{k: v for k, v in value.items() if k != "per_layer_config"}, **shrink(value)}
         elif key in SIZES and value is not None and not isinstance(value, (list, dict, bool)):
             out[key] = min(value, SIZES[key]) if key != "initializer_range" else SIZES[key]
-        elif key in TOKENS and value is not None:
+        elif key in TOKENS:
             out[key] = TOKENS[key]
         elif key.endswith("_period") and isinstance(value, int) and value > 2:
             out[key] = 2
@@ -146,6 +167,11 @@ def shrink(defaults: dict[str, Any]) -> dict[str, Any]:
         out["first_k_dense_replace"] = 0
     if "num_kv_shared_layers" in out and not defaults.get("num_kv_shared_layers"):
         out["num_kv_shared_layers"] = 0
+    if defaults.get("kv_lora_rank") and defaults.get("qk_rope_head_dim"):  # MLA: derived head dims follow
+        if "head_dim" in defaults:
+            out["head_dim"] = SIZES["qk_rope_head_dim"]
+        if "qk_head_dim" in defaults:
+            out["qk_head_dim"] = SIZES["qk_rope_head_dim"] + SIZES["qk_nope_head_dim"]
     out.update(_layers(defaults, out))
     return out
 
@@ -205,7 +231,9 @@ def build(model_type: str) -> torch.nn.Module:
     config_class = CONFIG_MAPPING[model_type]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = config_class(**shrink(config_class().to_dict()))
+        config = config_class(**{**shrink(config_class().to_dict()), **OVERRIDES.get(model_type, {})})
+        if not isinstance(config, model_class.config_class):  # a causal LM of the text model (Llama4, Qwen3.5)
+            config = config.get_text_config(decoder=True)
         with torch.device("meta"):
             parameters = sum(p.numel() for p in model_class(config).parameters())
         if parameters > MAX_PARAMETERS:
