@@ -34,8 +34,17 @@ class PendingKV(NamedTuple):
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        layer = next(a.layer for a in (*args, *(kwargs or {}).values()) if isinstance(a, PendingKV))
-        raise _used_as_tensor(layer, getattr(func, "__name__", str(func)))
+        pending = _find_pending([*args, *(kwargs or {}).values()])
+        assert pending is not None  # torch calls this only with a PendingKV among the arguments
+        raise _used_as_tensor(pending.layer, getattr(func, "__name__", str(func)))
+
+
+def _find_pending(values: Any) -> PendingKV | None:
+    """The first `PendingKV` in `values`, looking into lists, tuples and dicts (torch.cat's list)."""
+    if isinstance(values, PendingKV):
+        return values
+    items = values.values() if isinstance(values, dict) else values if isinstance(values, (list, tuple)) else ()
+    return next((p for p in map(_find_pending, items) if p is not None), None)
 
 
 def _used_as_tensor(layer: PagedLayer, use: str) -> ValueError:
