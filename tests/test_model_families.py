@@ -239,6 +239,7 @@ def test_check_config_refusals_name_the_field():
         (dict(use_cache=False), "config.use_cache", False),  # generate would feed every token again (MPT)
         (dict(model_type="openai-gpt"), "config.model_type", False),  # its forward takes no cache
         (dict(model_type="cpmant"), "config.model_type", False),  # masks by the keys' count
+        (dict(model_type="dory"), "config.model_type", False),  # copies the cache's layers per loop
         (dict(cross_attention_layers=[1]), "config.cross_attention_layers", False),  # Mllama's text model
         (dict(v_head_dim=8), "config.v_head_dim", False),  # values narrower than keys (MiMo-V2-Flash)
     ]

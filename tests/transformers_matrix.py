@@ -314,6 +314,22 @@ FAMILIES: tuple[Family, ...] = (
         notes="differential attention splits the cached values itself, before the attention interface",
     ),
     Family(
+        "Dory (recurrent loops)",
+        "DoryConfig",
+        "DoryForCausalLM",
+        dict(
+            SLIDING,
+            num_hidden_layers=6,
+            n_input_layers=2,
+            n_recurrent_layers=2,
+            n_output_layers=2,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+        ),
+        default=Refused("config.model_type"),
+        paged_kv=Refused("config.model_type"),
+        notes="adds cache layers for its recurrent loops by copying DynamicCache's",
+    ),
+    Family(
         "MPT",
         "MptConfig",
         "MptForCausalLM",

@@ -133,7 +133,23 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": dict(num_heads=4, head_dim=32),
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),
     "lfm2": dict(layer_types=["conv", "full_attention"] * 2, num_hidden_layers=4),  # its default: no conv layers
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"] * 2, num_hidden_layers=4, num_dense_layers=1),
+    "dory": dict(
+        num_hidden_layers=6,
+        n_input_layers=2,
+        n_recurrent_layers=2,
+        n_output_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    ),
+    "inkling2_text": dict(
+        unpadded_vocab_size=matrix.VOCAB,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        sliding_window_size=8,
+    ),
 }
+OVERRIDES["inkling2_loop_text"] = OVERRIDES["inkling2_text"]
 """Per model type, config kwargs on top of `shrink` where the generic sizes do not build (or, for lfm2,
 do not keep what makes the family itself)."""
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
@@ -338,12 +354,13 @@ def column_summary(result: dict[str, Any], column: str) -> str:
 
 
 def line(model_type: str, result: dict[str, Any], markdown: bool) -> str:
+    """The model's table line (one line: messages' whitespace collapsed)."""
     if "cells" in result:
-        columns = [column_summary(result, c) for c in matrix.COLUMNS]
+        columns = [" ".join(column_summary(result, c).split()) for c in matrix.COLUMNS]
         detail = f"default ({result['attn']}): {columns[0]} | paged_kv: {columns[1]}"
     else:
-        columns = [result["why"], ""]
-        detail = result["why"]
+        columns = [" ".join(result["why"].split()), ""]
+        detail = columns[0]
     if markdown:
         return f"| {model_type} | {result['cls']} | {columns[0].replace('|', '/')} | {columns[1].replace('|', '/')} |"
     return f"{model_type:26} {result['cls']:20} {detail}"

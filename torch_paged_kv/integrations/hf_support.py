@@ -23,13 +23,14 @@ NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
 per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
-KEY_LENGTH_MODEL_TYPES = {
-    "cpmant": "prepends `config.prompt_length` tokens and masks them by the keys' count",
-    "git": "widens a padded batch's mask over image tokens it never cached, aligned by the keys' count",
-    "prophetnet": "builds its n-gram attention bias for as many keys as the cache holds so far",
+OWN_CACHE_USE_MODEL_TYPES = {
+    "cpmant": "prepends `config.prompt_length` tokens and masks them by the count of keys the cache returns",
+    "git": "widens a padded batch's mask over image tokens it never cached, aligned by the count of keys",
+    "prophetnet": "builds its n-gram attention bias for as many keys as the cache returns",
+    "dory": "copies the cache's layers for its recurrent loops (or reads their `keys` and `values`)",
 }
-"""Model types whose own attention code assumes the keys the cache returns are exactly the tokens so far
-(transformers' `DynamicCache`), where `PagedCache` returns `max_cache_len` columns (as `StaticCache`)."""
+"""Model types whose own code assumes transformers' `DynamicCache`: its layers, or keys that are exactly
+the tokens so far, where `PagedCache`'s layers are views of one pool returning `max_cache_len` columns."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
@@ -142,10 +143,10 @@ def check_config(config: Any, paged: bool) -> None:
         )
     if not takes_cache(config):
         raise ValueError(f"config.model_type: {model_type!r} models keep no K/V cache that PagedCache could hold")
-    if model_type in KEY_LENGTH_MODEL_TYPES:
+    if model_type in OWN_CACHE_USE_MODEL_TYPES:
         raise ValueError(
-            f"config.model_type: {model_type!r} {KEY_LENGTH_MODEL_TYPES[model_type]}, which assumes a cache "
-            "returning the tokens so far (DynamicCache); PagedCache returns max_cache_len columns"
+            f"config.model_type: {model_type!r} {OWN_CACHE_USE_MODEL_TYPES[model_type]}, which assumes "
+            "DynamicCache; PagedCache's layers are views of one pool returning max_cache_len columns"
         )
     if getattr(config, "cross_attention_layers", None):
         raise ValueError(
