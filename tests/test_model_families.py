@@ -366,3 +366,20 @@ def test_compiled_mla_decode_matches_and_does_not_recompile():
             assert torch.equal(matrix.run(model, lambda: cache, mode)[0].tokens, expected)
     finally:
         matrix.set_attention(model, default_attn)
+
+
+# -- the sweep over every causal LM (tests/transformers_sweep.py) -------------------------------------
+def test_sweep_shrinks_configs_and_classes_models():
+    """The sweep keeps a layer-type pattern in fewer layers (cutting the other per-layer lists alike),
+    runs one model type in both columns, and classes a model by its worst cell."""
+    import transformers_sweep as sweep
+
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    tiny = sweep.shrink(dict(num_hidden_layers=6, layer_types=kinds, mlp_types=list(range(6)), hidden_size=512))
+    assert tiny["layer_types"] == ["sliding_attention", "full_attention"] * 2 and tiny["num_hidden_layers"] == 4
+    assert tiny["mlp_types"] == [0, 5, 0, 5] and tiny["hidden_size"] == 64
+    result = sweep.sweep_one("qwen2")
+    assert result["cls"] == "EXACT" and set(result["cells"].values()) == {"exact"}
+    assert len(result["cells"]) == len(matrix.COLUMNS) * len(sweep.MODES)
+    assert sweep.classify(["exact", "refused (config.model_type)"]) == "REFUSED"
+    assert sweep.classify(["refused (config.model_type)", "WRONG: wrong tokens", "CRASHED: x"]) == "WRONG"
