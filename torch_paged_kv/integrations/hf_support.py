@@ -5,7 +5,8 @@ for every refusal.
 for any attention pattern that `PagedCache` (and, with `paged=True`, the `paged_kv` attention
 function) cannot reproduce token for token. `PagedCache` calls it at construction and again at the
 first step after the attention implementation changes, so a refusal always comes before anything is
-stored. `cache_groups(config, ...)` says what the cache's layer groups hold.
+stored. `cache_groups(config, ...)` says what the cache's layer groups hold (and refuses a window
+that the model's attention does not apply, once a row can outgrow it).
 
 `attention_chunk_size(module)` is the chunk a layer attends within (Llama 4's chunked layers).
 """
@@ -185,6 +186,7 @@ def check_config(config: Any, paged: bool) -> None:
 
 
 def _head_dim(config: Any) -> int:
+    """The keys' head size: `config.head_dim`, or hidden size over heads where the config has none."""
     head_dim = getattr(config, "head_dim", None)
     return head_dim or config.hidden_size // config.num_attention_heads
 
