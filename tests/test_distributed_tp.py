@@ -156,7 +156,6 @@ def test_diverging_tree_paths_fail_loudly_on_every_rank(rank_groups):
     assert all("same manager calls" in m for m in messages)
 
 
-
 def _diverging_token_ids(rank: int, world: int) -> list[str]:
     """Ranks whose sampled tokens differ (same lengths and pages): in a step's ids, and in accept's."""
     full = pk.KVCacheParams(torch.float32, 2, 4, HEAD_DIM, PAGE)

@@ -255,9 +255,15 @@ def test_check_config_refusals_name_the_field():
         (dict(use_bidirectional_attention=True), "config.use_bidirectional_attention", True),
         (dict(model_type="falcon"), "config.model_type", True),
         (dict(kv_lora_rank=8, qk_rope_head_dim=4, model_type="longcat_flash"), "config.model_type", True),
+        (dict(use_cache=False), "config.use_cache", False),  # generate would feed every token again (MPT)
+        (dict(model_type="openai-gpt"), "config.model_type", False),  # its forward takes no cache
+        (dict(model_type="cpmant"), "config.model_type", False),  # masks by the keys' count
+        (dict(model_type="dory"), "config.model_type", False),  # copies the cache's layers per loop
+        (dict(cross_attention_layers=[1]), "config.cross_attention_layers", False),  # Mllama's text model
+        (dict(v_head_dim=8), "config.v_head_dim", False),  # values narrower than keys (MiMo-V2-Flash)
     ]
     if hf_support._mla_update_gets_decompressed_kv():  # every MLA model, in both columns
-        cases[-1] = (cases[-1][0], "config.kv_lora_rank", False)
+        cases[4] = (cases[4][0], "config.kv_lora_rank", False)
     for fields, name, paged_only in cases:
         config = SimpleNamespace(**{**vars(llama), "layer_types": None, **fields})
         for paged in (False, True):
@@ -270,6 +276,9 @@ def test_check_config_refusals_name_the_field():
     chunked = dict(layer_types=["chunked_attention", "full_attention"], attention_chunk_size=8, model_type="gpt_oss")
     if not hf_support._generate_breaks_chunked_masks():  # (see the next test)
         hf_support.check_config(SimpleNamespace(**{**vars(llama), **chunked}), True)  # sinks and chunks: served
+    if not hf_support._mla_update_gets_decompressed_kv():
+        sarvam = dict(kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=16, model_type="sarvam_mla")  # DeepSeek-V3's
+        hf_support.check_config(SimpleNamespace(**{**vars(llama), **sarvam}), True)
 
 
 def test_chunked_layers_refused_where_transformers_generate_breaks_their_masks(monkeypatch):
@@ -296,6 +305,53 @@ def test_chunked_layers_refused_where_transformers_generate_breaks_their_masks(m
     with pytest.raises(ValueError, match="^config.layer_types: chunked_attention"):
         PagedCache(config, 1, 16, page_size=4)
     hf_support.check_config(matrix.model_of(family("Llama"))[0].config, True)  # no chunked layers: served
+
+
+def test_a_window_the_attention_does_not_apply_is_refused_once_crossed():
+    """Moshi names a `sliding_window` that its attention does not apply (a full causal mask) while
+    transformers' caches drop the keys outside it: served where no row outgrows the window, else refused."""
+    llama = matrix.model_of(family("Llama"))[0].config
+    moshi = SimpleNamespace(**{**vars(llama), "layer_types": None, "model_type": "moshi", "sliding_window": 8})
+    assert hf_support.cache_groups(moshi, [0, 1, 2], 8)[0][0].sliding_window is None
+    with pytest.raises(ValueError, match="^config.sliding_window: 'moshi' attends to every earlier token"):
+        hf_support.cache_groups(moshi, [0, 1, 2], 9)
+    mistral = SimpleNamespace(**{**vars(moshi), "model_type": "mistral"})  # a window its attention applies
+    assert hf_support.cache_groups(mistral, [0, 1, 2], 9)[0][0].sliding_window == 8
+
+
+def test_pending_kv_used_as_a_tensor_is_refused_before_storing():
+    """Under `paged_kv`, model code that uses the K/V `update` returns as tensors (DiffLlama splits the
+    values, Doge projects them, JetMoE repeats them) gets a `ValueError` naming `config.model_type`,
+    whether by a method or a torch function, before the step begins."""
+    model, default_attn = matrix.model_of(family("Llama"))
+    matrix.set_attention(model, "paged_kv")
+    try:
+        cache = PagedCache(model.config, 1, 16, page_size=4)
+        key = torch.randn(1, 2, 3, 16)
+        pending, _ = cache.update(key, key, 0)
+        refused = "^config.model_type: 'llama' layer 0 uses the K/V the cache returns itself"
+        with pytest.raises(ValueError, match=refused + r" \(\.transpose\)"):
+            pending.transpose(1, 2)
+        with pytest.raises(ValueError, match=refused + r" \(chunk\)"):
+            torch.chunk(pending, 2, dim=1)
+        with pytest.raises(ValueError, match=refused + r" \(cat\)"):
+            torch.cat([key, pending], dim=2)
+        assert not cache.collection.cache_lengths.any() and not cache.collection.input_row_offsets.any()
+        assert pending.key is key and pending._replace(key=key).value is key  # its own fields still work
+    finally:
+        matrix.set_attention(model, default_attn)
+
+
+def test_default_attention_gets_contiguous_kv():
+    """Under the default attention `update` returns contiguous K/V, as DynamicCache's are (GPT-NeoX-Japanese
+    `view`s them), holding the step's keys at their columns."""
+    model, default_attn = matrix.model_of(family("Llama"))
+    matrix.set_attention(model, default_attn)
+    cache = PagedCache(model.config, 2, 16, page_size=4)
+    key, value = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 3, 16)
+    keys, values = cache.update(key, value, 0)
+    assert keys.shape == (2, 2, 16, 16) and keys.is_contiguous() and values.is_contiguous()
+    assert torch.equal(keys[:, :, :3], key) and torch.equal(values[:, :, :3], value)
 
 
 def test_switching_to_paged_kv_is_checked_at_the_next_step():
@@ -360,3 +416,20 @@ def test_compiled_mla_decode_matches_and_does_not_recompile():
             assert torch.equal(matrix.run(model, lambda: cache, mode)[0].tokens, expected)
     finally:
         matrix.set_attention(model, default_attn)
+
+
+# -- the sweep over every causal LM (tests/transformers_sweep.py) -------------------------------------
+def test_sweep_shrinks_configs_and_classes_models():
+    """The sweep keeps a layer-type pattern in fewer layers (cutting the other per-layer lists alike),
+    runs one model type in both columns, and classes a model by its worst cell."""
+    import transformers_sweep as sweep
+
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    tiny = sweep.shrink(dict(num_hidden_layers=6, layer_types=kinds, mlp_types=list(range(6)), hidden_size=512))
+    assert tiny["layer_types"] == ["sliding_attention", "full_attention"] * 2 and tiny["num_hidden_layers"] == 4
+    assert tiny["mlp_types"] == [0, 5, 0, 5] and tiny["hidden_size"] == 64
+    result = sweep.sweep_one("qwen2")
+    assert result["cls"] == "EXACT" and set(result["cells"].values()) == {"exact"}
+    assert len(result["cells"]) == len(matrix.COLUMNS) * len(sweep.MODES)
+    assert sweep.classify(["exact", "refused (config.model_type)"]) == "REFUSED"
+    assert sweep.classify(["refused (config.model_type)", "WRONG: wrong tokens", "CRASHED: x"]) == "WRONG"

@@ -73,7 +73,9 @@ def paged_kv_attention(
     real = mask.reshape(-1).nonzero().squeeze(1) if mask is not None and ragged else None
     if real is not None:
         q = q[real]
-    layer_idx = getattr(module, "layer_idx", layer.layer_idx)  # a shared-KV layer gets another layer's PendingKV
+    module_layer: Any = getattr(module, "layer_idx", None)  # a shared-KV layer attends with another's K/V; a
+    layer_idx = module_layer if module_layer in cache.shared_layers else layer.layer_idx  # layer called again
+    # (HRM's cycles) with the K/V of the cache slot it updated
     counts = lambda: _new_tokens(mask if ragged else None, batch, new, query.device)
     plan = cache.layer_plan(layer_idx, batch, new, counts)
     if new != step_columns:  # only the step's last `new` positions ask (K/V stored by the layer shared)

@@ -129,6 +129,7 @@ class PagedCache(Cache):
         self.config = config.get_text_config(decoder=True)
         cfg = self.config
         self.cached_layers, self.attention_layers = attention_layers(cfg)
+        self.shared_layers = frozenset(self.attention_layers) - frozenset(self.cached_layers)  # reuse others' K/V
         self._checked_attention: str | None = None  # the attention implementation check_config passed for
         self._check_config()
         if max_step_tokens is not None and (not isinstance(max_step_tokens, int) or max_step_tokens <= 0):

@@ -19,11 +19,41 @@ if TYPE_CHECKING:
 
 
 class PendingKV(NamedTuple):
-    """What `update` returns as keys (and values) under `attn_implementation="paged_kv"`."""
+    """What `update` returns as keys (and values) under `attn_implementation="paged_kv"`: to be handed
+    to the attention function as is. Model code that uses it as a tensor (reshapes or combines the
+    cached keys itself) gets a `ValueError` naming `config.model_type`, before anything is stored."""
 
     layer: PagedLayer
     key: torch.Tensor  # [batch, kv_heads, new, head_dim], rotary already applied
     value: torch.Tensor
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _used_as_tensor(self.layer, f".{name}")
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        pending = _find_pending([*args, *(kwargs or {}).values()])
+        assert pending is not None  # torch calls this only with a PendingKV among the arguments
+        raise _used_as_tensor(pending.layer, getattr(func, "__name__", str(func)))
+
+
+def _find_pending(values: Any) -> PendingKV | None:
+    """The first `PendingKV` in `values`, looking into lists, tuples and dicts (torch.cat's list)."""
+    if isinstance(values, PendingKV):
+        return values
+    items = values.values() if isinstance(values, dict) else values if isinstance(values, (list, tuple)) else ()
+    return next((p for p in map(_find_pending, items) if p is not None), None)
+
+
+def _used_as_tensor(layer: PagedLayer, use: str) -> ValueError:
+    model_type = getattr(layer.cache.config, "model_type", None)
+    return ValueError(
+        f"config.model_type: {model_type!r} layer {layer.layer_idx} uses the K/V the cache returns itself ({use}) "
+        "instead of handing them to the attention function, which attn_implementation='paged_kv' needs (the "
+        "keys are stored by the attention); use PagedCache with the model's default attention"
+    )
 
 
 class PagedLayer(CacheLayerMixin):
@@ -68,7 +98,7 @@ class PagedLayer(CacheLayerMixin):
         plan.store_kv(token_rows(key_states), token_rows(value_states), self.pool_layer)
         keys, values = cache.gather(plan, self.pool_layer, key_states.dtype)
         cache.layer_done(self.layer_idx, batch)
-        return keys.transpose(1, 2), values.transpose(1, 2)
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """K/V always span `max_cache_len` columns (what `update` returns)."""

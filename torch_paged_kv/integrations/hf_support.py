@@ -5,7 +5,8 @@ for every refusal.
 for any attention pattern that `PagedCache` (and, with `paged=True`, the `paged_kv` attention
 function) cannot reproduce token for token. `PagedCache` calls it at construction and again at the
 first step after the attention implementation changes, so a refusal always comes before anything is
-stored. `cache_groups(config, ...)` says what the cache's layer groups hold.
+stored. `cache_groups(config, ...)` says what the cache's layer groups hold (and refuses a window
+that the model's attention does not apply, once a row can outgrow it).
 
 `attention_chunk_size(module)` is the chunk a layer attends within (Llama 4's chunked layers).
 """
@@ -13,6 +14,7 @@ stored. `cache_groups(config, ...)` says what the cache's layer groups hold.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -21,9 +23,21 @@ NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
 """transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
 MLA_LATENT_UPDATE = "5.17"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3")
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
 per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
+OWN_CACHE_USE_MODEL_TYPES = {
+    "cpmant": "prepends `config.prompt_length` tokens and masks them by the count of keys the cache returns",
+    "git": "widens a padded batch's mask over image tokens it never cached, aligned by the count of keys",
+    "prophetnet": "builds its n-gram attention bias for as many keys as the cache returns",
+    "dory": "copies the cache's layers for its recurrent loops (or reads their `keys` and `values`)",
+}
+"""Model types whose own code assumes transformers' `DynamicCache`: its layers, or keys that are exactly
+the tokens so far, where `PagedCache`'s layers are views of one pool returning `max_cache_len` columns."""
+DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
+"""Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
+WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
+"""Model types with a `config.sliding_window` that their attention does not apply (a full causal mask)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +78,22 @@ def cache_groups(config: Any, cached_layers: list[int], max_cache_len: int) -> l
     head_dims = _per_layer(config, "head_dim", cached_layers)
     windows = _per_layer(config, "sliding_window", cached_layers)
     types = getattr(config, "layer_types", None)
+    model_type = getattr(config, "model_type", None)
     groups: dict[CacheShape, list[int]] = {}
     for j, i in enumerate(cached_layers):
-        window = windows[i] if (types[i] == "sliding_attention" if types else True) else None
+        sliding = types[i] == "sliding_attention" if types else True
+        window = windows[i] if sliding else None
+        if window and window < max_cache_len and model_type in WINDOW_UNUSED_MODEL_TYPES:
+            raise ValueError(
+                f"config.sliding_window: {model_type!r} attends to every earlier token (a full causal mask) though "
+                f"its config names a window of {window}, which transformers' own caches apply as they drop keys; "
+                f"PagedCache serves it only where no row outgrows the window (max_cache_len <= {window})"
+            )
+        heads = kv_heads[i] or num_heads
+        if sliding and types and model_type in DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES:
+            heads *= 2
         shape = CacheShape(
-            kv_heads[i] or num_heads,
+            heads,
             head_dims[i] or config.hidden_size // num_heads,
             sliding_window=window if window and window < max_cache_len else None,
         )
@@ -126,6 +151,30 @@ def check_config(config: Any, paged: bool) -> None:
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
             "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
         )
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "use_cache", True) is False:
+        raise ValueError(
+            "config.use_cache: False, so generate feeds every token again at each step and a cache given to it "
+            "would store them again; set model.config.use_cache = True (and model.generation_config.use_cache)"
+        )
+    if not takes_cache(config):
+        raise ValueError(f"config.model_type: {model_type!r} models keep no K/V cache that PagedCache could hold")
+    if model_type in OWN_CACHE_USE_MODEL_TYPES:
+        raise ValueError(
+            f"config.model_type: {model_type!r} {OWN_CACHE_USE_MODEL_TYPES[model_type]}, which assumes "
+            "DynamicCache; PagedCache's layers are views of one pool returning max_cache_len columns"
+        )
+    if getattr(config, "cross_attention_layers", None):
+        raise ValueError(
+            f"config.cross_attention_layers: layers {list(config.cross_attention_layers)} attend to encoder "
+            "(image) states that transformers caches with the text's K/V; PagedCache holds self-attention K/V only"
+        )
+    v_head_dim = getattr(config, "v_head_dim", None)
+    if v_head_dim is not None and not is_mla(config) and v_head_dim != _head_dim(config):
+        raise ValueError(
+            f"config.v_head_dim: values of {v_head_dim} per head next to keys of {_head_dim(config)}; "
+            "PagedCache's pages hold K and V of one head_dim"
+        )
     if is_mla(config) and _mla_update_gets_decompressed_kv():
         import transformers
 
@@ -144,7 +193,6 @@ def check_config(config: Any, paged: bool) -> None:
         )
     if not paged:
         return
-    model_type = getattr(config, "model_type", None)
     if not on_attention_interface(config):
         raise ValueError(
             f"config.model_type: {model_type!r} models do not call transformers' attention interface, so "
@@ -168,16 +216,26 @@ def check_config(config: Any, paged: bool) -> None:
         )
 
 
-def on_attention_interface(config: Any) -> bool:
-    """Whether the model class of `config.model_type` calls transformers' attention interface (its own
-    test, `_can_set_attn_implementation`); True where the class cannot be found (a custom model)."""
+def _head_dim(config: Any) -> int:
+    """The keys' head size: `config.head_dim`, or hidden size over heads where the config has none."""
+    head_dim = getattr(config, "head_dim", None)
+    return head_dim or config.hidden_size // config.num_attention_heads
+
+
+def _model_class(config: Any) -> Any:
+    """transformers' causal-LM class of `config.model_type`, or None (a custom model)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(config, "model_type", None)
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if isinstance(model_type, str) else None
-    model_class = getattr(transformers, name, None) if name else None
-    can_set = getattr(model_class, "_can_set_attn_implementation", None)
+    return getattr(transformers, name, None) if name else None
+
+
+def on_attention_interface(config: Any) -> bool:
+    """Whether the model class of `config.model_type` calls transformers' attention interface (its own
+    test, `_can_set_attn_implementation`); True where the class cannot be found (a custom model)."""
+    can_set = getattr(_model_class(config), "_can_set_attn_implementation", None)
     return True if can_set is None else bool(can_set())
 
 
@@ -194,13 +252,21 @@ def _generate_breaks_chunked_masks() -> bool:
     """Whether this transformers' `create_masks_for_generate` hands `create_chunked_causal_mask` an
     argument it does not take (`block_sequence_ids`; so in 5.17, not in 5.5 or 5.23): a `TypeError` in
     `generate` before the first token, for every compileable cache."""
-    import inspect
-
     from transformers import masking_utils
 
     passed = inspect.signature(masking_utils.create_masks_for_generate).parameters
     taken = inspect.signature(masking_utils.create_chunked_causal_mask).parameters
     return "block_sequence_ids" in passed and "block_sequence_ids" not in taken
+
+
+def takes_cache(config: Any) -> bool:
+    """Whether the model class of `config.model_type` takes a cache (`cache` or `past_key_values`) in its
+    forward; True where the class cannot be found (a custom model)."""
+    model_class = _model_class(config)
+    if model_class is None:
+        return True
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" in parameters or "past_key_values" in parameters
 
 
 def check_attention_call(module: Any, kwargs: dict[str, Any]) -> None:
