@@ -231,7 +231,7 @@ def matrix_families() -> dict[str, matrix.Family]:
     """The matrix's family of each model type it covers (its config is known to build)."""
     import transformers
 
-    return {getattr(transformers, f.config).model_type: f for f in matrix.FAMILIES}
+    return {getattr(transformers, f.config).model_type: f for f in matrix.FAMILIES if f.available()}
 
 
 def build(model_type: str) -> torch.nn.Module:
