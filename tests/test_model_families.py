@@ -261,6 +261,7 @@ def test_check_config_refusals_name_the_field():
         (dict(model_type="dory"), "config.model_type", False),  # copies the cache's layers per loop
         (dict(cross_attention_layers=[1]), "config.cross_attention_layers", False),  # Mllama's text model
         (dict(v_head_dim=8), "config.v_head_dim", False),  # values narrower than keys (MiMo-V2-Flash)
+        (dict(block_types=["recurrent", "attention"]), "config.block_types", False),  # RecurrentGemma, 5.17
     ]
     if hf_support._mla_update_gets_decompressed_kv():  # every MLA model, in both columns
         cases[4] = (cases[4][0], "config.kv_lora_rank", False)

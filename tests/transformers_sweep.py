@@ -5,9 +5,10 @@ For each model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, a tiny random model 
 type's default config, shrunk generically (`shrink`: hidden size 64, 2-4 layers keeping the
 `layer_types` pattern, 4 heads, vocab 256, 4 experts; fp32 on CPU; the families of
 tests/transformers_matrix.py take the matrix's config). Its tokens over its own default cache
-(`generate` without a cache) are the reference. Then both columns of the matrix (the model's default
-attention + `PagedCache`, `attn_implementation="paged_kv"` + `PagedCache`) run the matrix's greedy
-and batch (left-padded rows of 5, 9 and 3 tokens) modes, and the model is classed:
+(`generate` without a cache; under `eager` for the `paged_kv` column, as in the matrix) are the
+reference. Then both columns of the matrix (the model's default attention + `PagedCache`,
+`attn_implementation="paged_kv"` + `PagedCache`) run the matrix's greedy and batch (left-padded rows
+of 5, 9 and 3 tokens) modes, and the model is classed:
 
 - EXACT: every cell's tokens equal the reference's (logits within the matrix's tolerance);
 - REFUSED: some cell raised a `ValueError` naming a config field before anything was stored, the
@@ -38,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
 import transformers_matrix as matrix
 
 MODES = ("greedy", "batch")
@@ -314,17 +316,22 @@ def sweep_one(model_type: str) -> dict[str, Any]:
     except Exception as e:
         return dict(cls="SKIPPED-UNBUILDABLE", why=f"build: {type(e).__name__}: {e}"[:300])
     default_attn = model.config._attn_implementation
-    references = {}
-    for mode_name in MODES:
-        try:
-            references[mode_name] = matrix.run(model, lambda: None, matrix.MODE_SPECS[mode_name])
-        except Exception as e:
-            why = f"own cache, {mode_name}: {type(e).__name__}: {e} [{_origin(e)}]"
-            return dict(cls="SKIPPED-UNBUILDABLE", why=why[:300])
+    references = {}  # (attention, mode) -> tokens over the model's own cache
+    for attn in dict.fromkeys((default_attn, "eager")):  # the paged_kv column against eager, as the matrix
+        for mode_name in MODES:
+            try:
+                matrix.set_attention(model, attn)
+                references[attn, mode_name] = matrix.run(model, lambda: None, matrix.MODE_SPECS[mode_name])
+            except Exception as e:
+                why = f"own cache, {attn}, {mode_name}: {type(e).__name__}: {e} [{_origin(e)}]"
+                return dict(cls="SKIPPED-UNBUILDABLE", why=why[:300])
+            finally:
+                matrix.set_attention(model, default_attn)
+    reference_attn = {"default": default_attn, "paged_kv": "eager"}
     cells = {
-        (column, mode_name): cell(model, default_attn, column, mode_name, references[mode_name])
+        (column, mode): cell(model, default_attn, column, mode, references[reference_attn[column], mode])
         for column in matrix.COLUMNS
-        for mode_name in MODES
+        for mode in MODES
     }
     return dict(cls=classify(cells.values()), cells=cells, attn=default_attn, seconds=time.perf_counter() - start)
 

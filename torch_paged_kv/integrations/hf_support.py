@@ -151,6 +151,12 @@ def check_config(config: Any, paged: bool) -> None:
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
             "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
         )
+    blocks = sorted({b for b in getattr(config, "block_types", None) or [] if b != "attention"})
+    if blocks:
+        raise ValueError(
+            f"config.block_types: {blocks} blocks keep other state than K/V per token (RecurrentGemma before "
+            "transformers' layer_types); PagedCache holds only K/V layers"
+        )
     model_type = getattr(config, "model_type", None)
     if getattr(config, "use_cache", True) is False:
         raise ValueError(
