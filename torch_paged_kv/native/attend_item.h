@@ -116,7 +116,8 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // (depth: the bits of its mask, itself and its ancestors; a mask that also names later tokens, which
 // the checks take, puts it past its place in the step, cached + t).
 inline int64_t tree_position(const AttnArgs& a, int64_t b, int64_t t) {
-  return a.cache_lengths[b] + __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + t])) - 1;
+  const int64_t depth = __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + t]));
+  return a.cache_lengths[b] + depth - 1;
 }
 
 // The first key index a query at position `pos` may see: by its window, then its chunk.
