@@ -8,7 +8,7 @@
 # its own cache ($TORCH_PAGED_KV_CACHE_DIR, default /tmp/torch_paged_kv_sanitize: the first build
 # takes minutes, a rebuild follows every edit of the sources), the compiler's ASan and UBSan runtimes
 # are preloaded into python, leak reports are off (python and torch keep their allocations), and any
-# report aborts the process: the run fails at the first finding, its report on stderr.
+# report aborts the process: the run fails at the first finding, its report printed at the end.
 #
 # First a canary: a kernel entry called (past Python's checks) on a pool one page short must be
 # reported as a heap-buffer-overflow, which proves that the setup sees a read just past a torch
@@ -37,8 +37,17 @@ ubsan="$("$cxx" -print-file-name=libubsan.so)"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export TORCH_PAGED_KV_CPU_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
 export TORCH_PAGED_KV_CACHE_DIR="${TORCH_PAGED_KV_CACHE_DIR:-/tmp/torch_paged_kv_sanitize}"
-export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+# Reports go to files (pytest's capture would drop them with the aborted process), shown at the end.
+reports="$(mktemp -d "${TMPDIR:-/tmp}/sanitize_cpu.XXXXXX")"
+show_reports() {
+  local status=$? report
+  for report in "$reports"/*; do [[ -f "$report" ]] && { echo "== $report"; cat "$report"; } >&2; done
+  [[ $status -eq 0 ]] && rm -rf "$reports"
+  return $status
+}
+trap show_reports EXIT
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:log_path=$reports/asan"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torch_paged_kv_sanitize/inductor}"
 sanitized=(env LD_PRELOAD="$asan:$ubsan")
 
@@ -54,7 +63,7 @@ print("loaded", flush=True)
 lib.pkv_copy_pages(PACKERS["copy_pages"].pack(pool.data_ptr(), pool.stride(0) * 4, 5, src.data_ptr(), dst.data_ptr(), 1, 1))
 '
 "${sanitized[@]}" python -c "import torch_paged_kv.ops.cpu.kernels as k; k.load()"
-if out="$("${sanitized[@]}" python -c "$canary" 2>&1)"; then
+if out="$(ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 "${sanitized[@]}" python -c "$canary" 2>&1)"; then
   echo "canary: the out-of-bounds copy was NOT reported: the sanitizer is not working" >&2
   exit 1
 fi
