@@ -228,6 +228,36 @@ def test_a_tree_with_a_narrow_window_reads_only_held_pages(backend, window):
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize(
+    "option", [{"sliding_window": 5}, {"sliding_window": 2}, {"attention_chunk_size": 4}], ids=_ids
+)
+def test_an_unchecked_cpu_row_without_its_own_bit_reads_nothing_before_the_first_token(force_backend, option):
+    """An `.unchecked` mask row holding no bit (depth 0: position cached - 1) reads no key before
+    those the step's first token sees: poisoning those pages (NaN, as a given-back page that another
+    sequence reused while the table still names it) changes nothing. The cpu kernels read only the
+    keys in each row's range; Triton's tiles read a page's keys and mask them (a given-back page is
+    the null page there, as the manager leaves it), and the reference gathers every page."""
+    force_backend("cpu")
+    window, chunk = option.get("sliding_window", 0), option.get("attention_chunk_size", 0)
+    cached, new, page = [12, 9, 8], [3, 2, 3], 4
+    b, mask = _tree_step(cached, new, seed=29)
+    starts = b.input_row_offsets[:-1].long()
+    mask[starts] = 0  # each sequence's root
+    mask[starts[0] + 2] = 0
+    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+    clean = ops.flash_attention_unchecked(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask, **option)
+    poisoned = 0
+    for row, length in enumerate(cached):
+        first = max(length - window + 1, 0) if window else length // chunk * chunk  # the first token's oldest key
+        below = max(length - 1 - window + 1, 0) if window else (length - 1) // chunk * chunk  # depth 0's
+        poisoned += first // page > below // page
+        b.blocks[b.lookup_table[row, : first // page].long()] = float("nan")
+    assert poisoned > 0  # some row's depth-0 range starts on a poisoned page
+    out = ops.flash_attention_unchecked(b.q, b.blocks, *b.step, b.layer_idx, 0.3, tree_mask=mask, **option)
+    torch.testing.assert_close(out, clean, rtol=0, atol=0)
+    assert torch.isfinite(out).all()
+
+
 def test_a_tree_of_more_than_64_drafts_is_refused(backend):
     b = make_paged_batch([3, 2], [65, 1], page_size=4, group=2, head_dim=32, seed=2)
     mask = torch.full((66,), -1, dtype=torch.int64)

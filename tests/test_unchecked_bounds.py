@@ -70,6 +70,8 @@ WRONG_VALUES: dict[str, Callable] = {
     "negative length": lambda b: dict(cache_lengths=_i32([5, -7, 0])),
     "length past the table": lambda b: dict(cache_lengths=_i32([5, 9, b.lookup_table.shape[1] * 4 + 100])),
     "huge length": lambda b: dict(cache_lengths=_i32([2**30, 9, 0])),
+    "the largest length": lambda b: dict(cache_lengths=_i32([5, 2**31 - 1, 0])),  # (+ new tokens: past int32)
+    "offsets at the int32 extremes": lambda b: dict(input_row_offsets=_i32([0, 2**31 - 1, -(2**31), 6])),
     "page ids outside the pool": lambda b: dict(lookup_table=_table(b, {(0, 1): 10**6, (2, 0): -5})),
     "the null page where tokens go": lambda b: dict(lookup_table=_table(b, {(0, 1): NULL_PAGE, (1, 2): NULL_PAGE})),
 }

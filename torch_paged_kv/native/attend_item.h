@@ -116,29 +116,35 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // (depth: the bits of its mask, itself and its ancestors; a mask that also names later tokens, which
 // the checks take, puts it past its place in the step, cached + t).
 inline int64_t tree_position(const AttnArgs& a, int64_t b, int64_t t) {
-  return a.cache_lengths[b] + __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + t])) - 1;
+  const int64_t depth = __builtin_popcountll(static_cast<uint64_t>(a.tree[a.offsets[b] + t]));
+  return a.cache_lengths[b] + depth - 1;
+}
+
+// The first key index a query at position `pos` may see: by its window, then its chunk.
+inline int64_t first_key(const AttnArgs& a, int64_t pos) {
+  int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
+  if (a.chunk > 0) lo = std::max(lo, pos / a.chunk * a.chunk);
+  return lo;
 }
 
 // The key indices [lo, hi) that new token i of sequence b may see. In a tree step windows and chunks
 // are measured from the node's position p (tree_position) and cover the cached keys in
 // [p - window + 1, p] and p's chunk; every new key stays in the range (a new key's position need not
-// be at most its index), masked by mask_tree. Since p >= cached (depth >= 1), lo is never below the
-// step's first token's (cached - window + 1, or its chunk's start): no page before what that token
-// needs (which a sliding group's manager may have released) is read.
+// be at most its index), masked by mask_tree. lo is never below the step's first token's (position
+// cached): no page before what that token needs (which a sliding group's manager may have released)
+// is read, even where an unchecked mask lacks a row's own bit (depth 0: p = cached - 1).
 inline void key_range(const AttnArgs& a, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
   int64_t cached = a.cache_lengths[b];
   int64_t kv_len = cached + (a.offsets[b + 1] - a.offsets[b]);
   int64_t pos = cached + i;
   *hi = a.causal ? pos + 1 : kv_len;
-  const int64_t from = a.tree != nullptr ? tree_position(a, b, i) : pos;
-  *lo = a.window > 0 ? std::max<int64_t>(0, from - a.window + 1) : 0;
-  if (a.chunk > 0) {  // the query's chunk only
-    const int64_t start = from / a.chunk * a.chunk;
-    *lo = std::max(*lo, start);
-    // (a tree's new keys: positions up to the chunk's end at any index, left to mask_tree)
-    if (a.tree == nullptr) *hi = std::min(*hi, start + a.chunk);
+  if (a.tree == nullptr) {
+    *lo = first_key(a, pos);
+    if (a.chunk > 0) *hi = std::min(*hi, pos / a.chunk * a.chunk + a.chunk);  // the query's chunk only
+    return;
   }
-  if (a.tree != nullptr) *lo = std::min(*lo, cached);
+  // (a tree's new keys: positions up to the chunk's end at any index, left to mask_tree)
+  *lo = std::clamp(first_key(a, tree_position(a, b, i)), first_key(a, cached), cached);
 }
 
 constexpr int64_t ROWS_PER_ITEM = 64;       // query rows (token x q head) an item aims for

@@ -124,7 +124,8 @@ void run_store_kv_fp8(const PkvStoreKvArgs& a) {
 }
 
 // K and V of every sequence's first kv_len tokens into key_out / value_out ([batch, max_kv_len,
-// kv_heads, head_dim], contiguous), zeros after.
+// kv_heads, head_dim], contiguous), zeros after. No step_bounds here: an unchecked call's lengths
+// and offsets may be any ints (kv_len is summed in int64), a position past the table reads zeros.
 void run_gather_kv(const PkvGatherKvArgs& a) {
   const int64_t max_kv_len = a.max_kv_len, page_size = a.page_size;
   const int64_t token_bytes = a.kv_heads * a.head_dim * a.itemsize;
@@ -136,7 +137,7 @@ void run_gather_kv(const PkvGatherKvArgs& a) {
     const int64_t b = bt / max_kv_len, pos = bt % max_kv_len;
     char* kd = static_cast<char*>(a.key_out) + bt * token_bytes;
     char* vd = static_cast<char*>(a.value_out) + bt * token_bytes;
-    const int64_t kv_len = a.cache_lengths[b] + a.offsets[b + 1] - a.offsets[b];
+    const int64_t kv_len = static_cast<int64_t>(a.cache_lengths[b]) + a.offsets[b + 1] - a.offsets[b];
     const int64_t page =
         pos < kv_len ? page_of(a.table, a.table_stride, a.table_width, a.num_pages, page_size, b, pos) : -1;
     if (page < 0) {
@@ -163,7 +164,7 @@ void run_gather_kv_fp8(const PkvGatherKvArgs& a) {
   const float* scales = a.scales;
   parallel_for<false>(a.batch * max_kv_len, threads, [&](int64_t bt) {
     const int64_t b = bt / max_kv_len, pos = bt % max_kv_len;
-    const int64_t kv_len = a.cache_lengths[b] + a.offsets[b + 1] - a.offsets[b];
+    const int64_t kv_len = static_cast<int64_t>(a.cache_lengths[b]) + a.offsets[b + 1] - a.offsets[b];
     const int64_t page =
         pos < kv_len ? page_of(a.table, a.table_stride, a.table_width, a.num_pages, page_size, b, pos) : -1;
     for (int p = 0; p < 2; ++p) {
