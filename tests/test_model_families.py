@@ -282,6 +282,23 @@ def test_check_config_refusals_name_the_field():
         hf_support.check_config(SimpleNamespace(**{**vars(llama), **sarvam}), True)
 
 
+def test_models_an_older_transformers_builds_masks_for_are_refused_there(monkeypatch):
+    """The model types whose code in older transformers ignores the cache's key columns (the sweep on
+    5.5.4 and 5.17) are refused there in both columns, naming `config.model_type`, and served from the
+    version named."""
+    import transformers
+
+    llama = matrix.model_of(family("Llama"))[0].config
+    for model_type, (since, _) in hf_support.OLD_MASK_MODEL_TYPES.items():
+        config = SimpleNamespace(**{**vars(llama), "model_type": model_type})
+        monkeypatch.setattr(transformers, "__version__", since)
+        hf_support.check_config(config, False)
+        monkeypatch.setattr(transformers, "__version__", "5.5.4")
+        for paged in (False, True):
+            with pytest.raises(ValueError, match=f"^config.model_type: '{model_type}' in transformers 5.5.4 "):
+                hf_support.check_config(config, paged)
+
+
 def test_chunked_layers_refused_where_transformers_generate_breaks_their_masks(monkeypatch):
     """transformers 5.17's `generate` hands `create_chunked_causal_mask` a `block_sequence_ids` it
     does not take (every compileable cache, StaticCache too): chunked models are refused there, in

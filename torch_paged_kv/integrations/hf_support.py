@@ -34,6 +34,19 @@ OWN_CACHE_USE_MODEL_TYPES = {
 }
 """Model types whose own code assumes transformers' `DynamicCache`: its layers, or keys that are exactly
 the tokens so far, where `PagedCache`'s layers are views of one pool returning `max_cache_len` columns."""
+_MASK_FROM_TOKENS = "builds its attention mask for the tokens so far, not for the cache's key columns"
+OLD_MASK_MODEL_TYPES = {
+    "big_bird": ("5.23", _MASK_FROM_TOKENS),
+    "megatron-bert": ("5.23", _MASK_FROM_TOKENS),
+    "rembert": ("5.23", _MASK_FROM_TOKENS),
+    "roformer": ("5.23", _MASK_FROM_TOKENS),
+    "bloom": ("5.23", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
+    "doge": ("5.23", "gives other tokens than DynamicCache through its own key selection over the columns"),
+    "ctrl": ("5.17", _MASK_FROM_TOKENS),
+}
+"""Model types whose code in transformers older than the version named does not follow a compileable
+cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
+on 5.5.4 and 5.17, none on 5.23)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
@@ -165,6 +178,14 @@ def check_config(config: Any, paged: bool) -> None:
         )
     if not takes_cache(config):
         raise ValueError(f"config.model_type: {model_type!r} models keep no K/V cache that PagedCache could hold")
+    if model_type in OLD_MASK_MODEL_TYPES and _older_than(OLD_MASK_MODEL_TYPES[model_type][0]):
+        import transformers
+
+        since, why = OLD_MASK_MODEL_TYPES[model_type]
+        raise ValueError(
+            f"config.model_type: {model_type!r} in transformers {transformers.__version__} {why}; PagedCache "
+            f"serves it from transformers {since} (or use a DynamicCache)"
+        )
     if model_type in OWN_CACHE_USE_MODEL_TYPES:
         raise ValueError(
             f"config.model_type: {model_type!r} {OWN_CACHE_USE_MODEL_TYPES[model_type]}, which assumes "
@@ -245,13 +266,18 @@ def on_attention_interface(config: Any) -> bool:
     return True if can_set is None else bool(can_set())
 
 
-def _mla_update_gets_decompressed_kv() -> bool:
-    """Whether this transformers predates `MLA_LATENT_UPDATE`, the first version seen to hand an MLA
-    cache's `update` the latent and the rope key (5.5 hands it per-head K/V; versions between are unchecked)."""
+def _older_than(version: str) -> bool:
+    """Whether the installed transformers is older than `version`."""
     import transformers
     from packaging.version import Version
 
-    return Version(transformers.__version__) < Version(MLA_LATENT_UPDATE)
+    return Version(transformers.__version__) < Version(version)
+
+
+def _mla_update_gets_decompressed_kv() -> bool:
+    """Whether this transformers predates `MLA_LATENT_UPDATE`, the first version seen to hand an MLA
+    cache's `update` the latent and the rope key (5.5 hands it per-head K/V; versions between are unchecked)."""
+    return _older_than(MLA_LATENT_UPDATE)
 
 
 def _generate_breaks_chunked_masks() -> bool:
