@@ -113,18 +113,33 @@ def store_kv(
             put_rows(scales[:, plane, layer_idx], index, stored, row_scales)
 
 
-def readable_pages(lookup_table: torch.Tensor, kv_len: torch.Tensor, num_cols: int, page_size: int, num_pages: int):
+def readable_pages(
+    lookup_table: torch.Tensor,
+    kv_len: torch.Tensor,
+    num_cols: int,
+    page_size: int,
+    num_pages: int,
+    first: torch.Tensor | None = None,
+):
     """The first `num_cols` columns of the table (long; a 1-D table's slots as one column), the null
-    page wherever a column holds none of its row's first `kv_len` tokens or an id outside the pool."""
+    page wherever a column holds none of its row's first `kv_len` tokens (nor, with `first`, any from
+    the row's `first` on) or an id outside the pool."""
     table = lookup_table.long()[:, :num_cols] if lookup_table.dim() == 2 else lookup_table.long()[:, None]
-    used = torch.arange(table.shape[1], device=table.device) * page_size < kv_len[:, None]
+    col = torch.arange(table.shape[1], device=table.device) * page_size
+    used = col < kv_len[:, None]
+    if first is not None:
+        used &= col + page_size > first[:, None]
     return table.where(used & (table >= 0) & (table < num_pages), NULL_PAGE)
 
 
-def zero_past(tokens: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
-    """`tokens` `[batch, T, ...]` with every position at or past its row's `kv_len` zeroed, in place."""
-    past = torch.arange(tokens.shape[1], device=tokens.device) >= kv_len[:, None]
-    return tokens.masked_fill_(past.view(*past.shape, *([1] * (tokens.dim() - 2))), 0)
+def zero_outside(tokens: torch.Tensor, kv_len: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    """`tokens` `[batch, T, ...]` with every position at or past its row's `kv_len` (or, with `first`,
+    before its `first`) zeroed, in place."""
+    pos = torch.arange(tokens.shape[1], device=tokens.device)
+    outside = pos >= kv_len[:, None]
+    if first is not None:
+        outside |= pos < first[:, None]
+    return tokens.masked_fill_(outside.view(*outside.shape, *([1] * (tokens.dim() - 2))), 0)
 
 
 def gather_tokens(
@@ -135,10 +150,12 @@ def gather_tokens(
     max_len: int,
     kv_len: torch.Tensor,
     scratch_slot: str | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[batch, T, heads, head_dim]` with T >= min(max_len, what the table addresses): each row's
     first cached tokens, whole pages at a time, reading only the pages that hold some of its first
-    `kv_len` tokens (the null page stands for the rest; contents past a sequence's length are arbitrary).
+    `kv_len` tokens (and, with `first`, some from its `first` on: the null page stands for the rest;
+    contents outside those tokens are arbitrary).
 
     `blocks` may be any tensor laid out like a pool (`[pages, planes, layers, page_size, ...]`, such
     as per-granule scales). With `scratch_slot` the result is a view into that reused scratch buffer.
@@ -147,12 +164,12 @@ def gather_tokens(
     plane_view = blocks[:, plane, layer_idx]  # [num_pages, page_size, heads, head_dim]
     if lookup_table.dim() == 1:  # one slot per row: take only the first max_len tokens of it
         tokens = min(max_len, page_size)
-        pages = readable_pages(lookup_table, kv_len, 1, page_size, blocks.shape[0]).view(-1)
+        pages = readable_pages(lookup_table, kv_len, 1, page_size, blocks.shape[0], first).view(-1)
         source = plane_view[:, :tokens].flatten(1)
     else:
         num_cols = min(-(-max_len // page_size), lookup_table.shape[1])
         tokens = num_cols * page_size
-        pages = readable_pages(lookup_table, kv_len, num_cols, page_size, blocks.shape[0]).reshape(-1)
+        pages = readable_pages(lookup_table, kv_len, num_cols, page_size, blocks.shape[0], first).reshape(-1)
         source = plane_view.flatten(1)
     shape = (lookup_table.shape[0], tokens, *blocks.shape[4:])
     if scratch_slot is None:
@@ -170,20 +187,22 @@ def _gather_fp32(
     max_len: int,
     kv_len: torch.Tensor,
     scales: torch.Tensor | None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[batch, max_len, heads, head_dim]` fp32 (dequantized for an FP8 cache): `gather_tokens` in
-    scratch (valid until the next call), zeros past each row's `kv_len`."""
-    tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, kv_len, f"gather{plane}")[:, :max_len]
+    scratch (valid until the next call), zeros past each row's `kv_len` and before its `first`."""
+    slot = f"gather{plane}"
+    tokens = gather_tokens(blocks, plane, layer_idx, lookup_table, max_len, kv_len, slot, first)[:, :max_len]
     if tokens.dtype == torch.float32:
-        return zero_past(tokens, kv_len)
+        return zero_outside(tokens, kv_len, first)
     out = _scratch(f"fp32_{plane}", tuple(tokens.shape), torch.float32, tokens.device).copy_(tokens)
     if scales is not None and scales.dim() == 1:
         out.mul_(scales[plane])
     elif scales is not None:
-        token_scales = gather_tokens(scales, plane, layer_idx, lookup_table, max_len, kv_len)[:, :max_len]
+        token_scales = gather_tokens(scales, plane, layer_idx, lookup_table, max_len, kv_len, None, first)[:, :max_len]
         groups = token_scales.shape[-1]
         out.view(*out.shape[:-1], groups, -1).mul_(token_scales[..., None])
-    return zero_past(out, kv_len)
+    return zero_outside(out, kv_len, first)
 
 
 def gather_kv(
@@ -234,12 +253,14 @@ def flash_attention(
     if total == 0:
         return q.new_empty(q.shape)
     kv_len, min_kv, max_kv, max_new = step_lengths(cache_lengths, lookup_table, input_row_offsets, blocks, "q", total)
+    chunk = attention_chunk_size
+    first = _first_visible(cache_lengths, sliding_window, chunk)
     # [batch, kv_heads, max_kv, head_dim] fp32 views of scratch buffers
     key, value = (
-        _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv, kv_len, scales).transpose(1, 2) for plane in (0, 1)
+        _gather_fp32(blocks, plane, layer_idx, lookup_table, max_kv, kv_len, scales, first).transpose(1, 2)
+        for plane in (0, 1)
     )
     key_pos = torch.arange(max_kv, device=q.device)
-    chunk = attention_chunk_size
     # no mask where every query sees every key below its sequence's length
     unbounded = (sliding_window <= 0 or sliding_window >= max_kv) and (chunk <= 0 or chunk >= max_kv)
     if total == batch and max_new == 1 and tree_mask is None:  # decode: one new token per row, no padding
@@ -273,6 +294,16 @@ def flash_attention(
         q_chunk = q_padded[:, start:stop].transpose(1, 2)  # [batch, q_heads, n, head_dim]
         out[:, start:stop] = _attend(q_chunk, key, value, allowed, softmax_scale, softcap, sinks).transpose(1, 2)
     return out[seq, tok].to(q.dtype)
+
+
+def _first_visible(cache_lengths: torch.Tensor, sliding_window: int, chunk: int) -> torch.Tensor | None:
+    """Each row's first key that any query of the step may see (its first new token's window or chunk
+    start: later tokens, and tree nodes at depths, sit at higher positions), or None: every key."""
+    if sliding_window <= 0 and chunk <= 0:
+        return None
+    position = cache_lengths.long()
+    first = (position - sliding_window + 1).clamp_(min=0) if sliding_window > 0 else torch.zeros_like(position)
+    return first.maximum(position // chunk * chunk) if chunk > 0 else first
 
 
 def _tree_allowed(

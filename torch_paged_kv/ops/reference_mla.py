@@ -25,7 +25,7 @@ from .reference import (
     put_rows,
     row_slots,
     step_lengths,
-    zero_past,
+    zero_outside,
 )
 
 ROPE_DTYPE = torch.bfloat16  # the rope part of an FP8 row (params.ROPE_DTYPE; ops never import params)
@@ -88,7 +88,7 @@ def _gather_rows_fp32(
     tokens = tokens[:, :max_len, 0]  # [batch, max_len, row]
     out = _scratch("mla_fp32", (tokens.shape[0], tokens.shape[1], rank + rope_dim), torch.float32, blocks.device)
     if scales is None:
-        return zero_past(out.copy_(tokens), kv_len)
+        return zero_outside(out.copy_(tokens), kv_len)
     _fp8_to_fp32(tokens[..., :rank], blocks.dtype, out[..., :rank])
     out[..., rank:].copy_(tokens[..., rank:].view(ROPE_DTYPE))
     latent = out[..., :rank]
@@ -98,7 +98,7 @@ def _gather_rows_fp32(
         token_scales = gather_tokens(scales, 0, layer_idx, lookup_table, max_len, kv_len)[:, :max_len, 0]
         groups = token_scales.shape[-1]
         latent.view(*latent.shape[:-1], groups, rank // groups).mul_(token_scales[..., None])
-    return zero_past(out, kv_len)
+    return zero_outside(out, kv_len)
 
 
 def mla_attention(
