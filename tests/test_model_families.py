@@ -225,25 +225,37 @@ def test_mla_paged_kv_needs_the_attention_kwargs_in_update():
 
 
 # -- refusals ---------------------------------------------------------------------------------------
-def test_paged_kv_call_refuses_non_causal_layers_before_storing():
-    """What only the attention call shows (a non-causal layer) is refused at the call, before the step
-    begins."""
-    model, _ = matrix.model_of(family("Llama"))
+@pytest.fixture
+def llama_pending():
+    """A Llama under `paged_kv` and a `PagedCache` whose layer 0 got a 3-token `update`:
+    (model, cache, the keys given, the `PendingKV` it returned); the model's attention restored after."""
+    model, default_attn = matrix.model_of(family("Llama"))
     matrix.set_attention(model, "paged_kv")
     try:
         cache = PagedCache(model.config, 1, 16, page_size=4)
         key = torch.randn(1, 2, 3, 16)
         pending, _ = cache.update(key, key, 0)
-        attn = model.model.layers[0].self_attn
-        query = torch.randn(1, 4, 3, 16)
-        non_causal = SimpleNamespace(config=model.config, layer_idx=0, is_causal=False)
-        with pytest.raises(ValueError, match="^config.model_type: 'llama' layer 0 attends non-causally"):
-            paged_kv_attention(non_causal, query, pending, pending, None)
-        assert not cache.collection.cache_lengths.any() and not cache.collection.input_row_offsets.any()
-        out, _ = paged_kv_attention(attn, query, pending, pending, None)  # the same call without it runs
-        assert out.shape == (1, 3, 4, 16) and cache.collection.input_row_offsets[:2].tolist() == [0, 3]
+        yield model, cache, key, pending
     finally:
-        matrix.set_attention(model, "sdpa")
+        matrix.set_attention(model, default_attn)
+
+
+def nothing_stored(cache: PagedCache) -> bool:
+    return not cache.collection.cache_lengths.any() and not cache.collection.input_row_offsets.any()
+
+
+def test_paged_kv_call_refuses_non_causal_layers_before_storing(llama_pending):
+    """What only the attention call shows (a non-causal layer) is refused at the call, before the step
+    begins."""
+    model, cache, _, pending = llama_pending
+    attn = model.model.layers[0].self_attn
+    query = torch.randn(1, 4, 3, 16)
+    non_causal = SimpleNamespace(config=model.config, layer_idx=0, is_causal=False)
+    with pytest.raises(ValueError, match="^config.model_type: 'llama' layer 0 attends non-causally"):
+        paged_kv_attention(non_causal, query, pending, pending, None)
+    assert nothing_stored(cache)
+    out, _ = paged_kv_attention(attn, query, pending, pending, None)  # the same call without it runs
+    assert out.shape == (1, 3, 4, 16) and cache.collection.input_row_offsets[:2].tolist() == [0, 3]
 
 
 def test_check_config_refusals_name_the_field():
@@ -337,27 +349,20 @@ def test_a_window_the_attention_does_not_apply_is_refused_once_crossed():
     assert hf_support.cache_groups(mistral, [0, 1, 2], 9)[0][0].sliding_window == 8
 
 
-def test_pending_kv_used_as_a_tensor_is_refused_before_storing():
+def test_pending_kv_used_as_a_tensor_is_refused_before_storing(llama_pending):
     """Under `paged_kv`, model code that uses the K/V `update` returns as tensors (DiffLlama splits the
     values, Doge projects them, JetMoE repeats them) gets a `ValueError` naming `config.model_type`,
     whether by a method or a torch function, before the step begins."""
-    model, default_attn = matrix.model_of(family("Llama"))
-    matrix.set_attention(model, "paged_kv")
-    try:
-        cache = PagedCache(model.config, 1, 16, page_size=4)
-        key = torch.randn(1, 2, 3, 16)
-        pending, _ = cache.update(key, key, 0)
-        refused = "^config.model_type: 'llama' layer 0 uses the K/V the cache returns itself"
-        with pytest.raises(ValueError, match=refused + r" \(\.transpose\)"):
-            pending.transpose(1, 2)
-        with pytest.raises(ValueError, match=refused + r" \(chunk\)"):
-            torch.chunk(pending, 2, dim=1)
-        with pytest.raises(ValueError, match=refused + r" \(cat\)"):
-            torch.cat([key, pending], dim=2)
-        assert not cache.collection.cache_lengths.any() and not cache.collection.input_row_offsets.any()
-        assert pending.key is key and pending._replace(key=key).value is key  # its own fields still work
-    finally:
-        matrix.set_attention(model, default_attn)
+    _, cache, key, pending = llama_pending
+    refused = "^config.model_type: 'llama' layer 0 uses the K/V the cache returns itself"
+    with pytest.raises(ValueError, match=refused + r" \(\.transpose\)"):
+        pending.transpose(1, 2)
+    with pytest.raises(ValueError, match=refused + r" \(chunk\)"):
+        torch.chunk(pending, 2, dim=1)
+    with pytest.raises(ValueError, match=refused + r" \(cat\)"):
+        torch.cat([key, pending], dim=2)
+    assert nothing_stored(cache)
+    assert pending.key is key and pending._replace(key=key).value is key  # its own fields still work
 
 
 def test_default_attention_gets_contiguous_kv():

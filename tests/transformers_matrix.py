@@ -541,13 +541,10 @@ def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
     """Runs one cell and reports what happened, as `str(outcome)` or a description of the failure."""
     from transformers import DynamicCache
 
-    from torch_paged_kv.integrations.transformers import PagedCache
-
     mode = MODE_SPECS[mode_name]
     start = time.perf_counter()
     model, default_attn = model_of(family)
     expected = family.expected(column)
-    rows = len(mode.lengths) * mode.beams
     reference_attn = default_attn if column == "default" else "eager"
     key = (family.name, mode_name, reference_attn)
     if key not in _references:
@@ -556,8 +553,25 @@ def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
             _references[key] = run(model, lambda: DynamicCache(config=model.config), mode)
         except Exception as e:  # the reference itself fails: the family's config is wrong here
             return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
-    reference = _references[key]
-    caches = []
+        finally:
+            set_attention(model, default_attn)
+    caches: list[Any] = []
+    try:
+        got = compare(run_paged(model, column, mode, caches), _references[key])
+    except ValueError as e:
+        got = refusal(e, caches)
+    except Exception as e:
+        got = f"{type(e).__name__}: {e}"[:300]
+    return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
+
+
+def run_paged(model, column: str, mode: Mode, caches: list) -> list[Generated]:
+    """The mode's generate call(s) over a `PagedCache` (each one built is appended to `caches`) under
+    the column's attention; the model's attention implementation is restored afterwards."""
+    from torch_paged_kv.integrations.transformers import PagedCache
+
+    default_attn = model.config._attn_implementation
+    rows = len(mode.lengths) * mode.beams
 
     def paged_cache():
         caches.append(PagedCache(model.config, rows, max_cache_len(mode), page_size=mode.page_size))
@@ -565,24 +579,16 @@ def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
 
     try:
         set_attention(model, default_attn if column == "default" else "paged_kv")
-        got = run(model, paged_cache, mode)
-    except ValueError as e:
-        got = _refusal(e, caches)
-    except Exception as e:
-        got = f"{type(e).__name__}: {e}"[:300]
-    else:
-        got = compare(got, reference)
+        return run(model, paged_cache, mode)
     finally:
         set_attention(model, default_attn)
-    return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
 
 
-def _refusal(error: ValueError, caches: list) -> str:
+def refusal(error: ValueError, caches: list) -> str:
     """`str(Refused(field))` for a refusal naming `field:` before the first token (no step of the cache
     began); else what it was."""
     message = str(error)
-    stored = [c for c in caches if c.groups is not None and _touched(c)]
-    if stored:
+    if stored(caches):
         return f"ValueError after tokens were stored: {message}"[:300]
     field = message.split(":", 1)[0]
     if " " in field or not (field.startswith("config") or field == "attn_implementation"):
@@ -590,10 +596,16 @@ def _refusal(error: ValueError, caches: list) -> str:
     return str(Refused(field))
 
 
-def _touched(cache) -> bool:
-    """Whether a step of `cache` began (offsets written) or ended (lengths, column count advanced)."""
-    touched = [bool(c.cache_lengths.any() or c.input_row_offsets.any()) for c in cache.groups.collections]
-    return any(touched) or bool(int(cache.get_seq_length()))
+def stored(caches: list) -> bool:
+    """Whether a step of any of `caches` began (offsets written) or ended (lengths, column count advanced)."""
+    for cache in caches:
+        if cache.groups is None:
+            continue
+        if any(bool(c.cache_lengths.any() or c.input_row_offsets.any()) for c in cache.groups.collections):
+            return True
+        if int(cache.get_seq_length()):
+            return True
+    return False
 
 
 # -- selections ------------------------------------------------------------------------------------

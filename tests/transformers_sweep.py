@@ -265,33 +265,18 @@ class Unbuildable(Exception):
     """The tiny model cannot be built or cannot generate with its own cache."""
 
 
-def cell(model: torch.nn.Module, default_attn: str, column: str, mode_name: str, reference) -> str:
+def cell(model: torch.nn.Module, column: str, mode_name: str, reference) -> str:
     """One cell's outcome: "exact", "refused (config.x)", or the defect ("WRONG: ...", "CRASHED...")."""
-    from torch_paged_kv.integrations.transformers import PagedCache
-
-    mode = matrix.MODE_SPECS[mode_name]
-    rows = len(mode.lengths) * mode.beams
     caches: list[Any] = []
-
-    def paged_cache():
-        caches.append(PagedCache(model.config, rows, matrix.max_cache_len(mode), page_size=mode.page_size))
-        return caches[-1]
-
     try:
-        matrix.set_attention(model, default_attn if column == "default" else "paged_kv")
-        got = matrix.run(model, paged_cache, mode)
+        got = matrix.run_paged(model, column, matrix.MODE_SPECS[mode_name], caches)
     except Exception as e:
-        started = any(c.groups is not None and matrix._touched(c) for c in caches)
         where = _origin(e)
-        if started:
+        if matrix.stored(caches):
             return f"CRASHED-AFTER-START: {type(e).__name__}: {e} [{where}]"[:400]
-        if isinstance(e, ValueError):
-            refusal = matrix._refusal(e, caches)
-            if refusal.startswith("refused"):
-                return refusal
+        if isinstance(e, ValueError) and matrix.refusal(e, caches).startswith("refused"):
+            return matrix.refusal(e, caches)
         return f"CRASHED: {type(e).__name__}: {e} [{where}]"[:400]
-    finally:
-        matrix.set_attention(model, default_attn)
     outcome = matrix.compare(got, reference)
     return outcome if outcome == matrix.EXACT else f"WRONG: {outcome}"
 
@@ -329,7 +314,7 @@ def sweep_one(model_type: str) -> dict[str, Any]:
                 matrix.set_attention(model, default_attn)
     reference_attn = {"default": default_attn, "paged_kv": "eager"}
     cells = {
-        (column, mode): cell(model, default_attn, column, mode, references[reference_attn[column], mode])
+        (column, mode): cell(model, column, mode, references[reference_attn[column], mode])
         for column in matrix.COLUMNS
         for mode in MODES
     }

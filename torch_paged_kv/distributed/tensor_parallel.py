@@ -88,8 +88,8 @@ class TensorParallelKVCacheManager(KVCacheManager):
     `tp_size`/`tp_rank` must be this process's size/rank in `group` (no shard: a group of one).
     Call it exactly as every other rank does. Every `verify_every`-th `prepare_step` (default: each)
     all-reduces a digest of the step (its rows' slots, lengths, page counts, last pages and token
-    ids, the pool's counters, every `rewind` and `accept` so far) over `cpu_group` (default `group`, which must then
-    be a gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
+    ids, the pool's counters, every `rewind` and `accept` so far) over `cpu_group` (default `group`,
+    which must then be a gloo group; with NCCL pass a gloo group of the same ranks). With `overlap` (default) the
     all-reduce runs while the model does and `commit_step` checks it; without, `prepare_step` waits
     for it. Either raises `TensorParallelDivergenceError` on every rank if any differs, before the
     step is committed. `verify(full=True)` also compares every sequence's pages and the free list
@@ -166,8 +166,8 @@ class TensorParallelKVCacheManager(KVCacheManager):
         h = hashlib.blake2b(self._speculation, digest_size=16)
         slot = self._seqs.get(seq_id, "seq_id").slot
         h.update(np.array([*call, slot, self.cache_length(seq_id), *self.pages(seq_id)], dtype=np.int64).tobytes())
-        ids = [] if token_ids is None else [int(t) for t in token_ids]
-        h.update(np.array([len(ids) if token_ids is not None else -1, *ids], dtype=np.int64).tobytes())
+        ids = [-1] if token_ids is None else [len(token_ids), *map(int, token_ids)]
+        h.update(np.array(ids, dtype=np.int64).tobytes())
         self._speculation = h.digest()
 
     def digest(self, full: bool = False) -> int:

@@ -179,11 +179,9 @@ def check_config(config: Any, paged: bool) -> None:
     if not takes_cache(config):
         raise ValueError(f"config.model_type: {model_type!r} models keep no K/V cache that PagedCache could hold")
     if model_type in OLD_MASK_MODEL_TYPES and _older_than(OLD_MASK_MODEL_TYPES[model_type][0]):
-        import transformers
-
         since, why = OLD_MASK_MODEL_TYPES[model_type]
         raise ValueError(
-            f"config.model_type: {model_type!r} in transformers {transformers.__version__} {why}; PagedCache "
+            f"config.model_type: {model_type!r} in transformers {_transformers_version()} {why}; PagedCache "
             f"serves it from transformers {since} (or use a DynamicCache)"
         )
     if model_type in OWN_CACHE_USE_MODEL_TYPES:
@@ -203,18 +201,14 @@ def check_config(config: Any, paged: bool) -> None:
             "PagedCache's pages hold K and V of one head_dim"
         )
     if is_mla(config) and _mla_update_gets_decompressed_kv():
-        import transformers
-
         raise ValueError(
-            f"config.kv_lora_rank: transformers {transformers.__version__}'s MLA attention hands Cache.update "
+            f"config.kv_lora_rank: transformers {_transformers_version()}'s MLA attention hands Cache.update "
             "per-head K/V decompressed from the latent; PagedCache caches the latent itself (verified from "
             f"transformers {MLA_LATENT_UPDATE}); use a newer transformers or a DynamicCache"
         )
     if "chunked_attention" in types and _generate_breaks_chunked_masks():
-        import transformers
-
         raise ValueError(
-            f"config.layer_types: chunked_attention layers: transformers {transformers.__version__}'s generate "
+            f"config.layer_types: chunked_attention layers: transformers {_transformers_version()}'s generate "
             "passes `block_sequence_ids` to `create_chunked_causal_mask`, which does not take it, for every "
             "compileable cache (StaticCache too); use transformers >= 5.23 or a DynamicCache for this model"
         )
@@ -266,12 +260,17 @@ def on_attention_interface(config: Any) -> bool:
     return True if can_set is None else bool(can_set())
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def _older_than(version: str) -> bool:
     """Whether the installed transformers is older than `version`."""
-    import transformers
     from packaging.version import Version
 
-    return Version(transformers.__version__) < Version(version)
+    return Version(_transformers_version()) < Version(version)
 
 
 def _mla_update_gets_decompressed_kv() -> bool:
