@@ -53,19 +53,26 @@ def test_window_attention_reads_only_held_pages(backend, window, dtype):
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("window", [1, 3, 13])
-def test_pages_below_the_window_that_the_table_still_names_are_not_read(backend, window):
-    """A table that still names the pages below the window (a caller's own table, no manager), whose
-    pages another sequence has since filled: the window's answer. `reference` and `cpu` read none of
-    those keys (NaN there changes nothing); Triton reads the keys of its first tile below the window
-    and masks them, so there the pages must hold finite values (docs/triton.md)."""
-    b = make_paged_batch(CACHED, NEW, page_size=PAGE, group=2, head_dim=32, seed=window, fill=300.0)
-    junk = float("nan") if backend != "triton" else -3.0e4
+@pytest.mark.parametrize(
+    "limit", [dict(sliding_window=w) for w in (1, 3, 13)] + [dict(attention_chunk_size=c) for c in (4, 8, 16)], ids=str
+)
+def test_pages_before_the_first_visible_key_that_the_table_still_names_are_not_read(backend, limit):
+    """A table that still names the pages wholly before the step's first visible key (below the
+    window, or before the first query's chunk: a caller's own table, no manager), whose pages another
+    sequence has since filled: the window's (chunk's) answer. `reference` and `cpu` read none of those
+    keys (NaN there changes nothing); Triton reads the keys of its first key tile below the first
+    visible key and masks them, so there the pages must hold finite values (docs/triton.md)."""
+    b = make_paged_batch(CACHED, NEW, page_size=PAGE, group=2, head_dim=32, seed=sum(limit.values()), fill=300.0)
+    window, chunk = limit.get("sliding_window", -1), limit.get("attention_chunk_size", -1)
+    poisoned = 0
     for row, cached in enumerate(b.cache_lengths.tolist()):
-        b.blocks[b.lookup_table[row, : first_held(cached, window)].long()] = junk
+        first = first_held(cached, window) if window > 0 else cached // chunk * chunk // PAGE
+        b.blocks[b.lookup_table[row, :first].long()] = float("nan") if backend != "triton" else -3.0e4
+        poisoned += first
+    assert poisoned > 0
     pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
-    out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, sliding_window=window)
-    expected = attention_fp64(b.q, b.keys, b.values, CACHED, 0.3, sliding_window=window)
+    out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, **limit)
+    expected = attention_fp64(b.q, b.keys, b.values, CACHED, 0.3, **limit)
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
 
 
