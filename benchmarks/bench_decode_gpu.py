@@ -1,13 +1,15 @@
 """Decode attention bandwidth of the Triton backend vs SDPA (contiguous K/V) and FlexAttention's
-paged attention, plus store_kv of one decode step (64 tokens) under a CUDA graph.
+paged attention, plus store_kv of one decode step (64 tokens) under a CUDA graph, and sliding-window
+decode (window context / 4 + 8) with and without the first key tile masked (`MASK_FIRST_TILE`).
 
 bf16, 32 query / 8 KV heads, head_dim 128, batch 64 x 4096 context, page sizes 1, 16, 128, pages
 shuffled. Every attention row is checked against SDPA on the same K/V before it is timed, and the
-store_kv row against the key/value it writes. GB/s: `harness.decode_bytes`; "of_copy" divides by a
+store_kv row against the key/value it writes (a window row against SDPA over the window's keys,
+its bytes those keys'). GB/s: `harness.decode_bytes`; "of_copy" divides by a
 measured device-to-device copy (read + write).
 
     PYTHONPATH=. python3 benchmarks/bench_decode_gpu.py [--page-sizes 1,16,128]
-        [--kernels triton,splits,sdpa,flex,store]
+        [--kernels triton,splits,sdpa,flex,store,window,window-masked]
     PYTHONPATH=. python3 benchmarks/bench_decode_gpu.py --dry-run     # tiny, on CPU (Triton interpreted)
 
 The copy bandwidth and every row are printed as they are measured (`COPY`, `ROW` lines), then a
@@ -24,7 +26,16 @@ from collections.abc import Callable
 from unittest import mock
 
 import torch
-from harness import DecodeBench, DecodeInputs, WrongOutputError, forced_backend, gpu_main, matches
+from harness import (
+    DecodeBench,
+    DecodeInputs,
+    WrongOutputError,
+    decode_bytes,
+    forced_backend,
+    gpu_main,
+    matches,
+    sdpa_decode,
+)
 
 import torch_paged_kv as pk
 
@@ -38,6 +49,8 @@ KERNELS = {
     "sdpa": "SDPA contiguous",
     "flex": "flex paged",
     "store": "store_kv, one token per sequence, CUDA graph",
+    "window": "triton paged, window",
+    "window-masked": "triton paged, first tile masked, window",
 }
 ORDER = tuple(KERNELS.values())
 # "splits": Triton with the split count forced, against the plan's (ops/splits.py assumes 4 programs
@@ -81,6 +94,40 @@ def forced_splits(splits: int) -> contextlib.AbstractContextManager:
     from torch_paged_kv.ops.triton import flash_attention as triton_flash  # (imports triton: after --dry-run's env)
 
     return mock.patch.object(triton_flash, "num_splits", lambda *_: splits)
+
+
+def first_tile_masked(masked: bool) -> contextlib.AbstractContextManager:
+    """Within it, Triton's attention masks its first key tile below the window (`MASK_FIRST_TILE`) or not."""
+    from torch_paged_kv.ops.triton import flash_attention as triton_flash
+
+    return mock.patch.object(triton_flash, "MASK_FIRST_TILE", masked)
+
+
+def window_rows(
+    bench: DecodeBench, x: DecodeInputs, key: torch.Tensor, value: torch.Tensor, kernels: list[str]
+) -> list[dict]:
+    """Sliding-window decode over a quarter of the context and 8 keys (so the first key tile is
+    partly below the window), each of `kernels` ("window", "window-masked") twice, alternating,
+    checked against SDPA over those keys."""
+    window = x.context // 4 + 8
+    expected = sdpa_decode(x.q, key[:, :, -window:], value[:, :, -window:], x.scale)
+    shape = {k: v for k, v in bench.shape.items() if k != "context"}
+    moved = decode_bytes(**shape, context=window)
+    rows = []
+    for _ in range(2):
+        for name in kernels:
+            with first_tile_masked(name == "window-masked"):
+                run = lambda: x.paged_attention("triton", sliding_window=window)
+                rows.append(
+                    bench.row(
+                        f"{KERNELS[name]} {window}",
+                        x.collection.params.page_size,
+                        run,
+                        matches(expected, name),
+                        moved=moved,
+                    )
+                )
+    return rows
 
 
 def graphed(fn: Callable[[], None]) -> Callable[[], None]:
@@ -134,6 +181,8 @@ def measure(
             with forced_splits(splits):
                 run = lambda: x.paged_attention("triton")
                 rows.append(bench.row(f"{KERNELS['splits']} {splits}", page, run, matches(expected, "splits")))
+        if windowed := [name for name in ("window", "window-masked") if name in kernels]:
+            rows += window_rows(bench, x, key, value, windowed)
         if "sdpa" in kernels and page == page_sizes[0]:
             rows.append(bench.sdpa_row(x, key, value, expected))
         if "flex" in kernels:

@@ -129,12 +129,12 @@ class DecodeInputs:
         """Pages holding one sequence's `context` tokens."""
         return -(-self.context // self.collection.params.page_size)
 
-    def paged_attention(self, backend: str) -> Callable[[], torch.Tensor]:
-        """A call of `paged_kv::flash_attention` on these inputs with `backend` forced."""
+    def paged_attention(self, backend: str, **options: Any) -> Callable[[], torch.Tensor]:
+        """A call of `paged_kv::flash_attention` on these inputs (and keyword `options`) with `backend` forced."""
 
         def run() -> torch.Tensor:
             with forced_backend(backend):
-                return pk.flash_attention(*self.args)
+                return pk.flash_attention(*self.args, **options)
 
         return run
 
@@ -289,10 +289,12 @@ class DecodeBench:
         check: Callable[[Any], None],
         bandwidth: bool = True,
         target: tuple[str, Callable[[dict[str, Any]], bool]] | None = None,
+        moved: int | None = None,
     ) -> dict[str, Any]:
         """Build the call with `make()`, time its first call (compilation included), `check` that
         call's output, then time it. A call that cannot be built or run is reported in `us`; a
-        wrong one too ("WRONG: ..."), never timed. `target`: (what it is, whether a timed row meets it)."""
+        wrong one too ("WRONG: ..."), never timed. `target`: (what it is, whether a timed row meets it).
+        `moved`: the bytes the call must move, where they are not the shape's (`decode_bytes`)."""
 
         def run() -> tuple[float, float]:
             fn = make()
@@ -306,7 +308,7 @@ class DecodeBench:
 
         result = _attempt(run)
         us, first_s = result if isinstance(result, tuple) else (result, None)
-        gbps = self.moved / us / 1e3 if bandwidth and isinstance(us, float) else None
+        gbps = (moved or self.moved) / us / 1e3 if bandwidth and isinstance(us, float) else None
         row = {
             "kernel": kernel,
             "page_size": page_size,

@@ -13,6 +13,7 @@ import torch
 import torch_paged_kv as pk
 from torch_paged_kv.ops import validate
 from torch_paged_kv.ops.cpu import kernels as cpu_kernels
+from torch_paged_kv.ops.triton import flash_attention as triton_attention
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, attention_fp64, make_fp8_batch, make_paged_batch
 
 CACHED, NEW, PAGE = [5, 0, 17, 30, 41], [3, 12, 1, 1, 2], 4
@@ -53,23 +54,43 @@ def test_window_attention_reads_only_held_pages(backend, window, dtype):
     torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize(
-    "limit", [dict(sliding_window=w) for w in (1, 3, 13)] + [dict(attention_chunk_size=c) for c in (4, 8, 16)], ids=str
-)
-def test_pages_before_the_first_visible_key_that_the_table_still_names_are_not_read(backend, limit):
-    """A table that still names the pages wholly before the step's first visible key (below the
-    window, or before the first query's chunk: a caller's own table, no manager), whose pages another
-    sequence has since filled: the window's (chunk's) answer. `reference` and `cpu` read none of those
-    keys (NaN there changes nothing); Triton reads the keys of its first key tile below the first
-    visible key and masks them, so there the pages must hold finite values (docs/triton.md)."""
-    b = make_paged_batch(CACHED, NEW, page_size=PAGE, group=2, head_dim=32, seed=sum(limit.values()), fill=300.0)
+LIMITS = [dict(sliding_window=w) for w in (1, 3, 13)] + [dict(attention_chunk_size=c) for c in (4, 8, 16)]
+
+
+def poison_before_first_visible(b, limit: dict, junk: float) -> None:
+    """Fill the pages wholly before each row's first visible key (below the window, or before the
+    first query's chunk) that its table still names with `junk`, as another sequence may have."""
     window, chunk = limit.get("sliding_window", -1), limit.get("attention_chunk_size", -1)
     poisoned = 0
     for row, cached in enumerate(b.cache_lengths.tolist()):
         first = first_held(cached, window) if window > 0 else cached // chunk * chunk // PAGE
-        b.blocks[b.lookup_table[row, :first].long()] = float("nan") if backend != "triton" else -3.0e4
+        b.blocks[b.lookup_table[row, :first].long()] = junk
         poisoned += first
     assert poisoned > 0
+
+
+@pytest.mark.parametrize("limit", LIMITS, ids=str)
+def test_pages_before_the_first_visible_key_that_the_table_still_names_are_not_read(backend, limit):
+    """A table that still names the pages wholly before the step's first visible key (a caller's own
+    table, no manager), whose pages another sequence has since filled: the window's (chunk's) answer.
+    `reference` and `cpu` read none of those keys (NaN there changes nothing); Triton reads the keys
+    of its first key tile below the first visible key and masks them, so there the pages must hold
+    finite values (docs/triton.md) unless `MASK_FIRST_TILE` is on (the next test)."""
+    b = make_paged_batch(CACHED, NEW, page_size=PAGE, group=2, head_dim=32, seed=sum(limit.values()), fill=300.0)
+    poison_before_first_visible(b, limit, float("nan") if backend != "triton" else -3.0e4)
+    pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
+    out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, **limit)
+    expected = attention_fp64(b.q, b.keys, b.values, CACHED, 0.3, **limit)
+    torch.testing.assert_close(out.double(), expected, **ATTENTION_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("limit", LIMITS, ids=str)
+def test_triton_with_its_first_tile_masked_reads_no_key_before_the_first_visible_one(force_backend, monkeypatch, limit):
+    """`MASK_FIRST_TILE` on: NaN in the pages before the first visible key changes nothing in Triton."""
+    force_backend("triton")
+    monkeypatch.setattr(triton_attention, "MASK_FIRST_TILE", True)
+    b = make_paged_batch(CACHED, NEW, page_size=PAGE, group=2, head_dim=32, seed=sum(limit.values()), fill=300.0)
+    poison_before_first_visible(b, limit, float("nan"))
     pk.store_kv(b.new_keys, b.new_values, b.blocks, *b.step, b.layer_idx)
     out = pk.flash_attention(b.q, b.blocks, *b.step, b.layer_idx, 0.3, **limit)
     expected = attention_fp64(b.q, b.keys, b.values, CACHED, 0.3, **limit)

@@ -3,7 +3,7 @@ each ending in `VERDICT <name> PASS|FAIL|TIMEOUT <figure>` lines; a summary tabl
 
     bash benchmarks/gpu/call1.sh [--dry-run]   # carry .kit/a: env, probes, decode GB/s, FP8, generation, Triton tests
     bash benchmarks/gpu/call2.sh [--dry-run]   # carry .kit/b: CuTe kit, CuTe tests, GB/s and profile
-    bash benchmarks/gpu/call3.sh [--dry-run]   # MLA, variant and CUDA-path tests, MLA tiles GB/s, compiled generate
+    bash benchmarks/gpu/call3.sh [--dry-run]   # MLA, variant, CUDA-path tests; MLA tiles, compiled generate, window
 
 A call stops starting steps when its budget (`CALLS[...].budget_s`) is spent, so it returns well
 inside the device tool's timeout. Kernel-family probes run one test each with
@@ -213,6 +213,20 @@ CALLS = {
                     ),
                 ),
                 cap_s=100,
+            ),
+            Step(
+                "bench-window",
+                "bench",
+                ("benchmarks/bench_decode_gpu.py", "--page-sizes", "16", "--kernels", "window,window-masked"),
+                cap_s=60,
+                dry_args=(
+                    "benchmarks/bench_decode_gpu.py",
+                    "--dry-run",
+                    "--page-sizes",
+                    "16",
+                    "--kernels",
+                    "window,window-masked",
+                ),
             ),
         ),
     ),

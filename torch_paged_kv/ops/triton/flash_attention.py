@@ -41,6 +41,12 @@ from .fp8 import covered, fp8_bits_to_operand, hardware_fp8, quantization
 PROGRAMS_PER_SM = 4
 """Attention programs one SM runs at once (the split rule's occupancy target; ops/splits.py)."""
 
+MASK_FIRST_TILE = False
+"""Also mask the first key tile's keys below the window's (or chunk's) first visible key, so that
+pages a caller's own table still names there are not read at all (docs/triton.md). Off: it costs
+sm_90 registers (decode window 168 -> 187); `bench_decode_gpu.py --kernels window,window-masked`
+times it on a GPU."""
+
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or layer compiles nothing
 @triton.jit(do_not_specialize=["batch", "total", "layer_idx"])
@@ -103,6 +109,7 @@ def _attention_kernel(
     BIAS: tl.constexpr,
     FMAX: tl.constexpr,
     HW_FP8: tl.constexpr,
+    MASK_FIRST: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
     tile = tl.program_id(0)
@@ -167,6 +174,8 @@ def _attention_kernel(
     for j0 in range(start, stop, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         page, in_page, key_ok = key_pages(table_row, j, stop, page_size, table_width, num_pages, WIDE_PAGE)
+        if MASK_FIRST and (WINDOW or CHUNK):
+            key_ok = key_ok & (j >= k_lo)
         kv_off = (page.to(tl.int64) * stride_page + in_page * stride_token)[:, None] + dim[None, :]
         k = tl.load(plane0 + kv_off, mask=key_ok[:, None], other=0)
         v = tl.load(plane0 + stride_plane + kv_off, mask=key_ok[:, None], other=0)
@@ -375,6 +384,7 @@ def plan_flash_attention(a: FlashAttentionArgs) -> tuple[torch.Tensor, list[Laun
                 WIDE_PAGE=wide_page(blocks),
                 **quant.constexprs,
                 HW_FP8=hardware_fp8(q.device),
+                MASK_FIRST=MASK_FIRST_TILE,
                 num_warps=num_warps,
             ),
         )
