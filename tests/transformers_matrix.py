@@ -170,6 +170,10 @@ SHARING = "K/V-sharing layers (under `paged_kv` fed only the last prompt positio
 MLA_NOTE = "MLA: one latent + rope row per token; absorbed MLA over the pages under `paged_kv`"
 SINKS = "attention sinks: learned per-head logits in every softmax (`s_aux`, `flash_attention`'s `sinks`)"
 CHUNKED = "chunked local attention (`attention_chunk_size` 8, crossed; `flash_attention`'s `attention_chunk_size`)"
+STATES = (
+    "linear-attention layers: their conv and recurrent states in transformers' `LinearAttentionLayer`, "
+    "the full-attention layers in pages"
+)
 NOT_ON_INTERFACE = (
     "not on transformers' attention interface: transformers refuses `paged_kv` for it (KeyError at "
     "`from_pretrained`, ignored by `set_attn_implementation`); `PagedCache` refuses a config that names it"
@@ -416,9 +420,7 @@ FAMILIES: tuple[Family, ...] = (
             linear_value_head_dim=8,
             num_hidden_layers=4,
         ),
-        default=Refused("config.layer_types"),
-        paged_kv=Refused("config.layer_types"),
-        notes="linear-attention layers keep a recurrent state, not K/V pages",
+        notes=STATES,
     ),
 )
 

@@ -40,7 +40,7 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import PreTrainedConfig
@@ -53,7 +53,8 @@ from ..step import GroupStepPlan
 from .hf_checkpoint import load_paged_cache, save_paged_cache
 from .hf_layer import PagedLayer
 from .hf_pool import CachePool
-from .hf_support import CacheShape, attention_layers, cache_groups, check_config
+from .hf_state import PagedStateLayer, StateLayer
+from .hf_support import CacheShape, attention_layers, cache_groups, check_config, state_layers
 
 if TYPE_CHECKING:  # transformers >= 5.23 (models with such layers need it)
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
@@ -161,10 +162,17 @@ class PagedCache(Cache):
         if self.requested_device is not None and self.requested_dtype is not None:
             self._allocate(self.requested_device, self.requested_dtype)
         pool_layer = {layer: j for j, layer in enumerate(self.cached_layers)}
-        self._paged_layers = [PagedLayer(self, i, pool_layer[i]) for i in self.cached_layers]
+        self.state_layers = state_layers(cfg)
+        self._paged_layers = [
+            PagedStateLayer(self, i, pool_layer[i], cfg)
+            if i in self.state_layers
+            else PagedLayer(self, i, pool_layer[i])
+            for i in self.cached_layers
+        ]
         by_index = dict(zip(self.cached_layers, self._paged_layers, strict=True))
         layers: list[CacheLayer] = [
-            by_index[i] if i in by_index else _no_cache_layer() for i in range(cfg.num_hidden_layers)
+            by_index[i] if i in by_index else StateLayer(cfg) if i in self.state_layers else _no_cache_layer()
+            for i in range(cfg.num_hidden_layers)
         ]
         super().__init__(layers=layers)
 
@@ -307,8 +315,11 @@ class PagedCache(Cache):
 
     def activate_past_recording(self) -> None:
         """Keep the pages sliding windows would give back until the next `crop` (transformers calls this
-        before assisted generation, whose `crop` may go back past a window's start)."""
+        before assisted generation, whose `crop` may go back past a window's start), and the state
+        layers' conv states of the tokens since (transformers' `LinearAttentionLayer`)."""
         self.record_past = True
+        for layer in self._state_layer_objects():
+            StateLayer.activate_past_recording(layer)
 
     # -- the step protocol (tensors, in place) ------------------------------------------------
     def layer_plan(
@@ -375,6 +386,8 @@ class PagedCache(Cache):
         self.rows = 0
         if self.pool is not None:
             self.pool.reset()
+        for layer in self._state_layer_objects():
+            StateLayer.reset(layer)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count); a
@@ -382,12 +395,32 @@ class PagedCache(Cache):
         (`crop(max_length)` in its assisted decoding; no change when there are no more). The pages past
         the new lengths, and those below a sliding window's start, go back. A row that would need
         tokens a sliding window gave back already raises `ValueError` (nothing changed) unless
-        `activate_past_recording()` kept them."""
+        `activate_past_recording()` kept them. State layers (`StateLayer`) go back as under transformers'
+        caches: conv states recorded since `activate_past_recording()` only; a recurrent state cannot
+        go back, so such a crop raises `ValueError` (nothing changed)."""
         if self.pool is None:
             return
         if tokens_to_remove > 0:
             tokens_to_remove = min(0, tokens_to_remove - int(self.pool.columns))
+        states = self._state_layer_objects()
+        if tokens_to_remove and not all(layer.can_go_back() and layer.record_past for layer in states):
+            raise ValueError(
+                f"tokens_to_remove: layers {self.state_layers} keep states that cannot be taken back to an earlier "
+                "token: recurrent states (transformers' own caches cannot either), or conv states recorded only "
+                "after activate_past_recording()"
+            )
         self.pool.crop(tokens_to_remove)
+        for layer in states:
+            if layer.record_past:
+                StateLayer.crop(layer, tokens_to_remove)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can go back without a trace (transformers asks before assisted decoding): the
+        pages always can; state layers by transformers' rule (`StateLayer.can_go_back`)."""
+        return all(
+            layer.can_go_back() if isinstance(layer, StateLayer) else layer.is_croppable for layer in self.layers
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes a copy of row `beam_idx[i]`."""
@@ -412,7 +445,13 @@ class PagedCache(Cache):
             )
         if self.pool is not None:  # else nothing stored yet
             self.pool.select_rows(rows)
+        for layer in self._state_layer_objects():
+            StateLayer.reorder_cache(layer, cast(torch.LongTensor, rows.long()))
         self.rows = batch
+
+    def _state_layer_objects(self) -> list[StateLayer]:
+        """The cache layers of `state_layers` (per-row conv and recurrent states)."""
+        return [layer for layer in self.layers if isinstance(layer, StateLayer)]
 
     # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
     def save(self, path: str | os.PathLike[str], **options: Any) -> None:

@@ -38,6 +38,11 @@ def save_paged_cache(
     pool = cache.pool
     if pool is None or cache.rows == 0:
         raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
+    if cache.state_layers:
+        raise ValueError(
+            f"cache: layers {cache.state_layers} keep conv or recurrent states beside the pages, which a KV "
+            "checkpoint does not hold; nothing was written"
+        )
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
     state = {

@@ -21,6 +21,12 @@ KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' layer types whose cache is plain K/V per token (what a pool layer holds)."""
 NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
 """transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
+STATE_LAYER_TYPES = ("linear_attention", "conv")
+"""transformers' layer types that keep a fixed-size state per row (recurrent and convolution states of
+linear-attention, Mamba and short-convolution layers), not K/V per token: `PagedCache` holds them in
+transformers' own `LinearAttentionLayer`, beside the pages."""
+HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
+"""transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
 MLA_LATENT_UPDATE = "5.17"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
@@ -34,6 +40,15 @@ OWN_CACHE_USE_MODEL_TYPES = {
 }
 """Model types whose own code assumes transformers' `DynamicCache`: its layers, or keys that are exactly
 the tokens so far, where `PagedCache`'s layers are views of one pool returning `max_cache_len` columns."""
+UNSERVED_MODEL_TYPES = {
+    "minimax": "refuses any cache but its own (`MiniMaxCache`)",
+    **dict.fromkeys(
+        ("inkling", "inkling_text", "inkling2", "inkling2_text", "inkling2_loop", "inkling2_loop_text"),
+        "reads its short-convolution states back through the cache and sizes its sliding layers by "
+        "`swa_head_dim` (other tokens than DynamicCache's, or K/V of another head size)",
+    ),
+}
+"""Model types with state layers whose cache use `PagedCache` does not follow (found by the sweep)."""
 _MASK_FROM_TOKENS = "builds its attention mask for the tokens so far, not for the cache's key columns"
 OLD_MASK_MODEL_TYPES = {
     "big_bird": ("5.23", _MASK_FROM_TOKENS),
@@ -94,7 +109,7 @@ def cache_groups(config: Any, cached_layers: list[int], max_cache_len: int) -> l
     model_type = getattr(config, "model_type", None)
     groups: dict[CacheShape, list[int]] = {}
     for j, i in enumerate(cached_layers):
-        sliding = types[i] == "sliding_attention" if types else True
+        sliding = types[i] in ("sliding_attention", "hybrid_sliding") if types else True
         window = windows[i] if sliding else None
         if window and window < max_cache_len and model_type in WINDOW_UNUSED_MODEL_TYPES:
             raise ValueError(
@@ -149,20 +164,33 @@ def attention_layers(config: Any) -> tuple[list[int], list[int]]:
         )
     types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
     modes = getattr(config, "kv_sharing_modes", None) or [None] * num_layers
-    attending = [i for i, kind in enumerate(types) if kind not in NO_CACHE_LAYER_TYPES]
+    attending = [i for i, kind in enumerate(types) if kind not in NO_CACHE_LAYER_TYPES + STATE_LAYER_TYPES]
     return [i for i in attending if modes[i] != "reuse"], attending
+
+
+def state_layers(config: Any) -> list[int]:
+    """The model layers that keep fixed-size states per row (`STATE_LAYER_TYPES`, and with K/V
+    `HYBRID_LAYER_TYPES`)."""
+    kinds = STATE_LAYER_TYPES + HYBRID_LAYER_TYPES
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind in kinds]
 
 
 def check_config(config: Any, paged: bool) -> None:
     """Raise `ValueError` naming the config field if the integration cannot serve this model exactly:
     with `PagedCache` under the model's own attention, or (`paged=True`) under `paged_kv` too."""
     types = list(getattr(config, "layer_types", None) or [])
-    unknown = sorted({t for t in types if t not in KV_LAYER_TYPES + NO_CACHE_LAYER_TYPES})
+    known = KV_LAYER_TYPES + NO_CACHE_LAYER_TYPES + STATE_LAYER_TYPES + HYBRID_LAYER_TYPES
+    unknown = sorted({t for t in types if t not in known})
     if unknown:
         layers = [i for i, t in enumerate(types) if t in unknown]
         raise ValueError(
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
             "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
+        )
+    if types and not attention_layers(config)[0]:
+        raise ValueError(
+            f"config.layer_types: no layer keeps K/V ({sorted(set(types))}), so there is nothing to page; use "
+            "transformers' own cache for this model"
         )
     blocks = sorted({b for b in getattr(config, "block_types", None) or [] if b != "attention"})
     if blocks:
@@ -183,6 +211,11 @@ def check_config(config: Any, paged: bool) -> None:
         raise ValueError(
             f"config.model_type: {model_type!r} in transformers {_transformers_version()} {why}; PagedCache "
             f"serves it from transformers {since} (or use a DynamicCache)"
+        )
+    if model_type in UNSERVED_MODEL_TYPES:
+        raise ValueError(
+            f"config.model_type: {model_type!r} {UNSERVED_MODEL_TYPES[model_type]}; PagedCache does not serve it "
+            "(use transformers' own cache)"
         )
     if model_type in OWN_CACHE_USE_MODEL_TYPES:
         raise ValueError(
