@@ -422,6 +422,39 @@ FAMILIES: tuple[Family, ...] = (
         ),
         notes=STATES,
     ),
+    Family(
+        "Jamba (hybrid)",
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+            mamba_expand=2,
+        ),
+        notes="Mamba layers: " + STATES.split(": ", 1)[1],
+    ),
+    Family(
+        "LFM2 (hybrid)",
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(num_hidden_layers=4, full_attn_idxs=[1, 3], conv_L_cache=3),
+        notes="short-convolution layers: their conv states in transformers' `LinearAttentionLayer`, the "
+        "full-attention layers in pages",
+    ),
+    Family(
+        "Falcon-H1 (hybrid)",
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8),
+        notes="attention and a Mamba mixer in every layer: K/V in pages, the Mamba states beside them",
+    ),
 )
 
 
@@ -611,8 +644,8 @@ def stored(caches: list) -> bool:
 
 
 # -- selections ------------------------------------------------------------------------------------
-ALL_MODES_FAMILIES = ("Llama", "Gemma4 (text, K/V sharing)", "DeepSeek-V3 (MLA)")
-"""Families run in every mode by the default test run: a plain model, K/V sharing, MLA."""
+ALL_MODES_FAMILIES = ("Llama", "Gemma4 (text, K/V sharing)", "DeepSeek-V3 (MLA)", "Qwen3-Next (hybrid)")
+"""Families run in every mode by the default test run: a plain model, K/V sharing, MLA, state layers."""
 
 
 def ci_cells() -> list[tuple[Family, str, str]]:

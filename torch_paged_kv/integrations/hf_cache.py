@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # transformers >= 5.23 (models with such layers need it)
     CacheLayer = CacheLayerMixin | LinearAttentionCacheLayerMixin | DummyLayer
 
 ATTN_IMPLEMENTATION = "paged_kv"
+_NOT_CHECKED = object()
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -131,7 +132,8 @@ class PagedCache(Cache):
         cfg = self.config
         self.cached_layers, self.attention_layers = attention_layers(cfg)
         self.shared_layers = frozenset(self.attention_layers) - frozenset(self.cached_layers)  # reuse others' K/V
-        self._checked_attention: str | None = None  # the attention implementation check_config passed for
+        self._checked_attention: object = _NOT_CHECKED  # the attention implementation check_config passed for
+        # (None too: a config no model holds yet has none)
         self._check_config()
         if max_step_tokens is not None and (not isinstance(max_step_tokens, int) or max_step_tokens <= 0):
             raise ValueError(f"max_step_tokens: expected a positive int or None, got {max_step_tokens!r}")
@@ -316,10 +318,18 @@ class PagedCache(Cache):
     def activate_past_recording(self) -> None:
         """Keep the pages sliding windows would give back until the next `crop` (transformers calls this
         before assisted generation, whose `crop` may go back past a window's start), and the state
-        layers' conv states of the tokens since (transformers' `LinearAttentionLayer`)."""
+        layers' conv states of the tokens since (transformers' `LinearAttentionLayer`).
+
+        A cache with state layers raises `ValueError` instead: recurrent states cannot go back, and
+        over conv states alone (LFM2) a crop gives other tokens than `DynamicCache`'s there (so does
+        transformers' `StaticCache`), so speculative decoding is refused before its first token."""
+        if self.state_layers:
+            raise ValueError(
+                f"cache: layers {self.state_layers} keep conv or recurrent states, which PagedCache cannot take back "
+                "to an earlier token exactly; speculative decoding (assistant_model=, prompt_lookup_num_tokens=) "
+                "needs that: use transformers' DynamicCache for it"
+            )
         self.record_past = True
-        for layer in self._state_layer_objects():
-            StateLayer.activate_past_recording(layer)
 
     # -- the step protocol (tensors, in place) ------------------------------------------------
     def layer_plan(
@@ -395,32 +405,23 @@ class PagedCache(Cache):
         (`crop(max_length)` in its assisted decoding; no change when there are no more). The pages past
         the new lengths, and those below a sliding window's start, go back. A row that would need
         tokens a sliding window gave back already raises `ValueError` (nothing changed) unless
-        `activate_past_recording()` kept them. State layers (`StateLayer`) go back as under transformers'
-        caches: conv states recorded since `activate_past_recording()` only; a recurrent state cannot
-        go back, so such a crop raises `ValueError` (nothing changed)."""
+        `activate_past_recording()` kept them. A cache with state layers cannot go back: a crop that
+        drops tokens raises `ValueError` (nothing changed; see `activate_past_recording`)."""
         if self.pool is None:
             return
         if tokens_to_remove > 0:
             tokens_to_remove = min(0, tokens_to_remove - int(self.pool.columns))
-        states = self._state_layer_objects()
-        if tokens_to_remove and not all(layer.can_go_back() and layer.record_past for layer in states):
+        if tokens_to_remove and self.state_layers:
             raise ValueError(
-                f"tokens_to_remove: layers {self.state_layers} keep states that cannot be taken back to an earlier "
-                "token: recurrent states (transformers' own caches cannot either), or conv states recorded only "
-                "after activate_past_recording()"
+                f"tokens_to_remove: layers {self.state_layers} keep conv or recurrent states, which PagedCache "
+                "cannot take back to an earlier token"
             )
         self.pool.crop(tokens_to_remove)
-        for layer in states:
-            if layer.record_past:
-                StateLayer.crop(layer, tokens_to_remove)
 
     @property
     def is_croppable(self) -> bool:
-        """Whether `crop` can go back without a trace (transformers asks before assisted decoding): the
-        pages always can; state layers by transformers' rule (`StateLayer.can_go_back`)."""
-        return all(
-            layer.can_go_back() if isinstance(layer, StateLayer) else layer.is_croppable for layer in self.layers
-        )
+        """Whether `crop` can go back without a trace (transformers asks): not with state layers."""
+        return not self.state_layers
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes a copy of row `beam_idx[i]`."""

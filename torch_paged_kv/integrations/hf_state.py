@@ -3,7 +3,8 @@ recurrent states of linear-attention, Mamba and short-convolution layers), not K
 
 It is transformers' own `LinearAttentionLayer`, the one its `DynamicCache` and `StaticCache` hold for
 such a layer, so those states evolve exactly as under transformers' caches; `PagedCache` keeps it
-beside its pages and applies its row operations (reset, beam reorder, select, crop) to both. One
+beside its pages and applies its row operations (reset, beam reorder, select) to both (not `crop`:
+`PagedCache.activate_past_recording` says why). One
 difference: a `PagedCache` is reused across `generate` calls, so a prefill after `reset` may bring
 another batch size; the states are then made again for it (transformers' layer would fail copying
 into the old ones). A batch of the same size keeps their addresses (CUDA graphs).
@@ -28,10 +29,6 @@ class StateLayer(LinearAttentionLayer):
 
     def __init__(self, config: Any) -> None:
         LinearAttentionLayer.__init__(self, number_of_states=getattr(config, "number_of_conv_states", None) or 1)
-
-    def can_go_back(self) -> bool:
-        """Whether `crop` can take the states back (no recurrent state; conv states only)."""
-        return bool(super().is_croppable)  # (LinearAttentionLayer's, also under PagedStateLayer)
 
     def update_conv_state(
         self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None, **kwargs: Any

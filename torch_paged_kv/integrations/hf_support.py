@@ -27,6 +27,8 @@ linear-attention, Mamba and short-convolution layers), not K/V per token: `Paged
 transformers' own `LinearAttentionLayer`, beside the pages."""
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 """transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
+STATE_LAYERS_SINCE = "5.24"
+"""The oldest transformers whose state layers `PagedCache` was checked to hold exactly (older: refused)."""
 MLA_LATENT_UPDATE = "5.17"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
@@ -179,13 +181,16 @@ def check_config(config: Any, paged: bool) -> None:
     """Raise `ValueError` naming the config field if the integration cannot serve this model exactly:
     with `PagedCache` under the model's own attention, or (`paged=True`) under `paged_kv` too."""
     types = list(getattr(config, "layer_types", None) or [])
-    known = KV_LAYER_TYPES + NO_CACHE_LAYER_TYPES + STATE_LAYER_TYPES + HYBRID_LAYER_TYPES
+    known: tuple[str, ...] = KV_LAYER_TYPES + NO_CACHE_LAYER_TYPES
+    if not _older_than(STATE_LAYERS_SINCE):
+        known += STATE_LAYER_TYPES + HYBRID_LAYER_TYPES
     unknown = sorted({t for t in types if t not in known})
     if unknown:
         layers = [i for i, t in enumerate(types) if t in unknown]
         raise ValueError(
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
-            "(recurrent, convolution or compressed-attention layers); PagedCache holds only K/V layers"
+            "(compressed or indexed attention; before transformers "
+            f"{STATE_LAYERS_SINCE}, recurrent and convolution layers too); PagedCache does not hold it"
         )
     if types and not attention_layers(config)[0]:
         raise ValueError(
