@@ -22,8 +22,10 @@ Two ways to attend, picked by `config._attn_implementation`:
   `StaticCache`) and returns K/V gathered to `[batch, heads, max_cache_len, head_dim]`; the model's
   own mask hides padding and the unused tail.
 
-MLA models (DeepSeek-V2/V3) get an MLA pool of latent + rope rows (`hf_mla`). What the cache
-refuses to serve, and why, is decided in `hf_support`.
+MLA models (DeepSeek-V2/V3) get an MLA pool of latent + rope rows (`hf_mla`). Layers that keep
+conv and recurrent states per row (linear attention, Mamba, short convolutions) hold them in
+`hf_state.StateLayer`, transformers' own layer for them, beside the pages. What the cache refuses to
+serve, and why, is decided in `hf_support`.
 
 Both paths go through `layer_plan` / `layer_done`, the one owner of the step protocol: the first
 cached layer begins the step (writes this step's offsets, takes the pages the new tokens need), the
