@@ -131,6 +131,6 @@ def test_state_layers_are_refused_where_unchecked(monkeypatch):
     """Before transformers `STATE_LAYERS_SINCE` state layers are refused naming `config.layer_types`."""
     config = family_model(QWEN3_NEXT, "sdpa").config
     PagedCache(config, max_batch_size=1, max_cache_len=16)
-    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.23.0")
+    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.16.1")
     with pytest.raises(ValueError, match="^config.layer_types: layers \\[0, 1, 2\\] are \\['linear_attention'\\]"):
         PagedCache(config, max_batch_size=1, max_cache_len=16)

@@ -27,8 +27,10 @@ linear-attention, Mamba and short-convolution layers), not K/V per token: `Paged
 transformers' own `LinearAttentionLayer`, beside the pages."""
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 """transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
-STATE_LAYERS_SINCE = "5.24"
-"""The oldest transformers whose state layers `PagedCache` was checked to hold exactly (older: refused)."""
+STATE_LAYERS_SINCE = "5.17"
+"""The oldest transformers whose state layers `PagedCache` was checked to hold exactly (the matrix's
+hybrid families on 5.17 and 5.23; 5.5's `LinearAttentionLayer` takes no `number_of_states`): older
+ones are refused."""
 MLA_LATENT_UPDATE = "5.17"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
