@@ -210,7 +210,7 @@ def check_config(config: Any, paged: bool) -> None:
         raise ValueError(
             f"config.layer_types: chunked_attention layers: transformers {_transformers_version()}'s generate "
             "passes `block_sequence_ids` to `create_chunked_causal_mask`, which does not take it, for every "
-            "compileable cache (StaticCache too); use transformers >= 5.23 or a DynamicCache for this model"
+            "compileable cache (StaticCache too); use transformers >= 5.20 or a DynamicCache for this model"
         )
     if not paged:
         return
@@ -281,7 +281,7 @@ def _mla_update_gets_decompressed_kv() -> bool:
 
 def _generate_breaks_chunked_masks() -> bool:
     """Whether this transformers' `create_masks_for_generate` hands `create_chunked_causal_mask` an
-    argument it does not take (`block_sequence_ids`; so in 5.17, not in 5.5 or 5.23): a `TypeError` in
+    argument it does not take (`block_sequence_ids`; so in 5.17 to 5.19, not in 5.5 or 5.20): a `TypeError` in
     `generate` before the first token, for every compileable cache."""
     from transformers import masking_utils
 
