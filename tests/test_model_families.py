@@ -296,7 +296,7 @@ def test_check_config_refusals_name_the_field():
 
 def test_models_an_older_transformers_builds_masks_for_are_refused_there(monkeypatch):
     """The model types whose code in older transformers ignores the cache's key columns (the sweep on
-    5.5.4 and 5.17) are refused there in both columns, naming `config.model_type`, and served from the
+    5.5.4, 5.17 and 5.20.2) are refused there in both columns, naming `config.model_type`, and served from the
     version named."""
     import transformers
 
@@ -312,7 +312,7 @@ def test_models_an_older_transformers_builds_masks_for_are_refused_there(monkeyp
 
 
 def test_chunked_layers_refused_where_transformers_generate_breaks_their_masks(monkeypatch):
-    """transformers 5.17's `generate` hands `create_chunked_causal_mask` a `block_sequence_ids` it
+    """transformers 5.9 to 5.19's `generate` hands `create_chunked_causal_mask` a `block_sequence_ids` it
     does not take (every compileable cache, StaticCache too): chunked models are refused there, in
     both columns, naming `config.layer_types`; where the mask function takes it they are served."""
     from transformers import masking_utils

@@ -267,7 +267,7 @@ FAMILIES: tuple[Family, ...] = (
             attn_scale=0.5,
         ),
         notes=CHUNKED,
-        older=(Before("5.20", Refused("config.layer_types"), Refused("config.layer_types"), since="5.17"),),
+        older=(Before("5.20", Refused("config.layer_types"), Refused("config.layer_types"), since="5.9"),),
     ),
     Family("Cohere", "CohereConfig", "CohereForCausalLM"),
     Family("Cohere2", "Cohere2Config", "Cohere2ForCausalLM", dict(SLIDING, sliding_window_pattern=2), notes=WINDOW),

@@ -36,17 +36,17 @@ OWN_CACHE_USE_MODEL_TYPES = {
 the tokens so far, where `PagedCache`'s layers are views of one pool returning `max_cache_len` columns."""
 _MASK_FROM_TOKENS = "builds its attention mask for the tokens so far, not for the cache's key columns"
 OLD_MASK_MODEL_TYPES = {
-    "big_bird": ("5.23", _MASK_FROM_TOKENS),
-    "megatron-bert": ("5.23", _MASK_FROM_TOKENS),
-    "rembert": ("5.23", _MASK_FROM_TOKENS),
-    "roformer": ("5.23", _MASK_FROM_TOKENS),
-    "bloom": ("5.23", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
-    "doge": ("5.23", "gives other tokens than DynamicCache through its own key selection over the columns"),
+    "big_bird": ("5.20", _MASK_FROM_TOKENS),
+    "megatron-bert": ("5.20", _MASK_FROM_TOKENS),
+    "rembert": ("5.20", _MASK_FROM_TOKENS),
+    "roformer": ("5.20", _MASK_FROM_TOKENS),
+    "bloom": ("5.22", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
+    "doge": ("5.20", "gives other tokens than DynamicCache through its own key selection over the columns"),
     "ctrl": ("5.17", _MASK_FROM_TOKENS),
 }
 """Model types whose code in transformers older than the version named does not follow a compileable
 cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
-on 5.5.4 and 5.17, none on 5.23)."""
+on 5.5.4, 5.17 and 5.20.2; each bound is the oldest version the sweep found exact, 5.20.2 or 5.22.2)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
@@ -281,7 +281,7 @@ def _mla_update_gets_decompressed_kv() -> bool:
 
 def _generate_breaks_chunked_masks() -> bool:
     """Whether this transformers' `create_masks_for_generate` hands `create_chunked_causal_mask` an
-    argument it does not take (`block_sequence_ids`; so in 5.17 to 5.19, not in 5.5 or 5.20): a `TypeError` in
+    argument it does not take (`block_sequence_ids`; so in 5.9 to 5.19, not in 5.5 or 5.20): a `TypeError` in
     `generate` before the first token, for every compileable cache."""
     from transformers import masking_utils
 
