@@ -35,7 +35,8 @@ SHARING_LANDED = matrix.Before("5.23")  # kv_sharing_modes: K/V sharing refused 
 MLA_KWARGS_LANDED = matrix.Before("5.24")  # Cache.update(kwargs=...): paged_kv on MLA refused before
 needs_sharing = pytest.mark.skipif(SHARING_LANDED.applies(), reason="K/V sharing is refused before transformers 5.23")
 needs_mla_latent = pytest.mark.skipif(
-    hf_support._mla_update_gets_decompressed_kv(), reason="MLA models are refused before transformers 5.17"
+    hf_support._mla_update_gets_decompressed_kv(),
+    reason=f"MLA models are refused before transformers {hf_support.MLA_LATENT_UPDATE}",
 )
 needs_mla_kwargs = pytest.mark.skipif(
     MLA_KWARGS_LANDED.applies(), reason="paged_kv on MLA models is refused before transformers 5.24"

@@ -177,7 +177,7 @@ NOT_ON_INTERFACE = (
 
 SHARING_BEFORE_5_23 = (Before("5.23", Refused("config"), Refused("config")),)  # no `kv_sharing_modes` yet
 MLA_BEFORE_5_24 = (
-    Before("5.17", Refused("config.kv_lora_rank"), Refused("config.kv_lora_rank")),  # update gets per-head K/V
+    Before("5.15", Refused("config.kv_lora_rank"), Refused("config.kv_lora_rank")),  # update gets per-head K/V
     Before("5.24", paged_kv=Refused("attn_implementation")),  # no `Cache.update(kwargs=)` yet
 )
 

@@ -21,7 +21,7 @@ KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' layer types whose cache is plain K/V per token (what a pool layer holds)."""
 NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
 """transformers' layer types that keep no K/V (besides shared-KV "reuse" layers)."""
-MLA_LATENT_UPDATE = "5.17"
+MLA_LATENT_UPDATE = "5.15"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
@@ -275,7 +275,7 @@ def _older_than(version: str) -> bool:
 
 def _mla_update_gets_decompressed_kv() -> bool:
     """Whether this transformers predates `MLA_LATENT_UPDATE`, the first version seen to hand an MLA
-    cache's `update` the latent and the rope key (5.5 hands it per-head K/V; versions between are unchecked)."""
+    cache's `update` the latent and the rope key (5.5 to 5.14 hand it per-head K/V)."""
     return _older_than(MLA_LATENT_UPDATE)
 
 
