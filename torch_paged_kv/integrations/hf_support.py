@@ -40,13 +40,13 @@ OLD_MASK_MODEL_TYPES = {
     "megatron-bert": ("5.20", _MASK_FROM_TOKENS),
     "rembert": ("5.20", _MASK_FROM_TOKENS),
     "roformer": ("5.20", _MASK_FROM_TOKENS),
-    "bloom": ("5.22", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
+    "bloom": ("5.21", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
     "doge": ("5.20", "gives other tokens than DynamicCache through its own key selection over the columns"),
     "ctrl": ("5.17", _MASK_FROM_TOKENS),
 }
 """Model types whose code in transformers older than the version named does not follow a compileable
 cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
-on 5.5.4, 5.17 and 5.20.2; each bound is the oldest version the sweep found exact, 5.20.2 or 5.22.2)."""
+on 5.5.4, 5.17 and 5.20.2; each bound is the oldest version the sweep found exact, 5.20.2 or 5.21.1)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
