@@ -18,6 +18,10 @@ from transformers.generation.configuration_utils import CompileConfig
 from torch_paged_kv.integrations import hf_support
 from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
 
+pytestmark = pytest.mark.skipif(
+    hf_support._older_than(hf_support.STATE_LAYERS_SINCE),
+    reason=f"state layers are refused before transformers {hf_support.STATE_LAYERS_SINCE} (test_model_families)",
+)
 GREEDY = dict(do_sample=False, pad_token_id=matrix.PAD)
 QWEN3_NEXT, LFM2, FALCON_H1 = "Qwen3-Next (hybrid)", "LFM2 (hybrid)", "Falcon-H1 (hybrid)"
 

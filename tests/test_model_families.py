@@ -35,7 +35,8 @@ SHARING_LANDED = matrix.Before("5.23")  # kv_sharing_modes: K/V sharing refused 
 MLA_KWARGS_LANDED = matrix.Before("5.24")  # Cache.update(kwargs=...): paged_kv on MLA refused before
 needs_sharing = pytest.mark.skipif(SHARING_LANDED.applies(), reason="K/V sharing is refused before transformers 5.23")
 needs_mla_latent = pytest.mark.skipif(
-    hf_support._mla_update_gets_decompressed_kv(), reason="MLA models are refused before transformers 5.17"
+    hf_support._mla_update_gets_decompressed_kv(),
+    reason=f"MLA models are refused before transformers {hf_support.MLA_LATENT_UPDATE}",
 )
 needs_mla_kwargs = pytest.mark.skipif(
     MLA_KWARGS_LANDED.applies(), reason="paged_kv on MLA models is refused before transformers 5.24"
@@ -205,6 +206,20 @@ def test_mla_update_refuses_decompressed_keys():
     assert int(cache.get_seq_length()) == 0
 
 
+def test_mla_refused_where_transformers_decompresses_before_update(monkeypatch):
+    """transformers 5.14 hands an MLA cache's `update` per-head K/V, 5.15 the latent and the rope key
+    (read in their DeepSeek-V3 code; the matrix exact on 5.15.1 and 5.16.1): refused up to 5.14,
+    naming `config.kv_lora_rank`, before anything is stored."""
+    config = matrix.model_of(family("DeepSeek-V3 (MLA)"))[0].config
+    import transformers  # (after the first model: building one replaces transformers' module object)
+
+    monkeypatch.setattr(transformers, "__version__", "5.14.1")
+    with pytest.raises(ValueError, match=r"^config.kv_lora_rank: transformers 5\.14\.1's MLA attention hands"):
+        PagedCache(config, 1, 16, page_size=4, device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(transformers, "__version__", "5.15.0")
+    PagedCache(config, 1, 16, page_size=4, device="cpu", dtype=torch.float32)
+
+
 @needs_mla_latent
 def test_mla_paged_kv_needs_the_attention_kwargs_in_update():
     """Under `paged_kv` the latents reach the attention through the layer's kwargs: an `update` without
@@ -298,11 +313,11 @@ def test_check_config_refusals_name_the_field():
 
 def test_models_an_older_transformers_builds_masks_for_are_refused_there(monkeypatch):
     """The model types whose code in older transformers ignores the cache's key columns (the sweep on
-    5.5.4 and 5.17) are refused there in both columns, naming `config.model_type`, and served from the
+    5.5.4, 5.17 and 5.20.2) are refused there in both columns, naming `config.model_type`, and served from the
     version named."""
-    import transformers
-
     llama = matrix.model_of(family("Llama"))[0].config
+    import transformers  # (after the first model: building one replaces transformers' module object)
+
     for model_type, (since, _) in hf_support.OLD_MASK_MODEL_TYPES.items():
         config = SimpleNamespace(**{**vars(llama), "model_type": model_type})
         monkeypatch.setattr(transformers, "__version__", since)
@@ -314,7 +329,7 @@ def test_models_an_older_transformers_builds_masks_for_are_refused_there(monkeyp
 
 
 def test_chunked_layers_refused_where_transformers_generate_breaks_their_masks(monkeypatch):
-    """transformers 5.17's `generate` hands `create_chunked_causal_mask` a `block_sequence_ids` it
+    """transformers 5.9 to 5.19's `generate` hands `create_chunked_causal_mask` a `block_sequence_ids` it
     does not take (every compileable cache, StaticCache too): chunked models are refused there, in
     both columns, naming `config.layer_types`; where the mask function takes it they are served."""
     from transformers import masking_utils

@@ -182,7 +182,7 @@ NOT_ON_INTERFACE = (
 STATES_BEFORE_5_17 = (Before("5.17", Refused("config.layer_types"), Refused("config.layer_types")),)
 SHARING_BEFORE_5_23 = (Before("5.23", Refused("config"), Refused("config")),)  # no `kv_sharing_modes` yet
 MLA_BEFORE_5_24 = (
-    Before("5.17", Refused("config.kv_lora_rank"), Refused("config.kv_lora_rank")),  # update gets per-head K/V
+    Before("5.15", Refused("config.kv_lora_rank"), Refused("config.kv_lora_rank")),  # update gets per-head K/V
     Before("5.24", paged_kv=Refused("attn_implementation")),  # no `Cache.update(kwargs=)` yet
 )
 
@@ -272,7 +272,7 @@ FAMILIES: tuple[Family, ...] = (
             attn_scale=0.5,
         ),
         notes=CHUNKED,
-        older=(Before("5.23", Refused("config.layer_types"), Refused("config.layer_types"), since="5.17"),),
+        older=(Before("5.20", Refused("config.layer_types"), Refused("config.layer_types"), since="5.9"),),
     ),
     Family("Cohere", "CohereConfig", "CohereForCausalLM"),
     Family("Cohere2", "Cohere2Config", "Cohere2ForCausalLM", dict(SLIDING, sliding_window_pattern=2), notes=WINDOW),

@@ -26,6 +26,7 @@ import torch
 
 from ..ops.quant import FP8_DTYPES
 from ..step import GroupStepPlan
+from .hf_support import MLA_LATENT_UPDATE
 
 PENDING_KWARG = "paged_kv_latent"
 """The keyword under which the attention function receives this step's `PendingLatent`."""
@@ -52,7 +53,8 @@ def check_inputs(latent: torch.Tensor, rope: torch.Tensor, kv_lora_rank: int, ro
             raise ValueError(
                 f"{name}: an MLA PagedCache expects the compressed latent and rope key [batch, 1, new, "
                 f"{kv_lora_rank} | {rope_dim}] from the model's attention, got {tuple(t.shape)} (a transformers "
-                "version that decompresses K/V before Cache.update: use transformers >= 5.17 or a DynamicCache)"
+                f"version that decompresses K/V before Cache.update: use transformers >= {MLA_LATENT_UPDATE} or a "
+                "DynamicCache)"
             )
 
 

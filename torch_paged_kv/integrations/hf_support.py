@@ -31,7 +31,7 @@ STATE_LAYERS_SINCE = "5.17"
 """The oldest transformers whose state layers `PagedCache` was checked to hold exactly (the matrix's
 hybrid families on 5.17 and 5.23; 5.5's `LinearAttentionLayer` takes no `number_of_states`): older
 ones are refused."""
-MLA_LATENT_UPDATE = "5.17"
+MLA_LATENT_UPDATE = "5.15"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
@@ -55,17 +55,17 @@ UNSERVED_MODEL_TYPES = {
 """Model types with state layers whose cache use `PagedCache` does not follow (found by the sweep)."""
 _MASK_FROM_TOKENS = "builds its attention mask for the tokens so far, not for the cache's key columns"
 OLD_MASK_MODEL_TYPES = {
-    "big_bird": ("5.23", _MASK_FROM_TOKENS),
-    "megatron-bert": ("5.23", _MASK_FROM_TOKENS),
-    "rembert": ("5.23", _MASK_FROM_TOKENS),
-    "roformer": ("5.23", _MASK_FROM_TOKENS),
-    "bloom": ("5.23", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
-    "doge": ("5.23", "gives other tokens than DynamicCache through its own key selection over the columns"),
+    "big_bird": ("5.20", _MASK_FROM_TOKENS),
+    "megatron-bert": ("5.20", _MASK_FROM_TOKENS),
+    "rembert": ("5.20", _MASK_FROM_TOKENS),
+    "roformer": ("5.20", _MASK_FROM_TOKENS),
+    "bloom": ("5.21", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
+    "doge": ("5.20", "gives other tokens than DynamicCache through its own key selection over the columns"),
     "ctrl": ("5.17", _MASK_FROM_TOKENS),
 }
 """Model types whose code in transformers older than the version named does not follow a compileable
 cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
-on 5.5.4 and 5.17, none on 5.23)."""
+on 5.5.4, 5.17 and 5.20.2; each bound is the oldest version the sweep found exact, 5.20.2 or 5.21.1)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
@@ -250,7 +250,7 @@ def check_config(config: Any, paged: bool) -> None:
         raise ValueError(
             f"config.layer_types: chunked_attention layers: transformers {_transformers_version()}'s generate "
             "passes `block_sequence_ids` to `create_chunked_causal_mask`, which does not take it, for every "
-            "compileable cache (StaticCache too); use transformers >= 5.23 or a DynamicCache for this model"
+            "compileable cache (StaticCache too); use transformers >= 5.20 or a DynamicCache for this model"
         )
     if not paged:
         return
@@ -315,13 +315,13 @@ def _older_than(version: str) -> bool:
 
 def _mla_update_gets_decompressed_kv() -> bool:
     """Whether this transformers predates `MLA_LATENT_UPDATE`, the first version seen to hand an MLA
-    cache's `update` the latent and the rope key (5.5 hands it per-head K/V; versions between are unchecked)."""
+    cache's `update` the latent and the rope key (5.5 to 5.14 hand it per-head K/V)."""
     return _older_than(MLA_LATENT_UPDATE)
 
 
 def _generate_breaks_chunked_masks() -> bool:
     """Whether this transformers' `create_masks_for_generate` hands `create_chunked_causal_mask` an
-    argument it does not take (`block_sequence_ids`; so in 5.17, not in 5.5 or 5.23): a `TypeError` in
+    argument it does not take (`block_sequence_ids`; so in 5.9 to 5.19, not in 5.5 or 5.20): a `TypeError` in
     `generate` before the first token, for every compileable cache."""
     from transformers import masking_utils
 
