@@ -57,7 +57,7 @@ def _read_small(
         read_into(f, tensors[name]["data_offsets"][0], tensor)
     except SafetensorsFormatError as exc:  # cut short since its header was read
         raise CheckpointError(f"{path}: {exc}") from None
-    verify_checksum(name, zlib.crc32(tensor.view(torch.uint8).numpy().reshape(-1).data), checksums, path)
+    verify_checksum(name, zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().data), checksums, path)
     return tensor
 
 
