@@ -617,7 +617,7 @@ def test_extra_tensors_in_a_version_4_file_are_refused(tmp_path: Path) -> None:
     """What a reader of version 4 would not know to read: a file saying version 4 with extras is refused."""
     save_cache(make_paged(seed=13), tmp_path / "kv.safetensors", extra_tensors=make_extras())
     old = crafted_files.edit_metadata(tmp_path / "kv.safetensors", tmp_path / "v4.safetensors", format_version="4")
-    with pytest.raises(CheckpointError, match="'extra_tensors' is a format version 5 field, but the file says version 4"):
+    with pytest.raises(CheckpointError, match="'extra_tensors' is a format version 5 field, but the file says 4"):
         read_info(old)
 
 

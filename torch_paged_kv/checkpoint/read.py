@@ -94,7 +94,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         if version < EXTRA_TENSORS_VERSION:
             raise CheckpointError(
                 f"{path}: metadata field 'extra_tensors' is a format version {EXTRA_TENSORS_VERSION} field, "
-                f"but the file says version {version}"
+                f"but the file says {version}"
             )
         extras = parse_field(path, metadata, "extra_tensors", fields.extra_specs)
     check_extras(path, extras, tensors)
