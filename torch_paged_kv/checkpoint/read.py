@@ -13,7 +13,6 @@ import torch
 
 from ..safetensors_stream import (
     CHECKSUM_KEY,
-    DTYPE_NAMES,
     SafetensorsFormatError,
     format_crc,
     read_header,
@@ -172,13 +171,12 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
 def read_extra_tensors(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The extra tensors of the checkpoint `info` describes (`read_info`), read from its main file on
     the CPU, every checksum verified (else `CheckpointError` naming the file and the tensor)."""
-    names = {name: DTYPE_NAMES[dtype] for name, (dtype, _) in info.extra_tensors.items()}
     tensors = {
         name: {"shape": list(shape), "data_offsets": list(info.tensor_offsets[name])}
         for name, (_, shape) in info.extra_tensors.items()
     }
     with open(info.path, "rb") as f:
         return {
-            name: _read_small(f, name, tensors, info.checksums, info.path, info.extra_tensors[name][0])
-            for name in names
+            name: _read_small(f, name, tensors, info.checksums, info.path, dtype)
+            for name, (dtype, _) in info.extra_tensors.items()
         }
