@@ -549,3 +549,82 @@ def test_a_sliding_window_cache_in_a_version_3_file_is_refused(tmp_path: Path) -
     old = crafted_files.edit_metadata(good, tmp_path / "v3.safetensors", format_version="3")
     with pytest.raises(CheckpointError, match="'params': sliding_window .* format version 4 field"):
         read_info(old)
+
+
+# -- extra tensors (format version 5) --------------------------------------------------------------
+
+
+def make_extras(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Small tensors of every stored dtype, random (fresh bits, never zeros), one of them 0-d."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "extra.states.0.conv": torch.randn(4, 6, 3, generator=g),
+        "extra.half": torch.randn(5, generator=g).to(torch.float16),
+        "extra.b-f.16": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "extra.fp8": torch.randn(7, generator=g).to(torch.float8_e5m2),
+        "extra.ids": torch.randint(-(2**40), 2**40, (3,), generator=g),
+        "extra.scalar": torch.randn((), generator=g),
+        "extra.empty": torch.empty(0, 4, dtype=torch.int32),
+    }
+
+
+def test_extra_tensors_round_trip_bit_exact(tmp_path: Path) -> None:
+    """Extra tensors are stored in the main file (also of a sharded save), listed in the header,
+    and read back bit for bit; the pages load as without them. A file without extras stays version 4."""
+    src = make_paged(torch.bfloat16, seed=11)
+    extras = make_extras(seed=11)
+    page_bytes = src.blocks[0].numel() * src.blocks.element_size()
+    path = tmp_path / "kv.safetensors"
+    save_cache(src, path, extra_tensors=extras, shard_bytes=4 * page_bytes)
+    info = read_info(path)
+    assert info.metadata["format_version"] == "5" and len(info.files) > 1
+    assert info.extra_tensors == {name: (t.dtype, tuple(t.shape)) for name, t in extras.items()}
+    assert all(info.tensor_files[name] == path for name in extras)
+    held = checkpoint.read_extra_tensors(info)
+    assert held.keys() == extras.keys()
+    for name, t in extras.items():
+        assert (held[name].dtype, held[name].shape) == (t.dtype, t.shape), name
+        assert torch.equal(bits(held[name].reshape(-1)), bits(t.reshape(-1))), name
+    assert_rows_equal(src, load_cache(path), [0, 1, 2, 3])
+    assert verify(path).extra_tensors == info.extra_tensors
+    with safe_open(path, framework="pt") as f:  # plain safetensors still
+        assert torch.equal(f.get_tensor("extra.ids"), extras["extra.ids"])
+    save_cache(src, tmp_path / "plain.safetensors", extra_tensors={})
+    plain = read_info(tmp_path / "plain.safetensors")
+    assert plain.metadata["format_version"] == "4" and "extra_tensors" not in plain.metadata
+    assert plain.extra_tensors == {}
+
+
+def test_bad_extra_tensors_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    src = make_paged(seed=12)
+    for extras, message in [
+        ({"states": torch.ones(2)}, "expected names 'extra.'"),  # no prefix: could clash with the format's
+        ({"extra.": torch.ones(2)}, "expected names"),
+        ({"extra../x": torch.ones(2)}, "expected names"),
+        ({"extra.a b": torch.ones(2)}, "expected names"),
+        ({"extra." + "a" * 201: torch.ones(2)}, "expected names"),
+        ({"extra.x": [1.0]}, "'extra.x': expected a tensor of .*, got list"),
+        ({"extra.x": torch.ones(2, dtype=torch.float64)}, "'extra.x': expected a tensor of .*, got torch.float64"),
+        ({"extra.x": torch.ones(2, dtype=torch.bool)}, "'extra.x': expected a tensor of .*, got torch.bool"),
+        ([("extra.x", torch.ones(2))], "expected a dict"),
+    ]:
+        with pytest.raises(CheckpointError, match=f"^extra_tensors: .*{message}"):
+            save_cache(src, tmp_path / "x.safetensors", extra_tensors=extras)
+    assert not list(tmp_path.iterdir())
+
+
+def test_extra_tensors_in_a_version_4_file_are_refused(tmp_path: Path) -> None:
+    """What a reader of version 4 would not know to read: a file saying version 4 with extras is refused."""
+    save_cache(make_paged(seed=13), tmp_path / "kv.safetensors", extra_tensors=make_extras())
+    old = crafted_files.edit_metadata(tmp_path / "kv.safetensors", tmp_path / "v4.safetensors", format_version="4")
+    with pytest.raises(CheckpointError, match="'extra_tensors' is a format version 5 field, but the file says 4"):
+        read_info(old)
+
+
+def test_cli_inspect_lists_the_extra_tensors(tmp_path: Path) -> None:
+    save_cache(make_paged(seed=14), tmp_path / "kv.safetensors", extra_tensors=make_extras())
+    done = _cli("inspect", str(tmp_path / "kv.safetensors"))
+    assert done.returncode == 0, done.stderr
+    assert "v5," in done.stdout and "extra:      7 tensor(s) in the main file" in done.stdout
+    assert "  extra.states.0.conv float32[4, 6, 3]" in done.stdout and "  extra.scalar float32[]" in done.stdout
+    assert "checksums:  OK (10 tensors" in done.stdout

@@ -95,12 +95,19 @@ def test_a_crop_of_state_layers_is_refused():
     assert int(cache.get_seq_length()) == columns and torch.equal(cache.collection.cache_lengths, lengths)
 
 
-def test_saving_state_layers_is_refused(tmp_path):
-    """A KV checkpoint holds pages only: a cache with state layers refuses to save, writing nothing."""
+def test_saving_states_that_cannot_resume_is_refused(tmp_path):
+    """`save` stores the states (tests/test_hf_state_checkpoint.py), but refuses, writing nothing, where
+    a file could not resume exactly: states recording the past (`activate_past_recording` never lets
+    them), or states of another number of rows than the rows in use."""
     model = family_model(FALCON_H1, "paged_kv")
     cache = PagedCache(model.config, max_batch_size=2, max_cache_len=24, page_size=4)
     generate(model, cache, (5, 7), 3)
-    with pytest.raises(ValueError, match="^cache: layers \\[0, 1, 2\\] keep conv or recurrent states"):
+    cache.layers[1].record_past = True
+    with pytest.raises(ValueError, match="^cache: it records past states"):
+        cache.save(tmp_path / "kv.safetensors")
+    cache.layers[1].record_past = False
+    cache.layers[2].recurrent_states[0] = cache.layers[2].recurrent_states[0][:1]
+    with pytest.raises(ValueError, match="^cache: layer 2 keeps recurrent states 0 of 1 rows, but 2 rows are in use"):
         cache.save(tmp_path / "kv.safetensors")
     assert not list(tmp_path.iterdir())
 

@@ -278,3 +278,83 @@ def test_a_file_cut_short_after_its_header_was_read_is_a_checkpoint_error(tmp_pa
     monkeypatch.setattr(checkpoint.load, "read_info", then_truncated)  # what `verify` calls
     with pytest.raises(CheckpointError, match="truncated: end of file"):
         verify(tmp_path / "kv.safetensors")
+
+
+# -- extra tensors: listed in the header, each checked against it ------------------------------------
+
+
+def _saved_with_extras(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(8)
+    extras = {"extra.a": torch.randn(3, 2, generator=g), "extra.b": torch.randn(4, generator=g).to(torch.bfloat16)}
+    save_cache(make_paged(seed=8), tmp_path / "kv.safetensors", extra_tensors=extras)
+    return tmp_path / "kv.safetensors"
+
+
+def _edit_listed(edit):
+    """A header edit applying `edit` to the decoded 'extra_tensors' metadata."""
+
+    def apply(header):
+        listed = json.loads(header["__metadata__"]["extra_tensors"])
+        edit(listed)
+        header["__metadata__"]["extra_tensors"] = json.dumps(listed)
+
+    return apply
+
+
+def _rename(old: str, new: str):
+    def apply(header):
+        header[new] = header.pop(old)
+
+    return apply
+
+
+CRAFTED_EXTRAS = {
+    "listed, not stored": (
+        _edit_listed(lambda e: e.update({"extra.c": {"dtype": "F32", "shape": [1]}})),
+        "extra tensor 'extra.c' listed in metadata field 'extra_tensors' is missing",
+    ),
+    "stored, not listed": (_edit_listed(lambda e: e.pop("extra.b")), "extra tensors \\['extra.b'\\] are not listed"),
+    "renamed": (_rename("extra.a", "extra.z"), "extra tensor 'extra.a' listed .* is missing"),
+    "renamed to a page tensor": (_rename("extra.a", "blocks.00001"), "extra tensor 'extra.a' listed .* is missing"),
+    "reshaped": (lambda h: h["extra.a"].update(shape=[2, 3]), "'extra.a' is F32\\[2, 3\\], .* says F32\\[3, 2\\]"),
+    "retyped": (
+        _edit_listed(lambda e: e["extra.a"].update(dtype="I32")),
+        "'extra.a' is F32\\[3, 2\\], .* says I32\\[3, 2\\]",
+    ),
+    "a name without the prefix": (
+        _edit_listed(lambda e: e.update({"blocks.00000": e.pop("extra.a")})),
+        "metadata field 'extra_tensors': expected names 'extra.'",
+    ),
+    "a dtype not stored": (_edit_listed(lambda e: e["extra.a"].update(dtype="F64")), "'extra_tensors': 'extra.a'"),
+    "a shape of strings": (_edit_listed(lambda e: e["extra.a"].update(shape=["3", 2])), "'extra_tensors': 'extra.a'"),
+    "a negative size": (_edit_listed(lambda e: e["extra.a"].update(shape=[-3, 2])), "'extra_tensors': 'extra.a'"),
+    "another key": (_edit_listed(lambda e: e["extra.a"].update(offset=0)), "'extra_tensors': 'extra.a'"),
+    "not an object": (lambda h: h["__metadata__"].update(extra_tensors="[]"), "'extra_tensors': expected a JSON dict"),
+}
+
+
+@pytest.mark.parametrize("name", list(CRAFTED_EXTRAS))
+def test_crafted_extra_tensors_are_refused_by_every_reader(tmp_path: Path, name: str) -> None:
+    """A header whose extra tensors disagree with their list (its checksum made right again) is
+    refused naming the file, by every reader, before any tensor is read."""
+    edit, message = CRAFTED_EXTRAS[name]
+    bad = crafted_files.rewrite(_saved_with_extras(tmp_path), edit, tmp_path / "bad.safetensors")
+    for read in (read_info, verify, load_cache):
+        with pytest.raises(CheckpointError, match=message) as error:
+            read(bad)
+        assert str(bad) in str(error.value)
+
+
+def test_a_flipped_bit_in_an_extra_tensor_is_found(tmp_path: Path) -> None:
+    """`read_extra_tensors` and `verify` check every extra tensor's checksum (`load_cache` does not
+    read them: they are the caller's)."""
+    path = _saved_with_extras(tmp_path)
+    header, _ = crafted_files.split(path.read_bytes())
+    raw = bytearray(path.read_bytes())
+    raw[8 + int.from_bytes(raw[:8], "little") + header["extra.b"]["data_offsets"][0] + 3] ^= 0x04
+    path.write_bytes(bytes(raw))
+    info = read_info(path)
+    with pytest.raises(CheckpointError, match=f"{path}: checksum mismatch in tensor 'extra.b'"):
+        checkpoint.read_extra_tensors(info)
+    with pytest.raises(CheckpointError, match="checksum mismatch in tensor 'extra.b'"):
+        verify(path)

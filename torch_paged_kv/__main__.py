@@ -116,6 +116,9 @@ def _describe(info: CheckpointInfo) -> str:
         lines += [f"  file {f.name}: {_size(f.stat().st_size)}" for f in info.files]
     if info.user_metadata:
         lines.append(f"metadata:   {info.user_metadata}")
+    if info.extra_tensors:
+        lines.append(f"extra:      {len(info.extra_tensors)} tensor(s) in the main file")
+        lines += [f"  {name} {_name(dtype)}{list(shape)}" for name, (dtype, shape) in info.extra_tensors.items()]
     sources = meta.get("source_batch_indices", "[]")
     lines.append(f"rows:       {len(info.cache_lengths)} (saved from rows {sources})")
     lines.append("  row  cache_length  pages")

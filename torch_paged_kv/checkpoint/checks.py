@@ -12,6 +12,7 @@ from ..params import KVCacheParams, TPShard
 from ..safetensors_stream import DTYPE_NAMES, HEADER_CHECKSUM_KEY
 from .file_format import (
     CONTINUOUS,
+    EXTRA_PREFIX,
     FORMAT,
     PAGED,
     READABLE_VERSIONS,
@@ -110,6 +111,23 @@ def check_tables(info: CheckpointInfo, group: int = 0) -> None:
             )
 
 
+def check_extras(path: Path, extras: dict[str, tuple[torch.dtype, tuple[int, ...]]], tensors: dict[str, dict]) -> None:
+    """Every extra tensor the metadata lists is in the main file (`tensors`), of the dtype and shape
+    listed; the main file holds no other extra tensor."""
+    for name, (dtype, shape) in extras.items():
+        if name not in tensors:
+            raise CheckpointError(f"{path}: extra tensor {name!r} listed in metadata field 'extra_tensors' is missing")
+        found = tensors[name]
+        if found["dtype"] != DTYPE_NAMES[dtype] or tuple(found["shape"]) != shape:
+            raise CheckpointError(
+                f"{path}: extra tensor {name!r} is {found['dtype']}{found['shape']}, metadata field 'extra_tensors' "
+                f"says {DTYPE_NAMES[dtype]}{list(shape)}"
+            )
+    unlisted = sorted(n for n in tensors if n.startswith(EXTRA_PREFIX) and n not in extras)
+    if unlisted:
+        raise CheckpointError(f"{path}: extra tensors {unlisted} are not listed in metadata field 'extra_tensors'")
+
+
 def check_shapes(
     path: Path,
     groups: list[tuple[KVCacheParams, tuple[int, ...], int]],
@@ -117,9 +135,11 @@ def check_shapes(
     max_seq_len: int,
     page_tokens: int,
     tensors: dict[str, dict],
+    extras: frozenset[str] = frozenset(),
 ) -> None:
     """Every tensor is one of the layer groups' (`(params, layers, stored pages)` each), of the shape and
-    dtype their params and sizes say; the page tensors' pieces hold each group's pages."""
+    dtype their params and sizes say, or a listed extra tensor (`extras`, checked by `check_extras`);
+    the page tensors' pieces hold each group's pages."""
 
     def fail(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: {what}")
@@ -134,7 +154,7 @@ def check_shapes(
         if len(batch) != 1 or batch[0] < 1 or tensors[name]["shape"] != batch + width:
             raise fail(f"cache_lengths {batch} / {name} {tensors[name]['shape']} shapes disagree")
     expected = {t.name: (t, p, n) for g, (p, _, n) in enumerate(groups) for t in paged_tensors(p, g)}
-    stray = sorted(n for n in tensors if n.rsplit(".", 1)[0] not in expected and n not in small)
+    stray = sorted(n for n in tensors if n.rsplit(".", 1)[0] not in expected and n not in small and n not in extras)
     if stray:
         dtypes = "/".join(sorted({str(p.dtype) for p, _, _ in groups}))
         raise fail(f"tensors {stray} are not part of a {dtypes} cache")

@@ -8,8 +8,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
+
 from ..params import KVCacheParams, TPShard, params_from_dict
-from .file_format import CheckpointError
+from ..safetensors_stream import DTYPE_NAMES
+from .file_format import CheckpointError, extra_name_error
 
 T = TypeVar("T")
 
@@ -78,6 +81,29 @@ def group_list(text: str) -> list[tuple[KVCacheParams, tuple[int, ...], int]]:
         params = KVCacheParams.from_dict(json_value(json.dumps(entry["params"]), dict))
         groups.append((params, tuple(layers), count(str(entry["num_pages"]))))
     return groups
+
+
+def extra_specs(text: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of each extra tensor, by name."""
+    by_name = {v: k for k, v in DTYPE_NAMES.items()}
+    specs = {}
+    for name, entry in json_value(text, dict).items():
+        why = extra_name_error(name)
+        if why is not None:
+            raise ValueError(why)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if (
+            not isinstance(entry, dict)
+            or set(entry) != {"dtype", "shape"}
+            or entry["dtype"] not in by_name
+            or not isinstance(shape, list)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 10**18 for n in shape)
+        ):
+            raise ValueError(
+                f"{name!r}: expected {{'dtype': one of {sorted(by_name)}, 'shape': [sizes]}}, got {entry!r:.80}"
+            )
+        specs[name] = (by_name[entry["dtype"]], tuple(shape))
+    return specs
 
 
 def parse_field(path: Path, metadata: dict[str, str], key: str, parse: Callable[[str], T]) -> T:

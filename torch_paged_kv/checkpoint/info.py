@@ -45,6 +45,8 @@ class CheckpointInfo:
     metadata: dict[str, str]  # the main file's raw header metadata
     tp_shard: TPShard | None = None  # the KV heads of the model the file holds (None: all)
     groups: list[GroupInfo] = field(default_factory=list)
+    extra_tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)  # name -> (dtype,
+    # shape) of each extra tensor of the main file (`read_extra_tensors` reads them)
 
     def __post_init__(self) -> None:
         if not self.groups:

@@ -14,7 +14,7 @@ from ..params import KVCacheParams
 from ..safetensors_stream import SafetensorsFormatError
 from .file_format import CONTINUOUS, PAGED, CheckpointError, Collection, paged_tensors, progress_bar
 from .info import CheckpointInfo
-from .read import read_info, verify_checksum
+from .read import read_extra_tensors, read_info, verify_checksum
 
 
 def _stream_pages(
@@ -55,6 +55,7 @@ def _stream_pages(
 def verify(path: str | os.PathLike[str], *, progress: bool | None = None) -> CheckpointInfo:
     """Check every header and every tensor checksum; returns the info or raises CheckpointError."""
     info = read_info(path)
+    read_extra_tensors(info)
     for group in range(len(info.groups)):
         _stream_pages(info, None, None, progress, group)
     return info

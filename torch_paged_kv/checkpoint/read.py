@@ -11,12 +11,19 @@ from pathlib import Path
 
 import torch
 
-from ..safetensors_stream import CHECKSUM_KEY, SafetensorsFormatError, format_crc, read_header, read_into
+from ..safetensors_stream import (
+    CHECKSUM_KEY,
+    SafetensorsFormatError,
+    format_crc,
+    read_header,
+    read_into,
+)
 from . import fields
-from .checks import check_format, check_groups, check_shapes, check_sizes, check_tables
+from .checks import check_extras, check_format, check_groups, check_shapes, check_sizes, check_tables
 from .fields import parse_field
 from .file_format import (
     CONTINUOUS,
+    EXTRA_TENSORS_VERSION,
     PAGED,
     VERIFIED_METADATA_VERSION,
     CheckpointError,
@@ -36,15 +43,20 @@ def _header(path: Path, what: str) -> tuple[dict[str, str], dict[str, dict]]:
 
 
 def _read_small(
-    f: io.BufferedIOBase, name: str, tensors: dict[str, dict], checksums: dict[str, str], path: Path
+    f: io.BufferedIOBase,
+    name: str,
+    tensors: dict[str, dict],
+    checksums: dict[str, str],
+    path: Path,
+    dtype: torch.dtype = torch.int32,
 ) -> torch.Tensor:
-    """An int32 tensor of the main file (its size checked by `read_header`), its checksum verified."""
-    tensor = torch.empty(tensors[name]["shape"], dtype=torch.int32)
+    """A tensor of the main file (its size and dtype checked already), its checksum verified."""
+    tensor = torch.empty(tensors[name]["shape"], dtype=dtype)
     try:
         read_into(f, tensors[name]["data_offsets"][0], tensor)
     except SafetensorsFormatError as exc:  # cut short since its header was read
         raise CheckpointError(f"{path}: {exc}") from None
-    verify_checksum(name, zlib.crc32(tensor.view(torch.uint8).numpy().reshape(-1).data), checksums, path)
+    verify_checksum(name, zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().data), checksums, path)
     return tensor
 
 
@@ -76,6 +88,15 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     parse_field(path, metadata, "user_metadata", fields.strings)
     if "source_batch_indices" in metadata:
         parse_field(path, metadata, "source_batch_indices", fields.row_numbers)
+    extras: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if "extra_tensors" in metadata:
+        if version < EXTRA_TENSORS_VERSION:
+            raise CheckpointError(
+                f"{path}: metadata field 'extra_tensors' is a format version {EXTRA_TENSORS_VERSION} field, "
+                f"but the file says {version}"
+            )
+        extras = parse_field(path, metadata, "extra_tensors", fields.extra_specs)
+    check_extras(path, extras, tensors)
     check_sizes(path, params, kind, max_seq_len, page_tokens)
     groups = [(params, tuple(range(params.num_layers)), num_pages)]
     if "groups" in metadata:
@@ -109,7 +130,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
     if set(checksums) != set(all_tensors):
         raise CheckpointError(f"{path}: checksums do not cover the tensors {sorted(all_tensors)}")
     tables = [f"{group_prefix(g)}lookup_table" for g in range(len(groups))]
-    check_shapes(path, groups, kind, max_seq_len, page_tokens, all_tensors)
+    check_shapes(path, groups, kind, max_seq_len, page_tokens, all_tensors, frozenset(extras))
     if not {"cache_lengths", *tables} <= set(tensors):
         raise CheckpointError(f"{path}: the main file must hold 'cache_lengths' and {', '.join(map(repr, tables))}")
     offsets = {name: (t["data_offsets"][0], t["data_offsets"][1]) for name, t in all_tensors.items()}
@@ -133,6 +154,7 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
         metadata,
         tp_shard,
         [GroupInfo(p, layers, n, t) for (p, layers, n), t in zip(groups, group_tables, strict=True)],
+        extras,
     )
     for g in range(len(groups)):
         check_tables(info, g)
@@ -144,3 +166,17 @@ def read_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             stacklevel=2,
         )
     return info
+
+
+def read_extra_tensors(info: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The extra tensors of the checkpoint `info` describes (`read_info`), read from its main file on
+    the CPU, every checksum verified (else `CheckpointError` naming the file and the tensor)."""
+    tensors = {
+        name: {"shape": list(shape), "data_offsets": list(info.tensor_offsets[name])}
+        for name, (_, shape) in info.extra_tensors.items()
+    }
+    with open(info.path, "rb") as f:
+        return {
+            name: _read_small(f, name, tensors, info.checksums, info.path, dtype)
+            for name, (dtype, _) in info.extra_tensors.items()
+        }

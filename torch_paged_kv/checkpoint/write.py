@@ -17,13 +17,14 @@ from .._version import __version__
 from ..collection import ContinuousBatchingKVCacheCollection, PagedKVCacheCollection
 from ..layer_groups import LayerGroups
 from ..params import TPShard, params_to_dict
-from ..safetensors_stream import SafetensorsWriter, TensorSpec, read_header
+from ..safetensors_stream import DTYPE_NAMES, SafetensorsWriter, TensorSpec, read_header
 from .file_format import (
     DEFAULT_SHARD_BYTES,
+    EXTRA_TENSORS_VERSION,
     FORMAT,
-    FORMAT_VERSION,
     CheckpointError,
     Collection,
+    extra_name_error,
     group_prefix,
     paged_tensors,
     progress_bar,
@@ -97,6 +98,26 @@ def _pack_files(num_pages: list[int], page_bytes: list[int], shard_bytes: int) -
     return files
 
 
+def _host_extras(extra_tensors: dict[str, torch.Tensor] | None) -> list[tuple[str, torch.Tensor]]:
+    """`extra_tensors` checked (names, tensors of a stored dtype), as contiguous CPU copies, by name."""
+    if extra_tensors is None:
+        return []
+    if not isinstance(extra_tensors, dict):
+        raise CheckpointError(f"extra_tensors: expected a dict of names to tensors, got {type(extra_tensors).__name__}")
+    extras = []
+    for name, tensor in sorted(extra_tensors.items()):
+        why = extra_name_error(name)
+        if why is not None:
+            raise CheckpointError(f"extra_tensors: {why}")
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_NAMES:
+            found = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise CheckpointError(
+                f"extra_tensors: {name!r}: expected a tensor of {', '.join(map(str, DTYPE_NAMES))}, got {found}"
+            )
+        extras.append((name, tensor.detach().to("cpu", copy=True).contiguous()))
+    return extras
+
+
 def save_cache(
     cache: Cache,
     path: str | os.PathLike[str],
@@ -107,6 +128,7 @@ def save_cache(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool | None = None,
     tp_shard: TPShard | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Save rows `batch_indices` (default: every row, in order) of `cache` (a collection, or the
     collections of a `LayerGroups`) to `path`.
@@ -118,6 +140,8 @@ def save_cache(
     collection). `metadata` (str -> str) is stored as user metadata. Page data beyond `shard_bytes`
     per file goes to shard files next to `path`, listed in `path`'s header. `tp_shard` records which
     KV heads of the model the collection holds (a tensor-parallel rank's; None: all; one group only).
+    `extra_tensors` (names `extra.*` -> tensors) are stored in the main file beside the lengths and
+    tables, checksummed, listed in the header (format version 5; `read_extra_tensors` reads them).
     A failed save leaves any checkpoint at `path` intact.
     """
     collections: list[Collection]
@@ -130,6 +154,7 @@ def save_cache(
         raise CheckpointError(f"collection: expected a KV cache collection or LayerGroups, got {type(cache).__name__}")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CheckpointError("metadata: expected a dict of str to str")
+    extras = _host_extras(extra_tensors)
     if shard_bytes <= 0:
         raise CheckpointError(f"shard_bytes: expected a positive int, got {shard_bytes}")
     if tp_shard is not None and len(collections) > 1:
@@ -154,7 +179,8 @@ def save_cache(
     path = Path(path)
     save_id = uuid.uuid4().hex[:8]
     names = [path.name] + [shard_name(path, save_id, k, files - 1) for k in range(1, files)]
-    common = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "save_id": save_id}
+    version = EXTRA_TENSORS_VERSION if extras else EXTRA_TENSORS_VERSION - 1  # the lowest that describes it
+    common = {"format": FORMAT, "format_version": str(version), "save_id": save_id}
     bar = progress_bar(progress, total, f"save {path.name}")
     index_device = [plan.source_pages.to(c.device) for plan, c in zip(plans, collections, strict=True)]
     written: list[Path] = []
@@ -208,8 +234,13 @@ def save_cache(
                     for c, group, plan in zip(collections, layers, plans, strict=True)
                 ]
             )
+        if extras:
+            main_metadata["extra_tensors"] = json.dumps(
+                {name: {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)} for name, t in extras}
+            )
         small = [("cache_lengths", plans[0].cache_lengths), ("lookup_table", plans[0].lookup_table)]
         small += [(f"{group_prefix(g)}lookup_table", plan.lookup_table) for g, plan in enumerate(plans) if g]
+        small += extras
         write_file(0, small, main_metadata)
         written.clear()  # committed: the new checkpoint is at `path` now
         _fsync_dir(path.parent)

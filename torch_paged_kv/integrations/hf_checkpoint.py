@@ -3,9 +3,11 @@
 The file is an ordinary checkpoint (docs/checkpoints.md; `python -m torch_paged_kv inspect` reads
 it): the rows in use, only the pages they fill, checksums. What the pool does not say goes under
 the user-metadata key `METADATA_KEY`: the column counter (`get_seq_length`, which `generate` turns
-into the next positions), the model's dtype (an FP8 pool does not tell it), and whether the pages
+into the next positions), the model's dtype (an FP8 pool does not tell it), whether the pages
 hold real tokens only (filled under `attn_implementation="paged_kv"`) or every column, padding
-included (any other attention).
+included (any other attention), and for a hybrid model what restores its state layers' states:
+those states themselves are extra tensors of the file (`extra.states.<layer>.<state>.conv` /
+`.recurrent`, one row per saved row), checksummed like the rest.
 """
 
 from __future__ import annotations
@@ -17,13 +19,68 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedConfig
 
-from ..checkpoint import DEFAULT_SHARD_BYTES, PAGED, CheckpointError, load_pages, read_info, save_cache
+from ..checkpoint import (
+    DEFAULT_SHARD_BYTES,
+    PAGED,
+    CheckpointError,
+    CheckpointInfo,
+    load_pages,
+    read_extra_tensors,
+    read_info,
+    save_cache,
+)
 from ..params import SUPPORTED_DTYPES
+from .hf_state import StateLayer
 
 if TYPE_CHECKING:
     from .hf_cache import PagedCache
 
 METADATA_KEY = "torch_paged_kv.transformers"
+STATE_KINDS = ("conv", "recurrent")
+
+
+def state_tensor_name(layer: int, state: int, kind: str) -> str:
+    """The extra tensor holding the `kind` ("conv" or "recurrent") states `state` of model layer `layer`."""
+    return f"extra.states.{layer}.{state}.{kind}"
+
+
+def _state_layer(cache: PagedCache, layer_idx: int) -> StateLayer:
+    layer = cache.layers[layer_idx]
+    assert isinstance(layer, StateLayer)  # `state_layers` are made StateLayers by the constructor
+    return layer
+
+
+def _states_to_save(cache: PagedCache) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What restores the state layers (metadata) and their initialized states (extra tensors), checked:
+    `ValueError` naming `cache` where a file of them could not resume exactly."""
+    entries, tensors = [], {}
+    layers = [(i, _state_layer(cache, i)) for i in cache.state_layers]
+    if cache.record_past or any(layer.record_past for _, layer in layers):
+        raise ValueError("cache: it records past states (activate_past_recording), which a checkpoint does not hold")
+    for i, layer in layers:
+        for s in range(layer.number_of_states):
+            states = dict(zip(STATE_KINDS, layer.saved_states(s), strict=True))
+            for kind, tensor in states.items():
+                if tensor is not None and tensor.shape[0] != cache.rows:
+                    raise ValueError(
+                        f"cache: layer {i} keeps {kind} states {s} of {tensor.shape[0]} rows, but {cache.rows} "
+                        "rows are in use; nothing was written"
+                    )
+                if tensor is not None:
+                    tensors[state_tensor_name(i, s, kind)] = tensor
+            if any(t is not None for t in states.values()):
+                kernel = layer.conv_kernel_size[s] if states["conv"] is not None else None
+                entries.append(
+                    {
+                        "layer": i,
+                        "state": s,
+                        **{kind: t is not None for kind, t in states.items()},
+                        "conv_kernel_size": kernel,
+                        "has_previous_state": bool(layer.has_previous_state[s]),
+                    }
+                )
+    meta = {"state_layers": [[i, layer.number_of_states] for i, layer in layers], "states": entries}
+    return meta, tensors
 
 
 def save_paged_cache(
@@ -34,22 +91,23 @@ def save_paged_cache(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: bool | None = None,
 ) -> None:
-    """Write the rows `cache` holds (row i of the file is row i of the batch) to `path`."""
+    """Write the rows `cache` holds (row i of the file is row i of the batch) to `path`, with its state
+    layers' states (transformers' `LinearAttentionLayer`: every initialized conv and recurrent state,
+    `conv_kernel_size` and `has_previous_state`)."""
     pool = cache.pool
     if pool is None or cache.rows == 0:
         raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
-    if cache.state_layers:
-        raise ValueError(
-            f"cache: layers {cache.state_layers} keep conv or recurrent states beside the pages, which a KV "
-            "checkpoint does not hold; nothing was written"
-        )
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
-    state = {
+    state: dict[str, Any] = {
         "columns": int(pool.columns),
         "dtype": str(pool.dtype).removeprefix("torch."),
         "real_tokens_only": cache.attends_from_pages,
     }
+    extra_tensors = None
+    if cache.state_layers:
+        states, extra_tensors = _states_to_save(cache)
+        state.update(states)
     save_cache(
         pool.groups,
         path,
@@ -57,6 +115,7 @@ def save_paged_cache(
         metadata={**(metadata or {}), METADATA_KEY: json.dumps(state)},
         shard_bytes=shard_bytes,
         progress=progress,
+        extra_tensors=extra_tensors,
     )
 
 
@@ -76,10 +135,15 @@ def load_paged_cache(
     `CheckpointError` for a file that is not a saved `PagedCache` or whose pool (layers, heads,
     page size, dtypes) differs from the one `config` and `options` make, and `ValueError` naming
     the argument when the rows do not fit (`max_batch_size`, `max_cache_len`) or `config` attends
-    differently from the run that filled the cache with padding (`config`).
+    differently from the run that filled the cache with padding (`config`). The state layers' states
+    come back on `device`, in their saved dtype; a file whose state layers (model layers, states per
+    layer) differ from `config`'s is a `CheckpointError`. The states' other dims are the model's: the
+    file's are checked against each other (rows, kernel size), the model's own at its next step.
     """
     info = read_info(path)
     state = _saved_state(info.path, info.user_metadata, info.kind)
+    states = _saved_states(info, state)
+    saved_states = read_extra_tensors(info)  # checksums verified before anything is allocated
     p = info.params
     rows, lengths = len(info.cache_lengths), torch.tensor(info.cache_lengths, dtype=torch.int32)
     defaults = dict(
@@ -106,6 +170,12 @@ def load_paged_cache(
         raise CheckpointError(
             f"{info.path}: the file holds a cache of layer groups {saved}, but this config and these options "
             f"make {ours}"
+        )
+    ours_states = [[i, _state_layer(cache, i).number_of_states] for i in cache.state_layers]
+    if state.get("state_layers", []) != ours_states:
+        raise CheckpointError(
+            f"{info.path}: the file holds state layers (model layer, states) {state.get('state_layers', [])}, "
+            f"but this config makes {ours_states}"
         )
     if rows > cache.max_batch_size:
         raise ValueError(f"max_batch_size: the file holds {rows} rows, more than {cache.max_batch_size}")
@@ -137,8 +207,73 @@ def load_paged_cache(
         load_pages(info.path, c.blocks, pages, scales=c.scales, progress=progress, group=g, info=info)
     pool.lengths[:rows] = lengths.to(pool.device)
     pool.columns.fill_(state["columns"])
+    for entry in states:
+        i, s = entry["layer"], entry["state"]
+        conv, recurrent = (
+            saved_states[state_tensor_name(i, s, kind)].to(pool.device) if entry[kind] else None for kind in STATE_KINDS
+        )
+        _state_layer(cache, i).restore(s, conv, recurrent, entry["conv_kernel_size"], entry["has_previous_state"])
     cache.rows = rows
     return cache
+
+
+def _saved_states(info: CheckpointInfo, state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The state entries of the cache's own metadata, checked against each other and the file's extra
+    tensors (which are exactly theirs; conv states `[rows, ..., conv_kernel_size]`, recurrent states
+    `[rows, ...]`); `CheckpointError` naming the file otherwise."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{info.path}: user metadata {METADATA_KEY!r}: {what}")
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    layers, entries = state.get("state_layers", []), state.get("states", [])
+    if not isinstance(layers, list) or not all(
+        isinstance(p, list) and len(p) == 2 and is_int(p[0]) and is_int(p[1]) for p in layers
+    ):
+        raise bad(f"'state_layers': expected a list of [model layer, states], got {layers!r:.80}")
+    per_layer = dict(map(tuple, layers))
+    keys = {"layer", "state", *STATE_KINDS, "conv_kernel_size", "has_previous_state"}
+    expected: dict[str, tuple[int, ...]] = {}
+    seen: set[tuple[int, int]] = set()
+    if not isinstance(entries, list):
+        raise bad(f"'states': expected a list, got {entries!r:.80}")
+    for entry in entries:
+        if (
+            not isinstance(entry, dict)
+            or set(entry) != keys
+            or not all(isinstance(entry[k], bool) for k in (*STATE_KINDS, "has_previous_state"))
+            or not is_int(entry["layer"])
+            or not is_int(entry["state"])
+            or entry["state"] >= per_layer.get(entry["layer"], 0)
+            or not (entry["conv"] or entry["recurrent"])
+            or (entry["conv_kernel_size"] is not None and not is_int(entry["conv_kernel_size"]))
+            or (entry["conv_kernel_size"] is None) == entry["conv"]
+        ):
+            raise bad(f"'states': expected entries {sorted(keys)} of the state layers' states, got {entry!r:.120}")
+        if (entry["layer"], entry["state"]) in seen:
+            raise bad(f"'states': layer {entry['layer']}'s states {entry['state']} twice")
+        seen.add((entry["layer"], entry["state"]))
+        for kind in STATE_KINDS:
+            name = state_tensor_name(entry["layer"], entry["state"], kind)
+            if entry[kind]:
+                expected[name] = info.extra_tensors.get(name, (None, ()))[1]
+    if set(expected) != set(info.extra_tensors):
+        raise bad(f"'states' lists the extra tensors {sorted(expected)}, the file holds {sorted(info.extra_tensors)}")
+    rows = len(info.cache_lengths)
+    for entry in entries:
+        for kind in STATE_KINDS:
+            shape = expected.get(state_tensor_name(entry["layer"], entry["state"], kind))
+            if shape is None:
+                continue
+            kernel_ok = kind != "conv" or (len(shape) >= 2 and shape[-1] == entry["conv_kernel_size"])
+            if not shape or shape[0] != rows or not kernel_ok:
+                raise bad(
+                    f"{state_tensor_name(entry['layer'], entry['state'], kind)} is {list(shape)}: expected "
+                    f"[{rows} rows, ...{', conv_kernel_size' if kind == 'conv' else ''}]"
+                )
+    return entries
 
 
 def _saved_state(path: os.PathLike[str], user_metadata: dict[str, str], kind: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ beside its pages and applies its row operations (reset, beam reorder, select) to
 `PagedCache.activate_past_recording` says why). One
 difference: a `PagedCache` is reused across `generate` calls, so a prefill after `reset` may bring
 another batch size; the states are then made again for it (transformers' layer would fail copying
-into the old ones). A batch of the same size keeps their addresses (CUDA graphs).
+into the old ones). A batch of the same size keeps their addresses (CUDA graphs). `saved_states` and
+`restore` are what `PagedCache.save` / `load` store and set of it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,35 @@ class StateLayer(LinearAttentionLayer):
         ):
             self.is_recurrent_states_initialized[state_idx] = False
         return super().update_recurrent_state(recurrent_states, state_idx, **kwargs)
+
+    def saved_states(self, state_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(conv, recurrent) states of `state_idx`, None where not initialized."""
+        conv = self.conv_states[state_idx] if self.is_conv_states_initialized[state_idx] else None
+        recurrent = self.recurrent_states[state_idx] if self.is_recurrent_states_initialized[state_idx] else None
+        return conv, recurrent
+
+    def restore(
+        self,
+        state_idx: int,
+        conv: torch.Tensor | None,
+        recurrent: torch.Tensor | None,
+        conv_kernel_size: int | None,
+        has_previous_state: bool,
+    ) -> None:
+        """Set the states of `state_idx` to copies of `conv` and `recurrent` (None: left uninitialized), as
+        transformers' own initialization makes them (static addresses), then the flags."""
+        if conv is not None:
+            self.lazy_initialization(conv_states=conv, state_idx=state_idx, conv_kernel_size=conv_kernel_size)
+            _copy_into(self.conv_states[state_idx], conv)
+        if recurrent is not None:
+            self.lazy_initialization(recurrent_states=recurrent, state_idx=state_idx)
+            _copy_into(self.recurrent_states[state_idx], recurrent)
+        self.has_previous_state[state_idx] = has_previous_state
+
+
+def _copy_into(made: torch.Tensor | None, states: torch.Tensor) -> None:
+    assert made is not None  # made by `lazy_initialization`
+    made.copy_(states)
 
 
 def _other_batch(held: torch.Tensor | None, new: torch.Tensor) -> bool:
