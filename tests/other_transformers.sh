@@ -22,4 +22,5 @@ fi
 "$venv/bin/python" -c "import transformers; assert transformers.__version__ == '$version', transformers.__version__"
 PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_model_families.py tests/test_speculative_hf.py tests/test_hf_groups.py \
-    tests/test_transformers.py tests/test_transformers_checkpoint.py tests/test_hf_states.py "$@"
+    tests/test_transformers.py tests/test_transformers_checkpoint.py tests/test_hf_states.py \
+    tests/test_hf_state_checkpoint.py "$@"

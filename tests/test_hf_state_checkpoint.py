@@ -20,10 +20,14 @@ from test_hf_states import FALCON_H1, GREEDY, QWEN3_NEXT, dynamic, family_model,
 
 from torch_paged_kv import __main__ as cli
 from torch_paged_kv.checkpoint import CheckpointError, read_extra_tensors, read_info
-from torch_paged_kv.integrations import hf_checkpoint
+from torch_paged_kv.integrations import hf_checkpoint, hf_support
 from torch_paged_kv.integrations.hf_checkpoint import METADATA_KEY
 from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
 
+pytestmark = pytest.mark.skipif(
+    hf_support._older_than(hf_support.STATE_LAYERS_SINCE),
+    reason=f"state layers are refused before transformers {hf_support.STATE_LAYERS_SINCE} (test_model_families)",
+)
 LENGTHS = (5, 7)  # two left-padded prompts
 FIRST, MORE = 4, 5  # new tokens before and after the save
 
