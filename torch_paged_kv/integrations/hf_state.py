@@ -4,11 +4,11 @@ recurrent states of linear-attention, Mamba and short-convolution layers), not K
 It is transformers' own `LinearAttentionLayer`, the one its `DynamicCache` and `StaticCache` hold for
 such a layer, so those states evolve exactly as under transformers' caches; `PagedCache` keeps it
 beside its pages and applies its row operations (reset, beam reorder, select) to both (not `crop`:
-`PagedCache.activate_past_recording` says why). One
-difference: a `PagedCache` is reused across `generate` calls, so a prefill after `reset` may bring
-another batch size; the states are then made again for it (transformers' layer would fail copying
-into the old ones). A batch of the same size keeps their addresses (CUDA graphs). `saved_states` and
-`restore` are what `PagedCache.save` / `load` store and set of it.
+`PagedCache.activate_past_recording` says why). One difference: a `PagedCache` is reused across
+`generate` calls, so a prefill after `reset` may bring another batch size; the states are then made
+again for it (transformers' layer would fail copying into the old ones). A batch of the same size
+keeps their addresses (CUDA graphs). `saved_states` and `restore` are what `PagedCache.save` / `load`
+store and set of it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class StateLayer(LinearAttentionLayer):
     ) -> torch.Tensor:
         if self.is_conv_states_initialized[state_idx] and _other_batch(self.conv_states[state_idx], conv_states):
             self.is_conv_states_initialized[state_idx] = False
-        if conv_kernel_size is not None:  # (transformers >= 5.24 only)
+        if conv_kernel_size is not None:  # passed on only when given, as transformers' callers do
             kwargs["conv_kernel_size"] = conv_kernel_size
         return super().update_conv_state(conv_states, state_idx, **kwargs)
 
