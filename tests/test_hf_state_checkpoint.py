@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 
 import crafted_files
@@ -16,13 +15,13 @@ import torch
 
 pytest.importorskip("transformers")
 import transformers_matrix as matrix
-from test_hf_states import FALCON_H1, GREEDY, QWEN3_NEXT, dynamic, family_model, generate
+from test_hf_states import FALCON_H1, QWEN3_NEXT, dynamic, family_model, generate, generate_from
 
 from torch_paged_kv import __main__ as cli
 from torch_paged_kv.checkpoint import CheckpointError, read_extra_tensors, read_info
 from torch_paged_kv.integrations import hf_checkpoint, hf_support
 from torch_paged_kv.integrations.hf_checkpoint import METADATA_KEY
-from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
+from torch_paged_kv.integrations.transformers import PagedCache
 
 pytestmark = pytest.mark.skipif(
     hf_support._older_than(hf_support.STATE_LAYERS_SINCE),
@@ -44,16 +43,7 @@ def go_on(model, cache: PagedCache, so_far: torch.Tensor) -> torch.Tensor:
     """`MORE` tokens after `so_far` (the prompts' mask, then every generated token real)."""
     _, mask = matrix.prompts(matrix.Mode(LENGTHS, FIRST))
     mask = torch.cat([mask, torch.ones(len(LENGTHS), FIRST, dtype=mask.dtype)], dim=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(
-            so_far,
-            attention_mask=mask,
-            max_new_tokens=MORE,
-            min_new_tokens=MORE,
-            **{cache_kwarg(model): cache},
-            **GREEDY,
-        )
+    return generate_from(model, cache, so_far, mask, MORE)
 
 
 def states(cache: PagedCache) -> dict[tuple[int, int, str], torch.Tensor]:

@@ -33,7 +33,13 @@ def family_model(name: str, attn: str) -> torch.nn.Module:
 
 
 def generate(model, cache, lengths: tuple[int, ...], new_tokens: int, **kwargs) -> torch.Tensor:
+    """Greedy `generate` of `new_tokens` over the matrix's left-padded prompts of `lengths`."""
     ids, mask = matrix.prompts(matrix.Mode(lengths, new_tokens))
+    return generate_from(model, cache, ids, mask, new_tokens, **kwargs)
+
+
+def generate_from(model, cache, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, **kwargs) -> torch.Tensor:
+    """Greedy `generate` of `new_tokens` after `ids` (`mask`: which are real) with `cache`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return model.generate(
@@ -96,16 +102,11 @@ def test_a_crop_of_state_layers_is_refused():
 
 
 def test_saving_states_that_cannot_resume_is_refused(tmp_path):
-    """`save` stores the states (tests/test_hf_state_checkpoint.py), but refuses, writing nothing, where
-    a file could not resume exactly: states recording the past (`activate_past_recording` never lets
-    them), or states of another number of rows than the rows in use."""
+    """`save` stores the states (tests/test_hf_state_checkpoint.py), but refuses, writing nothing, states
+    of another number of rows than the rows in use (a file of them could not resume exactly)."""
     model = family_model(FALCON_H1, "paged_kv")
     cache = PagedCache(model.config, max_batch_size=2, max_cache_len=24, page_size=4)
     generate(model, cache, (5, 7), 3)
-    cache.layers[1].record_past = True
-    with pytest.raises(ValueError, match="^cache: it records past states"):
-        cache.save(tmp_path / "kv.safetensors")
-    cache.layers[1].record_past = False
     cache.layers[2].recurrent_states[0] = cache.layers[2].recurrent_states[0][:1]
     with pytest.raises(ValueError, match="^cache: layer 2 keeps recurrent states 0 of 1 rows, but 2 rows are in use"):
         cache.save(tmp_path / "kv.safetensors")

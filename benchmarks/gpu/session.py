@@ -88,6 +88,12 @@ def _probe(name: str, test: str) -> Step:
     return Step(f"probe-{name}", "pytest", (test,), cap_s=60, deadline_s=45, launch_blocking=True)
 
 
+def _decode_bench(name: str, kernels: str, cap_s: int) -> Step:
+    """`bench_decode_gpu.py` at page 16 over `kernels` (its dry run: the same, tiny, on CPU)."""
+    args = ("benchmarks/bench_decode_gpu.py", "--page-sizes", "16", "--kernels", kernels)
+    return Step(name, "bench", args, cap_s=cap_s, dry_args=(args[0], "--dry-run", *args[1:]))
+
+
 def _on_gpu(benchmark: str, dry: str = "") -> str:
     """A shell line running `benchmark` (a script and its arguments) where CUDA is visible, its tables
     in the log only (a call brings back at most 6 files); elsewhere (a dry run) `dry` instead, the
@@ -113,20 +119,7 @@ CALLS = {
                 "mla",
                 "tests/gpu/test_mla_gpu.py::test_mla_attention_matches_reference_and_fp64[decode-split-page64-h16-fp8-per-token]",
             ),
-            Step(
-                "bench-decode",
-                "bench",
-                ("benchmarks/bench_decode_gpu.py", "--page-sizes", "16", "--kernels", "triton,splits,sdpa,store"),
-                cap_s=75,
-                dry_args=(
-                    "benchmarks/bench_decode_gpu.py",
-                    "--dry-run",
-                    "--page-sizes",
-                    "16",
-                    "--kernels",
-                    "triton,splits,sdpa,store",
-                ),
-            ),
+            _decode_bench("bench-decode", "triton,splits,sdpa,store", cap_s=75),
             Step(
                 "bench-fp8",
                 "shell",
@@ -214,20 +207,7 @@ CALLS = {
                 ),
                 cap_s=100,
             ),
-            Step(
-                "bench-window",
-                "bench",
-                ("benchmarks/bench_decode_gpu.py", "--page-sizes", "16", "--kernels", "window,window-masked"),
-                cap_s=60,
-                dry_args=(
-                    "benchmarks/bench_decode_gpu.py",
-                    "--dry-run",
-                    "--page-sizes",
-                    "16",
-                    "--kernels",
-                    "window,window-masked",
-                ),
-            ),
+            _decode_bench("bench-window", "window,window-masked", cap_s=60),
         ),
     ),
 }

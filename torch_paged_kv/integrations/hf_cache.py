@@ -452,9 +452,14 @@ class PagedCache(Cache):
             StateLayer.reorder_cache(layer, cast(torch.LongTensor, rows.long()))
         self.rows = batch
 
+    def state_layer(self, layer_idx: int) -> StateLayer:
+        """The cache layer of model layer `layer_idx`, one of `state_layers` (its conv and recurrent states)."""
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, StateLayer)  # the constructor makes every one of `state_layers` a StateLayer
+        return layer
+
     def _state_layer_objects(self) -> list[StateLayer]:
-        """The cache layers of `state_layers` (per-row conv and recurrent states)."""
-        return [layer for layer in self.layers if isinstance(layer, StateLayer)]
+        return [self.state_layer(i) for i in self.state_layers]
 
     # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
     def save(self, path: str | os.PathLike[str], **options: Any) -> None:

@@ -30,7 +30,6 @@ from ..checkpoint import (
     save_cache,
 )
 from ..params import SUPPORTED_DTYPES
-from .hf_state import StateLayer
 
 if TYPE_CHECKING:
     from .hf_cache import PagedCache
@@ -44,19 +43,11 @@ def state_tensor_name(layer: int, state: int, kind: str) -> str:
     return f"extra.states.{layer}.{state}.{kind}"
 
 
-def _state_layer(cache: PagedCache, layer_idx: int) -> StateLayer:
-    layer = cache.layers[layer_idx]
-    assert isinstance(layer, StateLayer)  # `state_layers` are made StateLayers by the constructor
-    return layer
-
-
 def _states_to_save(cache: PagedCache) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """What restores the state layers (metadata) and their initialized states (extra tensors), checked:
     `ValueError` naming `cache` where a file of them could not resume exactly."""
     entries, tensors = [], {}
-    layers = [(i, _state_layer(cache, i)) for i in cache.state_layers]
-    if cache.record_past or any(layer.record_past for _, layer in layers):
-        raise ValueError("cache: it records past states (activate_past_recording), which a checkpoint does not hold")
+    layers = [(i, cache.state_layer(i)) for i in cache.state_layers]
     for i, layer in layers:
         for s in range(layer.number_of_states):
             states = dict(zip(STATE_KINDS, layer.saved_states(s), strict=True))
@@ -171,7 +162,7 @@ def load_paged_cache(
             f"{info.path}: the file holds a cache of layer groups {saved}, but this config and these options "
             f"make {ours}"
         )
-    ours_states = [[i, _state_layer(cache, i).number_of_states] for i in cache.state_layers]
+    ours_states = [[i, cache.state_layer(i).number_of_states] for i in cache.state_layers]
     if state.get("state_layers", []) != ours_states:
         raise CheckpointError(
             f"{info.path}: the file holds state layers (model layer, states) {state.get('state_layers', [])}, "
@@ -212,7 +203,7 @@ def load_paged_cache(
         conv, recurrent = (
             saved_states[state_tensor_name(i, s, kind)].to(pool.device) if entry[kind] else None for kind in STATE_KINDS
         )
-        _state_layer(cache, i).restore(s, conv, recurrent, entry["conv_kernel_size"], entry["has_previous_state"])
+        cache.state_layer(i).restore(s, conv, recurrent, entry["conv_kernel_size"], entry["has_previous_state"])
     cache.rows = rows
     return cache
 
