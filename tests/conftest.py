@@ -78,23 +78,50 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+Job = tuple[str, float, Callable[[], Any]]  # (name, rough seconds, run)
+
+
+def _submit(pool: concurrent.futures.ThreadPoolExecutor, jobs: list[Job]) -> dict[str, concurrent.futures.Future[Any]]:
+    return {name: pool.submit(run) for name, _, run in sorted(jobs, key=lambda job: -job[1])}
+
+
+class _StartedOnFirstUse(dict):
+    """name -> Future: a module's runs all start when one of its tests first asks for one."""
+
+    def __init__(self, pool: concurrent.futures.ThreadPoolExecutor, by_module: list[list[Job]]) -> None:
+        super().__init__()
+        self.pool, self.module_of = pool, {job[0]: jobs for jobs in by_module for job in jobs}
+
+    def __missing__(self, name: str) -> concurrent.futures.Future[Any]:
+        self.update(_submit(self.pool, self.module_of[name]))
+        return self[name]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def background_runs(request) -> Iterator[dict[str, concurrent.futures.Future[Any]]]:
     """name -> a subprocess run that selected tests check (the slow set's builds, compiles and
     examples), all started when the session starts, the longest first, as many at a time as there are
     cores (each is mostly one thread). A test module lists its runs with a function
     `background_jobs(its selected items, request)` -> [(name, rough seconds, function)] (`request`: this
-    fixture's, for session fixtures such as tmp_path_factory)."""
-    jobs = []
+    fixture's, for session fixtures such as tmp_path_factory).
+
+    Under pytest-xdist (`-n`) every worker collects every test but runs only some: there a module's
+    runs start when one of its tests first asks for one (once in all with `--dist loadfile`)."""
+    by_module = []
     items = request.session.items
     for module in dict.fromkeys(getattr(item, "module", None) for item in items):
         plan = getattr(module, "background_jobs", None)
-        if plan is not None:
-            jobs += plan([item for item in items if getattr(item, "module", None) is module], request)
-    if not jobs:
+        if plan is not None and (
+            jobs := plan([item for item in items if getattr(item, "module", None) is module], request)
+        ):
+            by_module.append(jobs)
+    if not by_module:
         yield {}
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=cores)
-    yield {name: pool.submit(run) for name, _, run in sorted(jobs, key=lambda job: -job[1])}
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        yield _StartedOnFirstUse(pool, by_module)
+    else:
+        yield _submit(pool, [job for jobs in by_module for job in jobs])
     pool.shutdown(cancel_futures=True)
