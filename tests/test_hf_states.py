@@ -101,6 +101,26 @@ def test_a_crop_of_state_layers_is_refused():
     assert int(cache.get_seq_length()) == columns and torch.equal(cache.collection.cache_lengths, lengths)
 
 
+@pytest.mark.parametrize("name", [QWEN3_NEXT, FALCON_H1])
+def test_state_bytes_in_use_are_the_bytes_dynamic_cache_holds(name):
+    """`state_bytes_in_use()` counts the bytes of the states that DynamicCache's own state layers hold
+    after the same `generate` (0 before the first step)."""
+    model = family_model(name, "sdpa")
+    cache = PagedCache(model.config, max_batch_size=3, max_cache_len=24, page_size=4)
+    assert cache.state_bytes_in_use() == 0
+    generate(model, cache, (5, 7, 2), 4)
+    dynamic_cache = DynamicCache(config=model.config)
+    generate(model, dynamic_cache, (5, 7, 2), 4)
+    states = [
+        t
+        for i in cache.state_layers
+        for held in (dynamic_cache.layers[i].conv_states, dynamic_cache.layers[i].recurrent_states)
+        for t in held.values()
+        if t is not None
+    ]
+    assert states and cache.state_bytes_in_use() == sum(t.numel() * t.element_size() for t in states)
+
+
 def test_saving_states_that_cannot_resume_is_refused(tmp_path):
     """`save` stores the states (tests/test_hf_state_checkpoint.py), but refuses, writing nothing, states
     of another number of rows than the rows in use (a file of them could not resume exactly)."""

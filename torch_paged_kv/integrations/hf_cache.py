@@ -317,6 +317,17 @@ class PagedCache(Cache):
         """Bytes of K/V (and FP8 scales) in the pages the rows hold now, every group (a host sync)."""
         return 0 if self.pool is None else self.pool.kv_bytes_in_use()
 
+    def state_bytes_in_use(self) -> int:
+        """Bytes of the conv and recurrent states the state layers hold now (transformers makes them at
+        the first step, for that batch; `reset` keeps them for the next one)."""
+        return sum(
+            state.nbytes
+            for layer in self._state_layer_objects()
+            for i in range(layer.number_of_states)
+            for state in layer.saved_states(i)
+            if state is not None
+        )
+
     def activate_past_recording(self) -> None:
         """Keep the pages sliding windows would give back until the next `crop` (transformers calls this
         before assisted generation, whose `crop` may go back past a window's start), and the state
