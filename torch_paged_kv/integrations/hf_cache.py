@@ -53,10 +53,11 @@ from ..layer_groups import LayerGroups
 from ..params import KVCacheParams
 from ..step import GroupStepPlan
 from .hf_checkpoint import load_paged_cache, save_paged_cache
+from .hf_indexed import PagedIndexedLayer
 from .hf_layer import PagedLayer
 from .hf_pool import CachePool
 from .hf_state import PagedStateLayer, StateLayer
-from .hf_support import CacheShape, attention_layers, cache_groups, check_config, state_layers
+from .hf_support import CacheShape, attention_layers, cache_groups, check_config, indexed_layers, state_layers
 
 if TYPE_CHECKING:  # transformers >= 5.23 (models with such layers need it)
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
@@ -167,9 +168,12 @@ class PagedCache(Cache):
             self._allocate(self.requested_device, self.requested_dtype)
         pool_layer = {layer: j for j, layer in enumerate(self.cached_layers)}
         self.state_layers = state_layers(cfg)
+        self.indexed_layers = indexed_layers(cfg)
         self._paged_layers = [
             PagedStateLayer(self, i, pool_layer[i], cfg)
             if i in self.state_layers
+            else PagedIndexedLayer(self, i, pool_layer[i])
+            if i in self.indexed_layers
             else PagedLayer(self, i, pool_layer[i])
             for i in self.cached_layers
         ]
@@ -411,6 +415,8 @@ class PagedCache(Cache):
             self.pool.reset()
         for layer in self._state_layer_objects():
             StateLayer.reset(layer)
+        for indexed in self._indexed_layer_objects():
+            indexed.set_columns(0)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens of every row (HF's convention: a negative count); a
@@ -430,6 +436,8 @@ class PagedCache(Cache):
                 "cannot take back to an earlier token"
             )
         self.pool.crop(tokens_to_remove)
+        for indexed in self._indexed_layer_objects():
+            indexed.set_columns(self.pool.columns)
 
     @property
     def is_croppable(self) -> bool:
@@ -461,6 +469,8 @@ class PagedCache(Cache):
             self.pool.select_rows(rows)
         for layer in self._state_layer_objects():
             StateLayer.reorder_cache(layer, cast(torch.LongTensor, rows.long()))
+        for indexed in self._indexed_layer_objects():
+            indexed.select_rows(rows)
         self.rows = batch
 
     def state_layer(self, layer_idx: int) -> StateLayer:
@@ -471,6 +481,9 @@ class PagedCache(Cache):
 
     def _state_layer_objects(self) -> list[StateLayer]:
         return [self.state_layer(i) for i in self.state_layers]
+
+    def _indexed_layer_objects(self) -> list[PagedIndexedLayer]:
+        return [layer for layer in self._paged_layers if isinstance(layer, PagedIndexedLayer)]
 
     # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
     def save(self, path: str | os.PathLike[str], **options: Any) -> None:

@@ -30,6 +30,7 @@ from ..checkpoint import (
     save_cache,
 )
 from ..params import SUPPORTED_DTYPES
+from .hf_support import indexed_layers
 
 if TYPE_CHECKING:
     from .hf_cache import PagedCache
@@ -90,6 +91,11 @@ def save_paged_cache(
         raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
+    if cache.indexed_layers:
+        raise ValueError(
+            f"cache: layers {cache.indexed_layers} keep indexer keys (sparse attention), which a checkpoint does "
+            "not hold yet; nothing was written"
+        )
     state: dict[str, Any] = {
         "columns": int(pool.columns),
         "dtype": str(pool.dtype).removeprefix("torch."),
@@ -131,6 +137,12 @@ def load_paged_cache(
     layer) differ from `config`'s is a `CheckpointError`. The states' other dims are the model's: the
     file's are checked against each other (rows, kernel size), the model's own at its next step.
     """
+    indexed = indexed_layers(config.get_text_config(decoder=True))
+    if indexed:
+        raise ValueError(
+            f"config.layer_types: layers {indexed} keep indexer keys (sparse attention), which a checkpoint does "
+            "not hold yet"
+        )
     info = read_info(path)
     state = _saved_state(info.path, info.user_metadata, info.kind)
     states = _saved_states(info, state)

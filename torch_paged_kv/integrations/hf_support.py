@@ -27,6 +27,13 @@ linear-attention, Mamba and short-convolution layers), not K/V per token: `Paged
 transformers' own `LinearAttentionLayer`, beside the pages."""
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 """transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
+INDEXED_LAYER_TYPES = ("indexed_attention",)
+"""transformers' sparse-attention layer type (DSA: DeepSeek-V3.2, GLM-5): K/V plus an indexer key per
+token, from which each query attends only to its top-k keys; served under the model's own attention
+(`hf_indexed.PagedIndexedLayer`), not under `paged_kv`."""
+INDEXED_LAYERS_SINCE = "5.20"
+"""The oldest transformers whose indexed layers `PagedCache` was checked to hold exactly: older ones are
+refused."""
 STATE_LAYERS_SINCE = "5.17"
 """The oldest transformers whose state layers `PagedCache` was checked to hold exactly (the matrix's
 hybrid families on 5.17 and 5.23; 5.5's `LinearAttentionLayer` takes no `number_of_states`): older
@@ -179,6 +186,11 @@ def state_layers(config: Any) -> list[int]:
     return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind in kinds]
 
 
+def indexed_layers(config: Any) -> list[int]:
+    """The model layers of a sparse-attention type (`INDEXED_LAYER_TYPES`)."""
+    return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind in INDEXED_LAYER_TYPES]
+
+
 def check_config(config: Any, paged: bool) -> None:
     """Raise `ValueError` naming the config field if the integration cannot serve this model exactly:
     with `PagedCache` under the model's own attention, or (`paged=True`) under `paged_kv` too."""
@@ -186,13 +198,22 @@ def check_config(config: Any, paged: bool) -> None:
     known: tuple[str, ...] = KV_LAYER_TYPES + NO_CACHE_LAYER_TYPES
     if not _older_than(STATE_LAYERS_SINCE):
         known += STATE_LAYER_TYPES + HYBRID_LAYER_TYPES
+    if not _older_than(INDEXED_LAYERS_SINCE):
+        known += INDEXED_LAYER_TYPES
     unknown = sorted({t for t in types if t not in known})
     if unknown:
         layers = [i for i, t in enumerate(types) if t in unknown]
         raise ValueError(
             f"config.layer_types: layers {layers} are {unknown}, which keep other state than K/V per token "
-            "(compressed or indexed attention; before transformers "
+            f"(compressed attention; before transformers {INDEXED_LAYERS_SINCE}, indexed attention, and before "
             f"{STATE_LAYERS_SINCE}, recurrent and convolution layers too); PagedCache does not hold it"
+        )
+    indexed = indexed_layers(config)
+    if paged and indexed:
+        raise ValueError(
+            f"config.layer_types: layers {indexed} are 'indexed_attention' (sparse attention: each query attends "
+            "to the top-k keys an indexer picks), which the paged_kv attention does not apply; use PagedCache "
+            "with the model's default attention"
         )
     if types and not attention_layers(config)[0]:
         raise ValueError(

@@ -1,0 +1,124 @@
+"""`PagedCache` on sparse-attention models (transformers' "indexed_attention" layers: DeepSeek-V3.2,
+GLM-MoE-DSA), whose indexer keeps a key per token beside the MLA latent and picks each query's top-k
+keys (`hf_indexed.PagedIndexedLayer`). `index_topk` is 3, below every prompt's length, so a wrong
+indexer key changes which keys a query reads. Every oracle is transformers' own `DynamicCache`."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+import transformers
+import transformers_matrix as matrix
+from transformers import DynamicCache
+from transformers_sweep import shrink
+
+from torch_paged_kv.integrations import hf_support
+from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
+
+MODELS = [("DeepseekV32Config", "DeepseekV32ForCausalLM"), ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")]
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(transformers, MODELS[0][0]), reason="this transformers has no sparse-attention (DSA) models"
+    ),
+    pytest.mark.skipif(
+        hf_support._older_than(hf_support.INDEXED_LAYERS_SINCE),
+        reason=f"indexed layers are refused before transformers {hf_support.INDEXED_LAYERS_SINCE}",
+    ),
+]
+GREEDY = dict(do_sample=False, pad_token_id=matrix.PAD)
+
+
+def dsa_model(config_name: str, model_name: str) -> torch.nn.Module:
+    """A tiny random model of the type, its indexer keeping the top 3 keys per query."""
+    config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = config_class(**{**shrink(config_class().to_dict()), "index_topk": 3})
+        torch.manual_seed(0)
+        model = model_class(config).float().eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=[m for _, m in MODELS])
+def model(request) -> torch.nn.Module:
+    return dsa_model(*request.param)
+
+
+def generate(model, cache, lengths: tuple[int, ...], new_tokens: int, **kwargs) -> torch.Tensor:
+    ids, mask = matrix.prompts(matrix.Mode(lengths, new_tokens))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            **{cache_kwarg(model): cache},
+            **GREEDY,
+            **kwargs,
+        )
+
+
+def paged(model, rows: int = 3) -> PagedCache:
+    return PagedCache(model.config, max_batch_size=rows, max_cache_len=40, page_size=4)
+
+
+@pytest.mark.parametrize(
+    "lengths, options",
+    [
+        ((5, 9, 3), {}),
+        ((6, 4), {"num_beams": 2, "num_return_sequences": 2}),
+        ((7,), {"prompt_lookup_num_tokens": 3}),
+    ],
+    ids=["padded batch", "beam search", "prompt lookup"],
+)
+def test_sparse_attention_gives_dynamic_cache_tokens(model, lengths, options):
+    """Greedy over left-padded prompts, beam search (rows reordered) and speculative decoding (drafts
+    cropped): the tokens of DynamicCache."""
+    rows = len(lengths) * options.get("num_beams", 1)
+    expected = generate(model, DynamicCache(config=model.config), lengths, 10, **options)
+    assert torch.equal(generate(model, paged(model, rows), lengths, 10, **options), expected)
+
+
+def test_a_reset_cache_takes_another_batch(model):
+    """The indexer keys start again at column 0 after `reset`, for a batch of another size too."""
+    cache = paged(model)
+    for lengths in [(5, 9), (4, 6, 8), (7, 3)]:
+        cache.reset()
+        expected = generate(model, DynamicCache(config=model.config), lengths, 6)
+        assert torch.equal(generate(model, cache, lengths, 6), expected), lengths
+
+
+def test_paged_kv_attention_is_refused_before_anything_is_stored(model):
+    """The paged kernels do not take top-k keys: `paged_kv` is refused naming `config.layer_types`."""
+    cache = paged(model)
+    model.set_attn_implementation("paged_kv")
+    try:
+        with pytest.raises(ValueError, match="^config.layer_types: layers \\[[0-9, ]+\\] are 'indexed_attention'"):
+            generate(model, cache, (5, 7), 4)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cache.pool is None or not cache.pool.lengths.any()
+
+
+def test_a_checkpoint_of_indexer_keys_is_refused(model, tmp_path):
+    """Checkpoints do not hold indexer keys yet: `save` and `load` refuse, writing nothing."""
+    cache = paged(model)
+    generate(model, cache, (5, 7), 3)
+    with pytest.raises(ValueError, match="^cache: layers \\[[0-9, ]+\\] keep indexer keys"):
+        cache.save(tmp_path / "kv.safetensors")
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="^config.layer_types: layers \\[[0-9, ]+\\] keep indexer keys"):
+        PagedCache.load(tmp_path / "kv.safetensors", model.config)
+
+
+def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):
+    """Before transformers `INDEXED_LAYERS_SINCE` indexed layers are refused naming `config.layer_types`."""
+    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.19.1")
+    with pytest.raises(ValueError, match="^config.layer_types: layers \\[[0-9, ]+\\] are \\['indexed_attention'\\]"):
+        paged(model)

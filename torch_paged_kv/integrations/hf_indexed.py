@@ -1,0 +1,63 @@
+"""`PagedIndexedLayer`: the cache layer of a sparse-attention layer (transformers' "indexed_attention":
+DeepSeek-V3.2, GLM-5 and the other DSA models), whose indexer keeps one key row per token
+(`[index_head_dim]`, one head) beside the layer's K/V, to pick each query's top-k keys.
+
+Its K/V (or MLA latent) are in the pages, as for any `PagedLayer`. The indexer keys are in one buffer
+of `max_batch_size` rows x `max_cache_len` columns, each token at the column its K/V take, and
+`update_indexer` returns the batch's rows of it whole: transformers' `StaticIndexedLayer`'s layout,
+whose unfilled columns the model's own mask hides. Served under the model's default attention only
+(`hf_support.check_config` refuses `paged_kv`: its kernels do not take top-k keys).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .hf_layer import PagedLayer
+
+if TYPE_CHECKING:
+    from .hf_cache import PagedCache
+
+
+class PagedIndexedLayer(PagedLayer):
+    """A `PagedLayer` with the indexer keys of its rows (see the module docstring)."""
+
+    def __init__(self, cache: PagedCache, layer_idx: int, pool_layer: int) -> None:
+        super().__init__(cache, layer_idx, pool_layer)
+        self.indexer_keys: torch.Tensor | None = None  # [max_batch_size, max_cache_len, index_head_dim]
+        self.indexer_columns: torch.Tensor | None = None  # 0-dim int64: the columns written (= the K/V's)
+        self.indexer_position_ids = None  # transformers' attribute (no model it serves sets it)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """Write this step's indexer keys `[batch, new, index_head_dim]` at the step's columns; return the
+        batch's rows of every column `[batch, max_cache_len, index_head_dim]`."""
+        batch, new, width = indexer_key_states.shape
+        if self.indexer_keys is None or self.indexer_keys.shape[2] != width:
+            self._allocate(indexer_key_states)
+        keys, columns = self.indexer_keys, self.indexer_columns
+        assert keys is not None and columns is not None  # made by `_allocate`
+        positions = torch.arange(new, device=keys.device) + columns
+        keys[:batch].index_copy_(1, positions, indexer_key_states.to(keys.dtype))
+        columns.add_(new)
+        return keys[:batch]
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        cache = self.cache
+        shape = (cache.max_batch_size, cache.max_cache_len, like.shape[2])
+        self.indexer_keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self.indexer_columns = torch.zeros((), dtype=torch.int64, device=like.device)
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(self.indexer_keys)
+            torch._dynamo.mark_static_address(self.indexer_columns)
+
+    def set_columns(self, columns: torch.Tensor | int) -> None:
+        """After `reset` (0) or `crop` (the cache's column count): later keys go there."""
+        if self.indexer_columns is not None:
+            self.indexer_columns.fill_(columns)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i := old row `rows[i]` (beam reorder, batch select, repeat)."""
+        if self.indexer_keys is not None:
+            self.indexer_keys[: rows.numel()] = self.indexer_keys[rows.to(self.indexer_keys.device)]
