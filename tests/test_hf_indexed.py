@@ -5,8 +5,11 @@ indexer key changes which keys a query reads. Every oracle is transformers' own 
 
 from __future__ import annotations
 
+import json
+import re
 import warnings
 
+import crafted_files
 import pytest
 import torch
 
@@ -16,7 +19,9 @@ import transformers_matrix as matrix
 from transformers import DynamicCache
 from transformers_sweep import shrink
 
+from torch_paged_kv.checkpoint import CheckpointError, read_info
 from torch_paged_kv.integrations import hf_support
+from torch_paged_kv.integrations.hf_checkpoint import METADATA_KEY
 from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
 
 MODELS = [("DeepseekV32Config", "DeepseekV32ForCausalLM"), ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")]
@@ -106,15 +111,72 @@ def test_paged_kv_attention_is_refused_before_anything_is_stored(model):
     assert cache.pool is None or not cache.pool.lengths.any()
 
 
-def test_a_checkpoint_of_indexer_keys_is_refused(model, tmp_path):
-    """Checkpoints do not hold indexer keys yet: `save` and `load` refuse, writing nothing."""
-    cache = paged(model)
-    generate(model, cache, (5, 7), 3)
-    with pytest.raises(ValueError, match="^cache: layers \\[[0-9, ]+\\] keep indexer keys"):
-        cache.save(tmp_path / "kv.safetensors")
-    assert not list(tmp_path.iterdir())
-    with pytest.raises(ValueError, match="^config.layer_types: layers \\[[0-9, ]+\\] keep indexer keys"):
-        PagedCache.load(tmp_path / "kv.safetensors", model.config)
+def test_generation_resumes_exactly_after_save_and_load(model, tmp_path):
+    """Generate, save, load into a fresh cache, generate on: the tokens of one uninterrupted `generate`
+    over DynamicCache; the indexer keys travel as extra tensors, bit for bit."""
+    lengths, first, more = (5, 9), 4, 5
+    expected = generate(model, DynamicCache(config=model.config), lengths, first + more)
+    cache = paged(model, rows=2)
+    so_far = generate(model, cache, lengths, first)
+    cache.save(tmp_path / "kv.safetensors")
+    info = read_info(tmp_path / "kv.safetensors")
+    columns = int(cache.get_seq_length())
+    assert set(info.extra_tensors) == {f"extra.indexer.{i}" for i in cache.indexer_keys(columns)}
+    loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=40)
+    for i, keys in cache.indexer_keys(columns).items():
+        assert keys.shape[:2] == (2, columns) and torch.equal(loaded.indexer_keys(columns)[i], keys), i
+    _, mask = matrix.prompts(matrix.Mode(lengths, first))
+    mask = torch.cat([mask, torch.ones(len(lengths), first, dtype=mask.dtype)], dim=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed = model.generate(
+            so_far,
+            attention_mask=mask,
+            max_new_tokens=more,
+            min_new_tokens=more,
+            **{cache_kwarg(model): loaded},
+            **GREEDY,
+        )
+    assert torch.equal(resumed, expected)
+
+
+@pytest.mark.parametrize("damage", ["unlisted", "missing", "other layer"])
+def test_files_whose_indexer_keys_do_not_fit_are_refused(model, tmp_path, monkeypatch, damage):
+    """Keys the metadata does not list, a file without keys for a model that has indexed layers, keys
+    of a layer that the config does not index: `CheckpointError` naming the file."""
+    cache = paged(model, rows=2)
+    generate(model, cache, (5, 9), 3)
+    path = tmp_path / "kv.safetensors"
+    layers = sorted(cache.indexer_keys(int(cache.get_seq_length())))
+    if damage == "missing":  # a consistent file of the same pool without them
+        monkeypatch.setattr(PagedCache, "indexer_keys", lambda self, columns: {})
+    cache.save(path)
+    if damage == "unlisted":
+        crafted_files.rewrite(path, _edited_state(lambda state: state.update(indexer_layers=[])))
+        message = "lists the extra tensors \\[\\], the file holds \\['extra.indexer"
+    elif damage == "missing":
+        message = "holds indexer keys of layers \\[\\], but this config's indexed layers are \\[0"
+    config = model.config
+    if damage == "other layer":  # the same pool, the last layer plain full attention
+        config = config.__class__.from_dict(
+            {**config.to_dict(), "layer_types": [*config.layer_types[:-1], "full_attention"]}
+        )
+        message = f"holds indexer keys of layers {re.escape(str(layers))}, but this config's indexed layers are \\[0"
+    with pytest.raises(CheckpointError, match=message) as error:
+        PagedCache.load(path, config)
+    assert str(path) in str(error.value)
+
+
+def _edited_state(change):
+    """An edit applying `change` to the cache's own metadata (a dict)."""
+
+    def edit(header):
+        meta = header["__metadata__"]
+        state = json.loads(json.loads(meta["user_metadata"])[METADATA_KEY])
+        change(state)
+        meta["user_metadata"] = json.dumps({METADATA_KEY: json.dumps(state)})
+
+    return edit
 
 
 def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):

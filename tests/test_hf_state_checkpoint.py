@@ -169,7 +169,7 @@ def _retype(name: str):
         ("reshape", "extra.states.1.0.recurrent is \\[1, .*expected \\[2 rows"),
         ("retype", "extra tensor 'extra.states.1.0.recurrent' is I32.*says F32"),
         ("rename", "extra tensor 'extra.states.1.0.recurrent' listed in metadata field 'extra_tensors' is missing"),
-        ("unlisted", "'states' lists the extra tensors .* the file holds"),
+        ("unlisted", "lists the extra tensors .* the file holds"),
     ],
 )
 def test_damaged_states_are_refused_before_anything_is_loaded(tmp_path, no_pages_loaded, damage, message):

@@ -482,8 +482,20 @@ class PagedCache(Cache):
     def _state_layer_objects(self) -> list[StateLayer]:
         return [self.state_layer(i) for i in self.state_layers]
 
+    def indexed_layer(self, layer_idx: int) -> PagedIndexedLayer:
+        """The cache layer of model layer `layer_idx`, one of `indexed_layers` (its indexer keys)."""
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, PagedIndexedLayer)  # the constructor makes every one of `indexed_layers` one
+        return layer
+
     def _indexed_layer_objects(self) -> list[PagedIndexedLayer]:
-        return [layer for layer in self._paged_layers if isinstance(layer, PagedIndexedLayer)]
+        return [self.indexed_layer(i) for i in self.indexed_layers]
+
+    def indexer_keys(self, columns: int) -> dict[int, torch.Tensor]:
+        """Model layer -> the rows in use's indexer keys of the first `columns` columns, for the indexed
+        layers a step wrote (a model's "shared" indexed layers reuse another layer's top-k and write none)."""
+        keys = {i: self.indexed_layer(i).saved_keys(self.rows, columns) for i in self.indexed_layers}
+        return {i: k for i, k in keys.items() if k is not None}
 
     # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
     def save(self, path: str | os.PathLike[str], **options: Any) -> None:

@@ -7,7 +7,8 @@ into the next positions), the model's dtype (an FP8 pool does not tell it), whet
 hold real tokens only (filled under `attn_implementation="paged_kv"`) or every column, padding
 included (any other attention), and for a hybrid model what restores its state layers' states:
 those states themselves are extra tensors of the file (`extra.states.<layer>.<state>.conv` /
-`.recurrent`, one row per saved row), checksummed like the rest.
+`.recurrent`, one row per saved row), checksummed like the rest; so are the indexer keys of a
+sparse-attention model's indexed layers (`extra.indexer.<layer>`, `[rows, columns, index_head_dim]`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from ..checkpoint import (
     save_cache,
 )
 from ..params import SUPPORTED_DTYPES
-from .hf_support import indexed_layers
 
 if TYPE_CHECKING:
     from .hf_cache import PagedCache
@@ -42,6 +42,11 @@ STATE_KINDS = ("conv", "recurrent")
 def state_tensor_name(layer: int, state: int, kind: str) -> str:
     """The extra tensor holding the `kind` ("conv" or "recurrent") states `state` of model layer `layer`."""
     return f"extra.states.{layer}.{state}.{kind}"
+
+
+def indexer_tensor_name(layer: int) -> str:
+    """The extra tensor holding the indexer keys of model layer `layer`."""
+    return f"extra.indexer.{layer}"
 
 
 def _states_to_save(cache: PagedCache) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -91,20 +96,19 @@ def save_paged_cache(
         raise ValueError("cache: nothing to save (no step has run since it was created or reset)")
     if metadata is not None and METADATA_KEY in metadata:
         raise ValueError(f"metadata: the key {METADATA_KEY!r} is the cache's own")
-    if cache.indexed_layers:
-        raise ValueError(
-            f"cache: layers {cache.indexed_layers} keep indexer keys (sparse attention), which a checkpoint does "
-            "not hold yet; nothing was written"
-        )
     state: dict[str, Any] = {
         "columns": int(pool.columns),
         "dtype": str(pool.dtype).removeprefix("torch."),
         "real_tokens_only": cache.attends_from_pages,
     }
-    extra_tensors = None
+    extra_tensors: dict[str, torch.Tensor] = {}
     if cache.state_layers:
         states, extra_tensors = _states_to_save(cache)
         state.update(states)
+    if cache.indexed_layers:
+        keys = cache.indexer_keys(state["columns"])
+        state["indexer_layers"] = sorted(keys)
+        extra_tensors.update({indexer_tensor_name(i): k for i, k in keys.items()})
     save_cache(
         pool.groups,
         path,
@@ -112,7 +116,7 @@ def save_paged_cache(
         metadata={**(metadata or {}), METADATA_KEY: json.dumps(state)},
         shard_bytes=shard_bytes,
         progress=progress,
-        extra_tensors=extra_tensors,
+        extra_tensors=extra_tensors or None,
     )
 
 
@@ -137,15 +141,16 @@ def load_paged_cache(
     layer) differ from `config`'s is a `CheckpointError`. The states' other dims are the model's: the
     file's are checked against each other (rows, kernel size), the model's own at its next step.
     """
-    indexed = indexed_layers(config.get_text_config(decoder=True))
-    if indexed:
-        raise ValueError(
-            f"config.layer_types: layers {indexed} keep indexer keys (sparse attention), which a checkpoint does "
-            "not hold yet"
-        )
     info = read_info(path)
     state = _saved_state(info.path, info.user_metadata, info.kind)
-    states = _saved_states(info, state)
+    states, state_names = _saved_states(info, state)
+    indexer_layers = _saved_indexer_layers(info, state)
+    listed = state_names | {indexer_tensor_name(i) for i in indexer_layers}
+    if listed != set(info.extra_tensors):
+        raise CheckpointError(
+            f"{info.path}: user metadata {METADATA_KEY!r} lists the extra tensors {sorted(listed)}, the file holds "
+            f"{sorted(info.extra_tensors)}"
+        )
     saved_states = read_extra_tensors(info)  # checksums verified before anything is allocated
     p = info.params
     rows, lengths = len(info.cache_lengths), torch.tensor(info.cache_lengths, dtype=torch.int32)
@@ -179,6 +184,11 @@ def load_paged_cache(
         raise CheckpointError(
             f"{info.path}: the file holds state layers (model layer, states) {state.get('state_layers', [])}, "
             f"but this config makes {ours_states}"
+        )
+    if not set(indexer_layers) <= set(cache.indexed_layers) or (cache.indexed_layers and not indexer_layers):
+        raise CheckpointError(
+            f"{info.path}: the file holds indexer keys of layers {indexer_layers}, but this config's indexed layers "
+            f"are {cache.indexed_layers}"
         )
     if rows > cache.max_batch_size:
         raise ValueError(f"max_batch_size: the file holds {rows} rows, more than {cache.max_batch_size}")
@@ -216,14 +226,16 @@ def load_paged_cache(
             saved_states[state_tensor_name(i, s, kind)].to(pool.device) if entry[kind] else None for kind in STATE_KINDS
         )
         cache.state_layer(i).restore(s, conv, recurrent, entry["conv_kernel_size"], entry["has_previous_state"])
+    for i in indexer_layers:
+        cache.indexed_layer(i).restore(saved_states[indexer_tensor_name(i)].to(pool.device))
     cache.rows = rows
     return cache
 
 
-def _saved_states(info: CheckpointInfo, state: dict[str, Any]) -> list[dict[str, Any]]:
+def _saved_states(info: CheckpointInfo, state: dict[str, Any]) -> tuple[list[dict[str, Any]], set[str]]:
     """The state entries of the cache's own metadata, checked against each other and the file's extra
-    tensors (which are exactly theirs; conv states `[rows, ..., conv_kernel_size]`, recurrent states
-    `[rows, ...]`); `CheckpointError` naming the file otherwise."""
+    tensors (conv states `[rows, ..., conv_kernel_size]`, recurrent states `[rows, ...]`), and the names
+    of the extra tensors they list; `CheckpointError` naming the file otherwise."""
 
     def bad(what: str) -> CheckpointError:
         return CheckpointError(f"{info.path}: user metadata {METADATA_KEY!r}: {what}")
@@ -262,8 +274,6 @@ def _saved_states(info: CheckpointInfo, state: dict[str, Any]) -> list[dict[str,
             name = state_tensor_name(entry["layer"], entry["state"], kind)
             if entry[kind]:
                 expected[name] = info.extra_tensors.get(name, (None, ()))[1]
-    if set(expected) != set(info.extra_tensors):
-        raise bad(f"'states' lists the extra tensors {sorted(expected)}, the file holds {sorted(info.extra_tensors)}")
     rows = len(info.cache_lengths)
     for entry in entries:
         for kind in STATE_KINDS:
@@ -276,7 +286,26 @@ def _saved_states(info: CheckpointInfo, state: dict[str, Any]) -> list[dict[str,
                     f"{state_tensor_name(entry['layer'], entry['state'], kind)} is {list(shape)}: expected "
                     f"[{rows} rows, ...{', conv_kernel_size' if kind == 'conv' else ''}]"
                 )
-    return entries
+    return entries, set(expected)
+
+
+def _saved_indexer_layers(info: CheckpointInfo, state: dict[str, Any]) -> list[int]:
+    """The layers whose indexer keys the file holds (`indexer_layers` of the cache's own metadata), each
+    an extra tensor `[rows, columns, index_head_dim]`; `CheckpointError` naming the file otherwise."""
+    layers = state.get("indexer_layers", [])
+    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
+        raise CheckpointError(f"{info.path}: user metadata {METADATA_KEY!r}: 'indexer_layers': got {layers!r:.80}")
+    if len(set(layers)) != len(layers) or any(i < 0 for i in layers):
+        raise CheckpointError(f"{info.path}: user metadata {METADATA_KEY!r}: 'indexer_layers': {layers!r:.80}")
+    rows = len(info.cache_lengths)
+    for i in layers:
+        shape = info.extra_tensors.get(indexer_tensor_name(i), (None, ()))[1]
+        if len(shape) != 3 or shape[0] != rows or shape[1] != state["columns"] or shape[2] == 0:
+            raise CheckpointError(
+                f"{info.path}: {indexer_tensor_name(i)} is {list(shape)}: expected [{rows} rows, "
+                f"{state['columns']} columns, index_head_dim]"
+            )
+    return layers
 
 
 def _saved_state(path: os.PathLike[str], user_metadata: dict[str, str], kind: str) -> dict[str, Any]:

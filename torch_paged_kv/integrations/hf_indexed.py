@@ -6,7 +6,8 @@ Its K/V (or MLA latent) are in the pages, as for any `PagedLayer`. The indexer k
 of `max_batch_size` rows x `max_cache_len` columns, each token at the column its K/V take, and
 `update_indexer` returns the batch's rows of it whole: transformers' `StaticIndexedLayer`'s layout,
 whose unfilled columns the model's own mask hides. Served under the model's default attention only
-(`hf_support.check_config` refuses `paged_kv`: its kernels do not take top-k keys).
+(`hf_support.check_config` refuses `paged_kv`: its kernels do not take top-k keys). `saved_keys` and
+`restore` are what `PagedCache.save` / `load` store and set of it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class PagedIndexedLayer(PagedLayer):
         if not torch.compiler.is_compiling():
             torch._dynamo.mark_static_address(self.indexer_keys)
             torch._dynamo.mark_static_address(self.indexer_columns)
+
+    def saved_keys(self, rows: int, columns: int) -> torch.Tensor | None:
+        """The first `rows` rows' keys of the first `columns` columns (None: no step wrote any)."""
+        return None if self.indexer_keys is None else self.indexer_keys[:rows, :columns].contiguous()
+
+    def restore(self, keys: torch.Tensor) -> None:
+        """Hold `keys` `[rows, columns, index_head_dim]` (a checkpoint's) as rows 0.. up to column `columns`."""
+        rows, columns, _ = keys.shape
+        self._allocate(keys)
+        assert self.indexer_keys is not None and self.indexer_columns is not None  # made by `_allocate`
+        self.indexer_keys[:rows, :columns] = keys
+        self.indexer_columns.fill_(columns)
 
     def set_columns(self, columns: torch.Tensor | int) -> None:
         """After `reset` (0) or `crop` (the cache's column count): later keys go there."""
