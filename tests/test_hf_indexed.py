@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 import transformers
 import transformers_matrix as matrix
 from transformers import DynamicCache
+from transformers.generation.configuration_utils import CompileConfig
 from transformers_sweep import shrink
 
 from torch_paged_kv.checkpoint import CheckpointError, read_info
@@ -184,3 +185,21 @@ def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):
     monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.19.1")
     with pytest.raises(ValueError, match="^config.layer_types: layers \\[[0-9, ]+\\] are \\['indexed_attention'\\]"):
         paged(model)
+
+
+@pytest.mark.slow  # (about 30 s on a cold inductor cache)
+def test_compiled_decode_with_indexed_layers_does_not_recompile():
+    """`generate` with a compiled decode step (fullgraph) over the latent pages and the indexer keys:
+    greedy tokens equal DynamicCache's, and a second `generate` after `reset` reuses the graph."""
+    model = dsa_model(*MODELS[0])
+    expected = generate(model, DynamicCache(config=model.config), (5, 7), 8)
+    cache = paged(model, rows=2)
+    compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
+    compile_config._compile_all_devices = True  # generate compiles the decode step off-GPU only when told
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert torch.equal(generate(model, cache, (5, 7), 8, compile_config=compile_config), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
+    cache.reset()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(generate(model, cache, (5, 7), 8, compile_config=compile_config), expected)
