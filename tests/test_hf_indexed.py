@@ -1,7 +1,9 @@
 """`PagedCache` on sparse-attention models (transformers' "indexed_attention" layers: DeepSeek-V3.2,
 GLM-MoE-DSA), whose indexer keeps a key per token beside the MLA latent and picks each query's top-k
 keys (`hf_indexed.PagedIndexedLayer`). `index_topk` is 3, below every prompt's length, so a wrong
-indexer key changes which keys a query reads. Every oracle is transformers' own `DynamicCache`."""
+indexer key changes which keys a query reads. Every oracle is transformers' own `StaticCache` of the
+same `max_cache_len`: top-k flips where fp32 rounding reorders a near-tie, and caches of static shapes
+round differently from `DynamicCache` (tests/transformers_matrix.py, `Family.reference`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 import transformers
 import transformers_matrix as matrix
-from transformers import DynamicCache
+from transformers import StaticCache
 from transformers.generation.configuration_utils import CompileConfig
 from transformers_sweep import shrink
 
@@ -70,8 +72,16 @@ def generate(model, cache, lengths: tuple[int, ...], new_tokens: int, **kwargs) 
         )
 
 
+MAX_CACHE_LEN = 40
+
+
 def paged(model, rows: int = 3) -> PagedCache:
-    return PagedCache(model.config, max_batch_size=rows, max_cache_len=40, page_size=4)
+    return PagedCache(model.config, max_batch_size=rows, max_cache_len=MAX_CACHE_LEN, page_size=4)
+
+
+def static(model) -> StaticCache:
+    """The oracle's cache: the same key columns as `paged`'s."""
+    return StaticCache(config=model.config, max_cache_len=MAX_CACHE_LEN)
 
 
 @pytest.mark.parametrize(
@@ -85,9 +95,9 @@ def paged(model, rows: int = 3) -> PagedCache:
 )
 def test_sparse_attention_gives_dynamic_cache_tokens(model, lengths, options):
     """Greedy over left-padded prompts, beam search (rows reordered) and speculative decoding (drafts
-    cropped): the tokens of DynamicCache."""
+    cropped): the tokens of StaticCache."""
     rows = len(lengths) * options.get("num_beams", 1)
-    expected = generate(model, DynamicCache(config=model.config), lengths, 10, **options)
+    expected = generate(model, static(model), lengths, 10, **options)
     assert torch.equal(generate(model, paged(model, rows), lengths, 10, **options), expected)
 
 
@@ -96,7 +106,7 @@ def test_a_reset_cache_takes_another_batch(model):
     cache = paged(model)
     for lengths in [(5, 9), (4, 6, 8), (7, 3)]:
         cache.reset()
-        expected = generate(model, DynamicCache(config=model.config), lengths, 6)
+        expected = generate(model, static(model), lengths, 6)
         assert torch.equal(generate(model, cache, lengths, 6), expected), lengths
 
 
@@ -114,16 +124,16 @@ def test_paged_kv_attention_is_refused_before_anything_is_stored(model):
 
 def test_generation_resumes_exactly_after_save_and_load(model, tmp_path):
     """Generate, save, load into a fresh cache, generate on: the tokens of one uninterrupted `generate`
-    over DynamicCache; the indexer keys travel as extra tensors, bit for bit."""
+    over StaticCache; the indexer keys travel as extra tensors, bit for bit."""
     lengths, first, more = (5, 9), 4, 5
-    expected = generate(model, DynamicCache(config=model.config), lengths, first + more)
+    expected = generate(model, static(model), lengths, first + more)
     cache = paged(model, rows=2)
     so_far = generate(model, cache, lengths, first)
     cache.save(tmp_path / "kv.safetensors")
     info = read_info(tmp_path / "kv.safetensors")
     columns = int(cache.get_seq_length())
     assert set(info.extra_tensors) == {f"extra.indexer.{i}" for i in cache.indexer_keys(columns)}
-    loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=40)
+    loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
     for i, keys in cache.indexer_keys(columns).items():
         assert keys.shape[:2] == (2, columns) and torch.equal(loaded.indexer_keys(columns)[i], keys), i
     _, mask = matrix.prompts(matrix.Mode(lengths, first))
@@ -190,9 +200,9 @@ def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):
 @pytest.mark.slow  # (about 30 s on a cold inductor cache)
 def test_compiled_decode_with_indexed_layers_does_not_recompile():
     """`generate` with a compiled decode step (fullgraph) over the latent pages and the indexer keys:
-    greedy tokens equal DynamicCache's, and a second `generate` after `reset` reuses the graph."""
+    greedy tokens equal StaticCache's, and a second `generate` after `reset` reuses the graph."""
     model = dsa_model(*MODELS[0])
-    expected = generate(model, DynamicCache(config=model.config), (5, 7), 8)
+    expected = generate(model, static(model), (5, 7), 8)
     cache = paged(model, rows=2)
     compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
     compile_config._compile_all_devices = True  # generate compiles the decode step off-GPU only when told

@@ -277,7 +277,8 @@ def test_check_config_refusals_name_the_field():
     """Each refusal of `check_config` names its field; the paged-only ones only under `paged_kv`."""
     llama = matrix.model_of(family("Llama"))[0].config
     cases = [
-        (dict(layer_types=["full_attention", "indexed_attention"]), "config.layer_types", False),  # sparse
+        (dict(layer_types=["full_attention", "compressed_sparse_attention"]), "config.layer_types", False),
+        (dict(layer_types=["full_attention", "indexed_attention"]), "config.layer_types", True),  # top-k keys
         (dict(layer_types=["linear_attention", "conv"]), "config.layer_types", False),  # nothing to page
         (dict(model_type="minimax"), "config.model_type", False),  # refuses any cache but its own
         (dict(attention_chunk_size=8), "config.layer_types", True),  # which layers are chunked?
@@ -292,8 +293,10 @@ def test_check_config_refusals_name_the_field():
         (dict(v_head_dim=8), "config.v_head_dim", False),  # values narrower than keys (MiMo-V2-Flash)
         (dict(block_types=["recurrent", "attention"]), "config.block_types", False),  # RecurrentGemma, 5.17
     ]
+    if hf_support._older_than(hf_support.INDEXED_LAYERS_SINCE):  # indexed layers, in both columns
+        cases[1] = (cases[1][0], "config.layer_types", False)
     if hf_support._mla_update_gets_decompressed_kv():  # every MLA model, in both columns
-        cases[6] = (cases[6][0], "config.kv_lora_rank", False)
+        cases[7] = (cases[7][0], "config.kv_lora_rank", False)
     for fields, name, paged_only in cases:
         config = SimpleNamespace(**{**vars(llama), "layer_types": None, **fields})
         for paged in (False, True):

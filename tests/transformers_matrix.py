@@ -6,6 +6,9 @@ attention ("default" column) and once under `attn_implementation="paged_kv"`, co
 token with the same `generate` over transformers' `DynamicCache`: under the default attention for
 the default column, under `eager` (transformers' definition of the model's attention) for the
 `paged_kv` column (transformers 5.17's Gemma2 defaults to `sdpa`, which drops its logit softcap).
+A family whose attention picks top-k keys (sparse attention) is compared with transformers'
+`StaticCache` instead (`Family.reference`): its top-k flips where fp32 rounding reorders a near-tie,
+and a cache of static shapes rounds differently from DynamicCache (StaticCache differs from it too).
 The family declares each column's outcome (and, in `older`, what older transformers give where it
 refuses by design), and a cell passes only when it happens:
 
@@ -87,6 +90,8 @@ class Family:
 
     `config` and `model` name classes exported by `transformers`; `overrides` are given to the config
     on top of `TINY` (None removes a key). `notes`: what the config exercises or why it is refused (docs table).
+    `reference`: the transformers cache whose `generate` is the oracle (StaticCache only where no cache
+    of static shapes can follow DynamicCache's rounding: top-k sparse attention).
     """
 
     name: str
@@ -97,6 +102,7 @@ class Family:
     paged_kv: Outcome = EXACT
     notes: str = ""
     older: tuple[Before, ...] = ()
+    reference: str = "DynamicCache"  # the oracle: transformers' "DynamicCache" or "StaticCache"
 
     def expected(self, column: str) -> Outcome:
         """The column's outcome on the installed transformers: the oldest `older` entry that applies,
@@ -328,6 +334,20 @@ FAMILIES: tuple[Family, ...] = (
         older=MLA_BEFORE_5_24,
     ),
     Family(
+        "DeepSeek-V3.2 (sparse attention)",
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(DEEPSEEK_MOE, n_group=1, topk_group=1, index_topk=3, index_head_dim=16, index_n_heads=4),
+        paged_kv=Refused("config.layer_types"),
+        notes=(
+            "indexed attention (DSA): MLA latent in pages, indexer keys beside them, top 3 keys per query; "
+            "`paged_kv` does not apply top-k; oracle: transformers' `StaticCache` (its top-k, like any cache of "
+            "static shapes, differs from DynamicCache's where fp32 rounding flips a near-tie)"
+        ),
+        older=(Before("5.20", default=Refused("config.layer_types")),),  # "deepseek_sparse_attention" before
+        reference="StaticCache",
+    ),
+    Family(
         "Falcon",
         "FalconConfig",
         "FalconForCausalLM",
@@ -556,7 +576,7 @@ class CellResult:
 
 
 _models: dict[str, tuple[torch.nn.Module, str]] = {}
-_references: dict[tuple[str, str, str], list[Generated]] = {}  # (family, mode, attention) -> DynamicCache's
+_references: dict[tuple[str, str, str], list[Generated]] = {}  # (family, mode, attention) -> the oracle's
 
 
 def model_of(family: Family) -> tuple[torch.nn.Module, str]:
@@ -577,10 +597,18 @@ def set_attention(model: torch.nn.Module, attn: str) -> None:
         model.config._attn_implementation_internal = attn
 
 
+def reference_cache(family: Family, model: torch.nn.Module, mode: Mode) -> Any:
+    """A fresh cache of the family's `reference` kind for the mode (a StaticCache as long as the cell's
+    PagedCache: the same key columns)."""
+    from transformers import DynamicCache, StaticCache
+
+    if family.reference == "StaticCache":
+        return StaticCache(config=model.config, max_cache_len=max_cache_len(mode))
+    return DynamicCache(config=model.config)
+
+
 def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
     """Runs one cell and reports what happened, as `str(outcome)` or a description of the failure."""
-    from transformers import DynamicCache
-
     mode = MODE_SPECS[mode_name]
     start = time.perf_counter()
     model, default_attn = model_of(family)
@@ -590,7 +618,7 @@ def run_cell(family: Family, column: str, mode_name: str) -> CellResult:
     if key not in _references:
         try:
             set_attention(model, reference_attn)
-            _references[key] = run(model, lambda: DynamicCache(config=model.config), mode)
+            _references[key] = run(model, lambda: reference_cache(family, model, mode), mode)
         except Exception as e:  # the reference itself fails: the family's config is wrong here
             return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
         finally:
