@@ -20,7 +20,6 @@ import transformers
 import transformers_matrix as matrix
 from transformers import StaticCache
 from transformers.generation.configuration_utils import CompileConfig
-from transformers_sweep import shrink
 
 from torch_paged_kv.checkpoint import CheckpointError, read_info
 from torch_paged_kv.integrations import hf_support
@@ -38,14 +37,17 @@ pytestmark = [
     ),
 ]
 GREEDY = dict(do_sample=False, pad_token_id=matrix.PAD)
+DSA = next(f for f in matrix.FAMILIES if f.config == MODELS[0][0])
 
 
 def dsa_model(config_name: str, model_name: str) -> torch.nn.Module:
-    """A tiny random model of the type, its indexer keeping the top 3 keys per query."""
+    """A tiny random model of the type (the matrix's DeepSeek-V3.2 config), its indexer keeping the top 3
+    keys per query."""
     config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = config_class(**{**shrink(config_class().to_dict()), "index_topk": 3})
+        kwargs = {**matrix.TINY, **DSA.overrides}
+        config = config_class(**{k: v for k, v in kwargs.items() if v is not None})
         torch.manual_seed(0)
         model = model_class(config).float().eval()
     model.set_attn_implementation("sdpa")
@@ -93,7 +95,7 @@ def static(model) -> StaticCache:
     ],
     ids=["padded batch", "beam search", "prompt lookup"],
 )
-def test_sparse_attention_gives_dynamic_cache_tokens(model, lengths, options):
+def test_sparse_attention_gives_static_cache_tokens(model, lengths, options):
     """Greedy over left-padded prompts, beam search (rows reordered) and speculative decoding (drafts
     cropped): the tokens of StaticCache."""
     rows = len(lengths) * options.get("num_beams", 1)
