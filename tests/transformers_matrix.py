@@ -344,7 +344,7 @@ FAMILIES: tuple[Family, ...] = (
             "`paged_kv` does not apply top-k; oracle: transformers' `StaticCache` (its top-k, like any cache of "
             "static shapes, differs from DynamicCache's where fp32 rounding flips a near-tie)"
         ),
-        older=(Before("5.20", default=Refused("config.layer_types")),),  # "deepseek_sparse_attention" before
+        older=(Before("5.18", default=Refused("config.layer_types")),),  # "deepseek_sparse_attention" before
         reference="StaticCache",
     ),
     Family(

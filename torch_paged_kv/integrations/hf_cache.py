@@ -57,7 +57,16 @@ from .hf_indexed import PagedIndexedLayer
 from .hf_layer import PagedLayer
 from .hf_pool import CachePool
 from .hf_state import PagedStateLayer, StateLayer
-from .hf_support import CacheShape, attention_layers, cache_groups, check_config, indexed_layers, state_layers
+from .hf_support import (
+    INDEXED_SPECULATIVE_SINCE,
+    CacheShape,
+    attention_layers,
+    cache_groups,
+    check_config,
+    indexed_layers,
+    serves_indexed_speculative,
+    state_layers,
+)
 
 if TYPE_CHECKING:  # transformers >= 5.23 (models with such layers need it)
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
@@ -340,6 +349,12 @@ class PagedCache(Cache):
         A cache with state layers raises `ValueError` instead: recurrent states cannot go back, and
         over conv states alone (LFM2) a crop gives other tokens than `DynamicCache`'s there (so does
         transformers' `StaticCache`), so speculative decoding is refused before its first token."""
+        if self.indexed_layers and not serves_indexed_speculative():
+            raise ValueError(
+                f"cache: layers {self.indexed_layers} attend to the top-k keys of an indexer (sparse attention), "
+                f"whose speculative decoding PagedCache serves from transformers {INDEXED_SPECULATIVE_SINCE} (checked "
+                "against its StaticCache, which refuses it before); use that version or DynamicCache"
+            )
         if self.state_layers:
             raise ValueError(
                 f"cache: layers {self.state_layers} keep conv or recurrent states, which PagedCache cannot take back "

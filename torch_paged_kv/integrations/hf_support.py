@@ -31,9 +31,12 @@ INDEXED_LAYER_TYPES = ("indexed_attention",)
 """transformers' sparse-attention layer type (DSA: DeepSeek-V3.2, GLM-5): K/V plus an indexer key per
 token, from which each query attends only to its top-k keys; served under the model's own attention
 (`hf_indexed.PagedIndexedLayer`), not under `paged_kv`."""
-INDEXED_LAYERS_SINCE = "5.20"
+INDEXED_LAYERS_SINCE = "5.18"
 """The oldest transformers whose indexed layers `PagedCache` was checked to hold exactly: older ones are
 refused."""
+INDEXED_SPECULATIVE_SINCE = "5.24"
+"""The oldest transformers whose `StaticCache` serves speculative decoding: the oracle for models with
+indexed layers (whose top-k DynamicCache's rounding does not reproduce). `PagedCache` refuses it before."""
 STATE_LAYERS_SINCE = "5.17"
 """The oldest transformers whose state layers `PagedCache` was checked to hold exactly (the matrix's
 hybrid families on 5.17 and 5.23; 5.5's `LinearAttentionLayer` takes no `number_of_states`): older
@@ -184,6 +187,11 @@ def state_layers(config: Any) -> list[int]:
     `HYBRID_LAYER_TYPES`)."""
     kinds = STATE_LAYER_TYPES + HYBRID_LAYER_TYPES
     return [i for i, kind in enumerate(getattr(config, "layer_types", None) or []) if kind in kinds]
+
+
+def serves_indexed_speculative() -> bool:
+    """Whether this transformers is one on which speculative decoding of indexed layers was checked."""
+    return not _older_than(INDEXED_SPECULATIVE_SINCE)
 
 
 def indexed_layers(config: Any) -> list[int]:
