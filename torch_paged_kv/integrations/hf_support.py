@@ -27,10 +27,11 @@ linear-attention, Mamba and short-convolution layers), not K/V per token: `Paged
 transformers' own `LinearAttentionLayer`, beside the pages."""
 HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 """transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
-STATE_LAYERS_SINCE = "5.17"
-"""The oldest transformers whose state layers `PagedCache` was checked to hold exactly (the matrix's
-hybrid families on 5.17 and 5.23; 5.5's `LinearAttentionLayer` takes no `number_of_states`): older
-ones are refused."""
+STATE_LAYERS_SINCE = "5.14"
+"""The oldest transformers whose state layers `PagedCache` holds exactly (the matrix's hybrid families
+in every mode on 5.14.0 to 5.17.0 and 5.23): older ones are refused. Before 5.14, transformers'
+`LinearAttentionLayer` keeps one conv and one recurrent state per layer (no `number_of_states`, no
+`state_idx`), which `hf_state.StateLayer` does not follow."""
 MLA_LATENT_UPDATE = "5.15"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
