@@ -56,17 +56,17 @@ UNSERVED_MODEL_TYPES = {
 """Model types with state layers whose cache use `PagedCache` does not follow (found by the sweep)."""
 _MASK_FROM_TOKENS = "builds its attention mask for the tokens so far, not for the cache's key columns"
 OLD_MASK_MODEL_TYPES = {
-    "big_bird": ("5.20", _MASK_FROM_TOKENS),
-    "megatron-bert": ("5.20", _MASK_FROM_TOKENS),
-    "rembert": ("5.20", _MASK_FROM_TOKENS),
-    "roformer": ("5.20", _MASK_FROM_TOKENS),
+    "big_bird": ("5.18", _MASK_FROM_TOKENS),
+    "megatron-bert": ("5.18", _MASK_FROM_TOKENS),
+    "rembert": ("5.18", _MASK_FROM_TOKENS),
+    "roformer": ("5.18", _MASK_FROM_TOKENS),
     "bloom": ("5.21", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
-    "doge": ("5.20", "gives other tokens than DynamicCache through its own key selection over the columns"),
+    "doge": ("5.18", "gives other tokens than DynamicCache through its own key selection over the columns"),
     "ctrl": ("5.17", _MASK_FROM_TOKENS),
 }
 """Model types whose code in transformers older than the version named does not follow a compileable
 cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
-on 5.5.4, 5.17 and 5.20.2; each bound is the oldest version the sweep found exact, 5.20.2 or 5.21.1)."""
+on 5.5.4, 5.17, 5.18.0, 5.19.0 and 5.20.2; each bound is the oldest version the sweep found exact)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
