@@ -80,16 +80,10 @@ def test_speculative_decoding_is_refused_before_its_first_token(attn):
     """Speculative decoding needs states that go back to an earlier token: recurrent states cannot
     (transformers refuses such models itself), and over conv states alone (LFM2) transformers' path
     for a compileable cache gives other tokens than DynamicCache's (its StaticCache's too). Refused
-    when transformers asks to record the past, before the prefill: nothing stored. (transformers before
-    5.15 marks LFM2 stateful too, refusing it itself.)"""
+    when transformers asks to record the past, before the prefill: nothing stored."""
     model = family_model(LFM2, attn)
     cache = PagedCache(model.config, max_batch_size=2, max_cache_len=48, page_size=4)
-    refusal = (
-        "^assisted generation is not supported with stateful models"
-        if model._is_stateful
-        else "^cache: layers \\[.*\\] keep conv or recurrent states"
-    )
-    with pytest.raises(ValueError, match=refusal):
+    with pytest.raises(ValueError, match="^cache: layers \\[.*\\] keep conv or recurrent states"):
         generate(model, cache, (5, 7), 8, prompt_lookup_num_tokens=3)
     assert cache.groups is None or not any(c.cache_lengths.any() for c in cache.groups.collections)
 
@@ -169,6 +163,16 @@ def test_state_layers_are_refused_where_unchecked(monkeypatch):
     """Before transformers `STATE_LAYERS_SINCE` state layers are refused naming `config.layer_types`."""
     config = family_model(QWEN3_NEXT, "sdpa").config
     PagedCache(config, max_batch_size=1, max_cache_len=16)
-    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.13.1")
+    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.14.1")
     with pytest.raises(ValueError, match="^config.layer_types: layers \\[0, 1, 2\\] are \\['linear_attention'\\]"):
         PagedCache(config, max_batch_size=1, max_cache_len=16)
+
+
+def test_attention_free_layers_beside_state_layers_hold_transformers_placeholder():
+    """Nemotron-H's "mlp" and "moe" layers keep nothing: the cache holds transformers' placeholder for
+    them (its `DummyLayer`; before 5.23, which has none, the empty `LinearAttentionLayer` its own caches
+    hold there), and the tokens are DynamicCache's in every sweep cell."""
+    import transformers_sweep as sweep
+
+    result = sweep.sweep_one("nemotron_h")
+    assert result["cls"] == "EXACT", result["cells"]
