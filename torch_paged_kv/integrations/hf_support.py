@@ -29,7 +29,7 @@ HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 """transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
 STATE_LAYERS_SINCE = "5.15"
 """The oldest transformers whose state layers `PagedCache` holds exactly (the matrix's hybrid families
-in every mode on 5.15.1 to 5.17.0 and 5.23, the sweep on 5.15.1 and 5.16.1): older ones are refused.
+in every mode on 5.15.1 to 5.19.0 and 5.23, the sweep on 5.15.1 to 5.19.0): older ones are refused.
 In 5.14 OLMo-Hybrid and Zamba2 keep their states in caches of their own (a crash under `PagedCache`;
 the matrix's families are exact there); before 5.14, transformers' `LinearAttentionLayer` keeps one
 conv and one recurrent state per layer (no `number_of_states`), which `hf_state.StateLayer` does not follow."""
