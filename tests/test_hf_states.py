@@ -163,6 +163,16 @@ def test_state_layers_are_refused_where_unchecked(monkeypatch):
     """Before transformers `STATE_LAYERS_SINCE` state layers are refused naming `config.layer_types`."""
     config = family_model(QWEN3_NEXT, "sdpa").config
     PagedCache(config, max_batch_size=1, max_cache_len=16)
-    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.16.1")
+    monkeypatch.setattr(hf_support, "_transformers_version", lambda: "5.14.1")
     with pytest.raises(ValueError, match="^config.layer_types: layers \\[0, 1, 2\\] are \\['linear_attention'\\]"):
         PagedCache(config, max_batch_size=1, max_cache_len=16)
+
+
+def test_attention_free_layers_beside_state_layers_hold_transformers_placeholder():
+    """Nemotron-H's "mlp" and "moe" layers keep nothing: the cache holds transformers' placeholder for
+    them (its `DummyLayer`; before 5.23, which has none, the empty `LinearAttentionLayer` its own caches
+    hold there), and the tokens are DynamicCache's in every sweep cell."""
+    import transformers_sweep as sweep
+
+    result = sweep.sweep_one("nemotron_h")
+    assert result["cls"] == "EXACT", result["cells"]

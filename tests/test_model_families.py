@@ -316,7 +316,7 @@ def test_check_config_refusals_name_the_field():
 
 def test_models_an_older_transformers_builds_masks_for_are_refused_there(monkeypatch):
     """The model types whose code in older transformers ignores the cache's key columns (the sweep on
-    5.5.4, 5.17 and 5.20.2) are refused there in both columns, naming `config.model_type`, and served from the
+    5.5.4, 5.17 to 5.20.2) are refused there in both columns, naming `config.model_type`, and served from the
     version named."""
     llama = matrix.model_of(family("Llama"))[0].config
     import transformers  # (after the first model: building one replaces transformers' module object)

@@ -185,7 +185,7 @@ NOT_ON_INTERFACE = (
     "`from_pretrained`, ignored by `set_attn_implementation`); `PagedCache` refuses a config that names it"
 )
 
-STATES_BEFORE_5_17 = (Before("5.17", Refused("config.layer_types"), Refused("config.layer_types")),)
+STATES_BEFORE_5_15 = (Before("5.15", Refused("config.layer_types"), Refused("config.layer_types")),)
 SHARING_BEFORE_5_23 = (Before("5.23", Refused("config"), Refused("config")),)  # no `kv_sharing_modes` yet
 MLA_BEFORE_5_24 = (
     Before("5.15", Refused("config.kv_lora_rank"), Refused("config.kv_lora_rank")),  # update gets per-head K/V
@@ -442,7 +442,7 @@ FAMILIES: tuple[Family, ...] = (
             num_hidden_layers=4,
         ),
         notes=STATES,
-        older=STATES_BEFORE_5_17,
+        older=STATES_BEFORE_5_15,
     ),
     Family(
         "Jamba (hybrid)",
@@ -461,7 +461,7 @@ FAMILIES: tuple[Family, ...] = (
             mamba_expand=2,
         ),
         notes="Mamba layers: " + STATES.split(": ", 1)[1],
-        older=STATES_BEFORE_5_17,
+        older=STATES_BEFORE_5_15,
     ),
     Family(
         "LFM2 (hybrid)",
@@ -470,7 +470,7 @@ FAMILIES: tuple[Family, ...] = (
         dict(num_hidden_layers=4, full_attn_idxs=[1, 3], conv_L_cache=3),
         notes="short-convolution layers: their conv states in transformers' `LinearAttentionLayer`, the "
         "full-attention layers in pages",
-        older=STATES_BEFORE_5_17,
+        older=STATES_BEFORE_5_15,
     ),
     Family(
         "Falcon-H1 (hybrid)",
@@ -478,7 +478,7 @@ FAMILIES: tuple[Family, ...] = (
         "FalconH1ForCausalLM",
         dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=8),
         notes="attention and a Mamba mixer in every layer: K/V in pages, the Mamba states beside them",
-        older=STATES_BEFORE_5_17,
+        older=STATES_BEFORE_5_15,
     ),
 )
 

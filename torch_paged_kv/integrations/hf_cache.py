@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from ..collection import PagedKVCacheCollection
 from ..layer_groups import LayerGroups
@@ -86,10 +86,14 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def _no_cache_layer() -> DummyLayer:
-    """transformers' placeholder for a layer without a cache (shared-KV and attention-free layers)."""
-    from transformers.cache_utils import DummyLayer  # transformers >= 5.23; older models have no such layers
-
+def _no_cache_layer() -> DummyLayer | LinearAttentionLayer:
+    """transformers' placeholder for a layer without a cache (shared-KV and attention-free layers): its
+    `DummyLayer` (>= 5.23), before that the empty `LinearAttentionLayer` its own caches hold for
+    attention-free layers (Nemotron-H's "mlp" and "moe" layers)."""
+    try:
+        from transformers.cache_utils import DummyLayer
+    except ImportError:
+        return LinearAttentionLayer()
     return DummyLayer()
 
 

@@ -37,10 +37,12 @@ refused."""
 INDEXED_SPECULATIVE_SINCE = "5.24"
 """The oldest transformers whose `StaticCache` serves speculative decoding: the oracle for models with
 indexed layers (whose top-k DynamicCache's rounding does not reproduce). `PagedCache` refuses it before."""
-STATE_LAYERS_SINCE = "5.17"
-"""The oldest transformers whose state layers `PagedCache` was checked to hold exactly (the matrix's
-hybrid families on 5.17 and 5.23; 5.5's `LinearAttentionLayer` takes no `number_of_states`): older
-ones are refused."""
+STATE_LAYERS_SINCE = "5.15"
+"""The oldest transformers whose state layers `PagedCache` holds exactly (the matrix's hybrid families
+in every mode on 5.15.1 to 5.19.0 and 5.23, the sweep on 5.15.1 to 5.19.0): older ones are refused.
+In 5.14 OLMo-Hybrid and Zamba2 keep their states in caches of their own (a crash under `PagedCache`;
+the matrix's families are exact there); before 5.14, transformers' `LinearAttentionLayer` keeps one
+conv and one recurrent state per layer (no `number_of_states`), which `hf_state.StateLayer` does not follow."""
 MLA_LATENT_UPDATE = "5.15"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
@@ -65,17 +67,17 @@ UNSERVED_MODEL_TYPES = {
 """Model types with state layers whose cache use `PagedCache` does not follow (found by the sweep)."""
 _MASK_FROM_TOKENS = "builds its attention mask for the tokens so far, not for the cache's key columns"
 OLD_MASK_MODEL_TYPES = {
-    "big_bird": ("5.20", _MASK_FROM_TOKENS),
-    "megatron-bert": ("5.20", _MASK_FROM_TOKENS),
-    "rembert": ("5.20", _MASK_FROM_TOKENS),
-    "roformer": ("5.20", _MASK_FROM_TOKENS),
+    "big_bird": ("5.18", _MASK_FROM_TOKENS),
+    "megatron-bert": ("5.18", _MASK_FROM_TOKENS),
+    "rembert": ("5.18", _MASK_FROM_TOKENS),
+    "roformer": ("5.18", _MASK_FROM_TOKENS),
     "bloom": ("5.21", "builds ALiBi from a 2-D mask, where generate hands a compileable cache's model a 4-D one"),
-    "doge": ("5.20", "gives other tokens than DynamicCache through its own key selection over the columns"),
+    "doge": ("5.18", "gives other tokens than DynamicCache through its own key selection over the columns"),
     "ctrl": ("5.17", _MASK_FROM_TOKENS),
 }
 """Model types whose code in transformers older than the version named does not follow a compileable
 cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
-on 5.5.4, 5.17 and 5.20.2; each bound is the oldest version the sweep found exact, 5.20.2 or 5.21.1)."""
+on 5.5.4, 5.17, 5.18.0, 5.19.0 and 5.20.2; each bound is the oldest version the sweep found exact)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
