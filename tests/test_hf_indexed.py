@@ -40,13 +40,13 @@ GREEDY = dict(do_sample=False, pad_token_id=matrix.PAD)
 DSA = next(f for f in matrix.FAMILIES if f.config == MODELS[0][0])
 
 
-def dsa_model(config_name: str, model_name: str) -> torch.nn.Module:
+def dsa_model(config_name: str, model_name: str, **overrides) -> torch.nn.Module:
     """A tiny random model of the type (the matrix's DeepSeek-V3.2 config), its indexer keeping the top 3
     keys per query."""
     config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        kwargs = {**matrix.TINY, **DSA.overrides}
+        kwargs = {**matrix.TINY, **DSA.overrides, **overrides}
         config = config_class(**{k: v for k, v in kwargs.items() if v is not None})
         torch.manual_seed(0)
         model = model_class(config).float().eval()
@@ -75,6 +75,23 @@ def generate(model, cache, lengths: tuple[int, ...], new_tokens: int, **kwargs) 
 
 
 MAX_CACHE_LEN = 40
+
+
+def go_on(model, cache, so_far: torch.Tensor, lengths: tuple[int, ...], more: int) -> torch.Tensor:
+    """`more` greedy tokens after `so_far` (the prompts of `lengths`, then generated tokens, all real)."""
+    first = so_far.shape[1] - max(lengths)
+    _, mask = matrix.prompts(matrix.Mode(lengths, first))
+    mask = torch.cat([mask, torch.ones(len(lengths), first, dtype=mask.dtype)], dim=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(
+            so_far,
+            attention_mask=mask,
+            max_new_tokens=more,
+            min_new_tokens=more,
+            **{cache_kwarg(model): cache},
+            **GREEDY,
+        )
 
 
 def paged(model, rows: int = 3) -> PagedCache:
@@ -142,19 +159,7 @@ def test_generation_resumes_exactly_after_save_and_load(model, tmp_path):
     loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
     for i, keys in cache.indexer_keys(columns).items():
         assert keys.shape[:2] == (2, columns) and torch.equal(loaded.indexer_keys(columns)[i], keys), i
-    _, mask = matrix.prompts(matrix.Mode(lengths, first))
-    mask = torch.cat([mask, torch.ones(len(lengths), first, dtype=mask.dtype)], dim=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        resumed = model.generate(
-            so_far,
-            attention_mask=mask,
-            max_new_tokens=more,
-            min_new_tokens=more,
-            **{cache_kwarg(model): loaded},
-            **GREEDY,
-        )
-    assert torch.equal(resumed, expected)
+    assert torch.equal(go_on(model, loaded, so_far, lengths, more), expected)
 
 
 @pytest.mark.parametrize("damage", ["unlisted", "missing", "other layer"])
@@ -194,6 +199,21 @@ def _edited_state(change):
         meta["user_metadata"] = json.dumps({METADATA_KEY: json.dumps(state)})
 
     return edit
+
+
+def test_shared_indexer_layers_keep_no_keys(tmp_path):
+    """GLM-MoE-DSA's "shared" layers reuse the previous layer's top-k and write no indexer keys: the
+    tokens are StaticCache's, the file holds the other layers' keys only, and resume is exact."""
+    model = dsa_model(*MODELS[1], indexer_types=["full", "shared", "full"])
+    lengths, first, more = (5, 9), 4, 5
+    expected = generate(model, static(model), lengths, first + more)
+    cache = paged(model, rows=2)
+    so_far = generate(model, cache, lengths, first)
+    assert sorted(cache.indexer_keys(int(cache.get_seq_length()))) == [0, 2]
+    cache.save(tmp_path / "kv.safetensors")
+    assert set(read_info(tmp_path / "kv.safetensors").extra_tensors) == {"extra.indexer.0", "extra.indexer.2"}
+    loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
+    assert torch.equal(go_on(model, loaded, so_far, lengths, more), expected)
 
 
 def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):
