@@ -6,7 +6,7 @@ type's default config, shrunk generically (`shrink`: hidden size 64, 2-4 layers 
 `layer_types` pattern, 4 heads, vocab 256, 4 experts; fp32 on CPU; the families of
 tests/transformers_matrix.py take the matrix's config). Its tokens over its own default cache
 (`generate` without a cache; under `eager` for the `paged_kv` column, as in the matrix) are the
-reference. Then both columns of the matrix (the model's default attention + `PagedCache`,
+reference (a matrix family whose oracle is `StaticCache`, top-k sparse attention: that cache's). Then both columns of the matrix (the model's default attention + `PagedCache`,
 `attn_implementation="paged_kv"` + `PagedCache`) run the matrix's greedy and batch (left-padded rows
 of 5, 9 and 3 tokens) modes, and the model is classed:
 
@@ -26,6 +26,7 @@ Each model runs in a forked child with a timeout, so a hang or crash stops only 
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import sys
@@ -301,12 +302,16 @@ def sweep_one(model_type: str) -> dict[str, Any]:
     except Exception as e:
         return dict(cls="SKIPPED-UNBUILDABLE", why=f"build: {type(e).__name__}: {e}"[:300])
     default_attn = model.config._attn_implementation
-    references = {}  # (attention, mode) -> tokens over the model's own cache
+    family = matrix_families().get(model_type)
+    static = family is not None and family.reference == "StaticCache"  # (top-k sparse attention: the matrix's)
+    references = {}  # (attention, mode) -> tokens over the model's own cache (or the family's StaticCache)
     for attn in dict.fromkeys((default_attn, "eager")):  # the paged_kv column against eager, as the matrix
         for mode_name in MODES:
+            spec = matrix.MODE_SPECS[mode_name]
             try:
                 matrix.set_attention(model, attn)
-                references[attn, mode_name] = matrix.run(model, lambda: None, matrix.MODE_SPECS[mode_name])
+                own_cache = functools.partial(matrix.reference_cache, family, model, spec) if static else lambda: None
+                references[attn, mode_name] = matrix.run(model, own_cache, spec)
             except Exception as e:
                 why = f"own cache, {attn}, {mode_name}: {type(e).__name__}: {e} [{_origin(e)}]"
                 return dict(cls="SKIPPED-UNBUILDABLE", why=why[:300])
