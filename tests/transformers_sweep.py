@@ -6,7 +6,8 @@ type's default config, shrunk generically (`shrink`: hidden size 64, 2-4 layers 
 `layer_types` pattern, 4 heads, vocab 256, 4 experts; fp32 on CPU; the families of
 tests/transformers_matrix.py take the matrix's config). Its tokens over its own default cache
 (`generate` without a cache; under `eager` for the `paged_kv` column, as in the matrix) are the
-reference (a matrix family whose oracle is `StaticCache`, top-k sparse attention: that cache's). Then both columns of the matrix (the model's default attention + `PagedCache`,
+reference (a matrix family whose oracle is `StaticCache`, top-k sparse attention: that cache's).
+Then both columns of the matrix (the model's default attention + `PagedCache`,
 `attn_implementation="paged_kv"` + `PagedCache`) run the matrix's greedy and batch (left-padded rows
 of 5, 9 and 3 tokens) modes, and the model is classed:
 
