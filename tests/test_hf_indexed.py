@@ -18,13 +18,13 @@ import torch
 pytest.importorskip("transformers")
 import transformers
 import transformers_matrix as matrix
+from test_hf_states import assert_compiled_decode_does_not_recompile, generate, go_on
 from transformers import StaticCache
-from transformers.generation.configuration_utils import CompileConfig
 
 from torch_paged_kv.checkpoint import CheckpointError, read_info
 from torch_paged_kv.integrations import hf_support
 from torch_paged_kv.integrations.hf_checkpoint import METADATA_KEY
-from torch_paged_kv.integrations.transformers import PagedCache, cache_kwarg
+from torch_paged_kv.integrations.transformers import PagedCache
 
 MODELS = [("DeepseekV32Config", "DeepseekV32ForCausalLM"), ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")]
 pytestmark = [
@@ -36,7 +36,6 @@ pytestmark = [
         reason=f"indexed layers are refused before transformers {hf_support.INDEXED_LAYERS_SINCE}",
     ),
 ]
-GREEDY = dict(do_sample=False, pad_token_id=matrix.PAD)
 DSA = next(f for f in matrix.FAMILIES if f.config == MODELS[0][0])
 
 
@@ -59,39 +58,7 @@ def model(request) -> torch.nn.Module:
     return dsa_model(*request.param)
 
 
-def generate(model, cache, lengths: tuple[int, ...], new_tokens: int, **kwargs) -> torch.Tensor:
-    ids, mask = matrix.prompts(matrix.Mode(lengths, new_tokens))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            **{cache_kwarg(model): cache},
-            **GREEDY,
-            **kwargs,
-        )
-
-
 MAX_CACHE_LEN = 40
-
-
-def go_on(model, cache, so_far: torch.Tensor, lengths: tuple[int, ...], more: int) -> torch.Tensor:
-    """`more` greedy tokens after `so_far` (the prompts of `lengths`, then generated tokens, all real)."""
-    first = so_far.shape[1] - max(lengths)
-    _, mask = matrix.prompts(matrix.Mode(lengths, first))
-    mask = torch.cat([mask, torch.ones(len(lengths), first, dtype=mask.dtype)], dim=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(
-            so_far,
-            attention_mask=mask,
-            max_new_tokens=more,
-            min_new_tokens=more,
-            **{cache_kwarg(model): cache},
-            **GREEDY,
-        )
 
 
 def paged(model, rows: int = 3) -> PagedCache:
@@ -229,13 +196,4 @@ def test_compiled_decode_with_indexed_layers_does_not_recompile():
     greedy tokens equal StaticCache's, and a second `generate` after `reset` reuses the graph."""
     model = dsa_model(*MODELS[0])
     expected = generate(model, static(model), (5, 7), 8)
-    cache = paged(model, rows=2)
-    compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
-    compile_config._compile_all_devices = True  # generate compiles the decode step off-GPU only when told
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    assert torch.equal(generate(model, cache, (5, 7), 8, compile_config=compile_config), expected)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
-    cache.reset()
-    with torch.compiler.set_stance("fail_on_recompile"):
-        assert torch.equal(generate(model, cache, (5, 7), 8, compile_config=compile_config), expected)
+    assert_compiled_decode_does_not_recompile(model, paged(model, rows=2), expected)

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-import transformers_matrix as matrix
-from test_hf_states import FALCON_H1, QWEN3_NEXT, dynamic, family_model, generate, generate_from
+from test_hf_states import FALCON_H1, QWEN3_NEXT, dynamic, family_model, generate, go_on
 
 from torch_paged_kv import __main__ as cli
 from torch_paged_kv.checkpoint import CheckpointError, read_extra_tensors, read_info
@@ -37,13 +36,6 @@ def saved(model, path: Path) -> tuple[PagedCache, torch.Tensor]:
     so_far = generate(model, cache, LENGTHS, FIRST)
     cache.save(path)
     return cache, so_far
-
-
-def go_on(model, cache: PagedCache, so_far: torch.Tensor) -> torch.Tensor:
-    """`MORE` tokens after `so_far` (the prompts' mask, then every generated token real)."""
-    _, mask = matrix.prompts(matrix.Mode(LENGTHS, FIRST))
-    mask = torch.cat([mask, torch.ones(len(LENGTHS), FIRST, dtype=mask.dtype)], dim=1)
-    return generate_from(model, cache, so_far, mask, MORE)
 
 
 def states(cache: PagedCache) -> dict[tuple[int, int, str], torch.Tensor]:
@@ -77,7 +69,7 @@ def test_generation_resumes_exactly_after_save_and_load(family, attn, tmp_path):
         old, new = cache.layers[i], loaded.layers[i]
         assert new.has_previous_state == old.has_previous_state and new.conv_kernel_size == old.conv_kernel_size
         assert all(new.has_previous_state.values())
-    assert torch.equal(go_on(model, loaded, so_far), expected)
+    assert torch.equal(go_on(model, loaded, so_far, LENGTHS, MORE), expected)
 
 
 def test_the_file_lists_the_states_as_extra_tensors(tmp_path, capsys):

@@ -53,6 +53,29 @@ def generate_from(model, cache, ids: torch.Tensor, mask: torch.Tensor, new_token
         )
 
 
+def go_on(model, cache, so_far: torch.Tensor, lengths: tuple[int, ...], more: int) -> torch.Tensor:
+    """`more` greedy tokens after `so_far`: the prompts of `lengths` (their mask), then generated tokens."""
+    first = so_far.shape[1] - max(lengths)
+    _, mask = matrix.prompts(matrix.Mode(lengths, first))
+    mask = torch.cat([mask, torch.ones(len(lengths), first, dtype=mask.dtype)], dim=1)
+    return generate_from(model, cache, so_far, mask, more)
+
+
+def assert_compiled_decode_does_not_recompile(model, cache, expected: torch.Tensor) -> None:
+    """`generate` of (5, 7)-token prompts with a compiled decode step (fullgraph) gives `expected`, and
+    a second one after `reset` reuses the graph."""
+    new_tokens = expected.shape[1] - 7
+    compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
+    compile_config._compile_all_devices = True  # generate compiles the decode step off-GPU only when told
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    assert torch.equal(generate(model, cache, (5, 7), new_tokens, compile_config=compile_config), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
+    cache.reset()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(generate(model, cache, (5, 7), new_tokens, compile_config=compile_config), expected)
+
+
 def dynamic(model, lengths: tuple[int, ...], new_tokens: int, **kwargs) -> torch.Tensor:
     """The tokens over `DynamicCache`, under `eager` where the model runs `paged_kv` (as in the matrix)."""
     attn = model.config._attn_implementation
@@ -146,17 +169,8 @@ def test_compiled_decode_with_state_layers_does_not_recompile():
     tokens equal DynamicCache's, and a second `generate` after `reset` (new lengths, same batch)
     reuses the graph."""
     model = family_model(FALCON_H1, "paged_kv")
-    expected = dynamic(model, (5, 7), 8)
     cache = PagedCache(model.config, max_batch_size=2, max_cache_len=24, page_size=4)
-    compile_config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
-    compile_config._compile_all_devices = True  # generate compiles the decode step off-GPU only when told
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    assert torch.equal(generate(model, cache, (5, 7), 8, compile_config=compile_config), expected)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
-    cache.reset()
-    with torch.compiler.set_stance("fail_on_recompile"):
-        assert torch.equal(generate(model, cache, (5, 7), 8, compile_config=compile_config), expected)
+    assert_compiled_decode_does_not_recompile(model, cache, dynamic(model, (5, 7), 8))
 
 
 def test_state_layers_are_refused_where_unchecked(monkeypatch):

@@ -352,7 +352,8 @@ class PagedCache(Cache):
 
         A cache with state layers raises `ValueError` instead: recurrent states cannot go back, and
         over conv states alone (LFM2) a crop gives other tokens than `DynamicCache`'s there (so does
-        transformers' `StaticCache`), so speculative decoding is refused before its first token."""
+        transformers' `StaticCache`), so speculative decoding is refused before its first token. So
+        does a cache with indexed layers before transformers `INDEXED_SPECULATIVE_SINCE` (no oracle)."""
         if self.indexed_layers and not serves_indexed_speculative():
             raise ValueError(
                 f"cache: layers {self.indexed_layers} attend to the top-k keys of an indexer (sparse attention), "

@@ -293,10 +293,15 @@ def _saved_indexer_layers(info: CheckpointInfo, state: dict[str, Any]) -> list[i
     """The layers whose indexer keys the file holds (`indexer_layers` of the cache's own metadata), each
     an extra tensor `[rows, columns, index_head_dim]`; `CheckpointError` naming the file otherwise."""
     layers = state.get("indexer_layers", [])
-    if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers):
-        raise CheckpointError(f"{info.path}: user metadata {METADATA_KEY!r}: 'indexer_layers': got {layers!r:.80}")
-    if len(set(layers)) != len(layers) or any(i < 0 for i in layers):
-        raise CheckpointError(f"{info.path}: user metadata {METADATA_KEY!r}: 'indexer_layers': {layers!r:.80}")
+    if (
+        not isinstance(layers, list)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+        or len(set(layers)) != len(layers)
+    ):
+        raise CheckpointError(
+            f"{info.path}: user metadata {METADATA_KEY!r}: 'indexer_layers': expected distinct model layers, "
+            f"got {layers!r:.80}"
+        )
     rows = len(info.cache_lengths)
     for i in layers:
         shape = info.extra_tensors.get(indexer_tensor_name(i), (None, ()))[1]
