@@ -170,13 +170,20 @@ class StepPlan:
         op(latent, k_rope, self.blocks, *self.step, layer_idx, self.scales)
 
     def mla_attention(
-        self, q_nope: Tensor, q_rope: Tensor, layer_idx: int, softmax_scale: float, causal: bool = True
+        self,
+        q_nope: Tensor,
+        q_rope: Tensor,
+        layer_idx: int,
+        softmax_scale: float,
+        causal: bool = True,
+        key_positions: Tensor | None = None,
     ) -> Tensor:
         """`api.mla_attention` (absorbed MLA) of this step's queries at layer `layer_idx` -> `[total_new,
-        num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK."""
+        num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK; `key_positions` for sparse attention."""
         self._rows("q_nope", q_nope, layer_idx)
         op = getattr(_OPS.mla_attention, self._checked(layer_idx))
-        return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, self.scales)
+        scales = self.scales
+        return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, scales, key_positions)
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
@@ -231,11 +238,17 @@ class GroupStepPlan:
         plan.store_latent(latent, k_rope, j)
 
     def mla_attention(
-        self, q_nope: Tensor, q_rope: Tensor, layer_idx: int, softmax_scale: float, causal: bool = True
+        self,
+        q_nope: Tensor,
+        q_rope: Tensor,
+        layer_idx: int,
+        softmax_scale: float,
+        causal: bool = True,
+        key_positions: Tensor | None = None,
     ) -> Tensor:
         """`StepPlan.mla_attention` at model layer `layer_idx`."""
         plan, j = self.at(layer_idx)
-        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal)
+        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal, key_positions)
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`StepPlan.gather_kv` at model layer `layer_idx`."""

@@ -168,6 +168,7 @@ def mla_attention(
     softmax_scale: float,
     causal: bool = True,
     scales: Tensor | None = None,
+    key_positions: Tensor | None = None,
 ) -> Tensor:
     """Absorbed multi-head latent attention (DeepSeek-V2 MLA) over each sequence's `cache_lengths[b] +
     new_b` latent rows -> `[total_new, num_heads, kv_lora_rank]` (the latent-space output: multiply
@@ -179,6 +180,13 @@ def mla_attention(
     softmax(score) . latent. Call after `store_latent` of the same step; `causal` as for
     `flash_attention`. Accumulates in fp32 (an FP8 pool is dequantized on read; `q` is then fp32,
     fp16 or bf16, and the output takes its dtype).
+
+    `key_positions` (sparse attention, DeepSeek-V3.2's DSA): int32 `[total_new, k]`, the positions in
+    its sequence of the keys each query attends to instead of all of them, -1 for none; each entry
+    counts once as listed. Every other entry must be a key the query may see (`0 <= pos <= p` for the
+    query at position p, or `< kv_len` when not `causal`): the checked op raises `ValueError` naming
+    `key_positions` otherwise, and kernels skip such entries (an unchecked call never reads outside
+    the sequence's pages). A query with no key gets zeros.
     """
     return torch.ops.paged_kv.mla_attention.default(
         q_nope,
@@ -191,6 +199,7 @@ def mla_attention(
         softmax_scale,
         causal,
         scales,
+        key_positions,
     )
 
 

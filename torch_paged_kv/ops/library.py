@@ -169,6 +169,8 @@ def _check_mla_attention(a: MLAAttentionArgs, value_checks: bool) -> torch.devic
     shape_checks.check_mla_attention_meta(a)
     if value_checks and validate.data_checks_enabled(a.blocks.device):
         validate.check_read_data(a.blocks, a.cache_lengths, a.lookup_table, a.input_row_offsets, a.q_nope.shape[0])
+        if a.key_positions is not None:
+            validate.check_key_positions_data(a.cache_lengths, a.input_row_offsets, a.key_positions, a.causal)
     return a.blocks.device
 
 

@@ -84,6 +84,7 @@ class MLAAttentionArgs(NamedTuple):
     softmax_scale: float
     causal: bool = True
     scales: Tensor | None = None
+    key_positions: Tensor | None = None
 
 
 RECORDS: dict[str, type[tuple]] = {

@@ -112,6 +112,7 @@ def mla_attention(
     softmax_scale: float,
     causal: bool = True,
     scales: torch.Tensor | None = None,
+    key_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total, heads, rank = q_nope.shape
     rope_dim = q_rope.shape[2]
@@ -124,6 +125,10 @@ def mla_attention(
     rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, kv_len, rank, rope_dim, scales)[:, None]
     key_pos = torch.arange(max_kv, device=q_nope.device)
     q = torch.cat((q_nope.float(), q_rope.float()), dim=2)  # [total, heads, rank + rope]
+    if key_positions is not None:
+        limit = cache_lengths if causal else kv_len - input_row_offsets.diff()  # (+ index among the new tokens)
+        out = _attend_listed(q, rows[:, 0], key_positions, limit, input_row_offsets, causal, softmax_scale, rank)
+        return out.to(q_nope.dtype)
     if total == batch and max_new == 1:  # decode: each sequence's one query (at its last position) sees all its keys
         allowed = None if min_kv == max_kv else _decode_allowed(kv_len, key_pos, -1)
         out = _attend(q.view(batch, 1, heads, -1), rows, allowed, softmax_scale)
@@ -145,6 +150,41 @@ def mla_attention(
         q_chunk = q_padded[:, start:stop].reshape(batch, 1, n * heads, -1)
         out[:, start:stop] = _attend(q_chunk, rows, allowed, softmax_scale)[..., :rank].view(batch, n, heads, rank)
     return out[seq, tok].to(q_nope.dtype)
+
+
+def _attend_listed(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    key_positions: torch.Tensor,
+    first_limit: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    causal: bool,
+    scale: float,
+    rank: int,
+) -> torch.Tensor:
+    """fp32 attention of each query row of `q` `[total, heads, width]` over the rows of its sequence
+    (`rows` `[batch, max_kv, width]`: keys, and their first `rank` elements values) that `key_positions`
+    lists -> `[total, heads, rank]`; entries outside 0 ..
+    the query's last visible position (`first_limit[b]` plus its index among the new tokens when
+    `causal`, else `first_limit[b]` plus the sequence's new tokens, minus 1) count as none; a row with
+    no key gets zeros. Chunked over queries (`[n, k, width]` keys each)."""
+    total, _, width = q.shape
+    seq, tok = _row_coordinates(input_row_offsets, total)
+    new = (input_row_offsets[1:] - input_row_offsets[:-1]).long()
+    limit = first_limit.long()[seq] + (tok if causal else new[seq] - 1)
+    positions = key_positions.long()
+    valid = (positions >= 0) & (positions <= limit[:, None])  # [total, k]
+    positions = positions.clamp(0, rows.shape[1] - 1)
+    out = q.new_zeros(*q.shape[:2], rank)
+    chunk = max(1, CHUNK_BUDGET_BYTES // (positions.shape[1] * width * 4))
+    for start in range(0, total, chunk):
+        part = slice(start, min(total, start + chunk))
+        keys = rows[seq[part, None], positions[part]]  # [n, k, width]
+        scores = torch.einsum("nhw,nkw->nhk", q[part], keys) * scale
+        scores = scores.masked_fill(~valid[part, None, :], float("-inf"))
+        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # (a row with no key: all -inf -> NaN -> 0)
+        out[part] = torch.einsum("nhk,nkr->nhr", weights, keys[..., :rank])
+    return out
 
 
 def _attend(q: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:

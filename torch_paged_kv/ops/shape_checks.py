@@ -333,6 +333,20 @@ def check_mla_attention_meta(a: MLAAttentionArgs) -> None:
     _check_mla_call(a, ("q_nope", a.q_nope), ("q_rope", a.q_rope), 3)
     if not a.softmax_scale > 0 or a.softmax_scale == float("inf"):
         fail("softmax_scale", f"expected a finite positive float, got {a.softmax_scale!r}")
+    positions = a.key_positions
+    if positions is not None:
+        _check_index("key_positions", positions, (2,), a.blocks.device)
+        _require(
+            positions.shape[0] == a.q_nope.shape[0],
+            "key_positions",
+            lambda: f"expected {a.q_nope.shape[0]} rows like q_nope (one per query), got {positions.shape[0]}",
+        )
+        _require(positions.shape[1] >= 1, "key_positions", lambda: "expected at least one column (k >= 1), got 0")
+        if positions.stride(0) != positions.shape[1] and positions.shape[0] > 1:  # (static strides first)
+            fail(
+                "key_positions",
+                f"expected contiguous rows (kernels index it densely), got strides {positions.stride()}",
+            )
 
 
 def gather_dtype(blocks: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:

@@ -165,6 +165,27 @@ def check_tree_data(input_row_offsets: Tensor, tree_mask: Tensor) -> None:
         fail("tree_mask", f"row {r} lacks its own bit {own[r]} (each row's mask holds itself and its ancestors)")
 
 
+def check_key_positions_data(
+    cache_lengths: Tensor, input_row_offsets: Tensor, key_positions: Tensor, causal: bool
+) -> None:
+    """A sparse `mla_attention` step: every entry of `key_positions` is -1 or a key its query may see
+    (`0 <= pos <= p` at query position p; `< kv_len` when not causal)."""
+    offsets = _host(input_row_offsets)
+    new = np.diff(offsets)
+    own = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], new)  # index among its sequence's new
+    lengths = np.repeat(_host(cache_lengths), new)
+    limit = lengths + own if causal else lengths + np.repeat(new, new) - 1  # the last key each query may see
+    positions = _host(key_positions)
+    bad = (positions < -1) | (positions > limit[:, None])
+    if bad.any():
+        r, i = (int(x) for x in np.argwhere(bad)[0])
+        fail(
+            "key_positions",
+            f"row {r} lists position {positions[r, i]} (column {i}); its query may see positions 0..{limit[r]} "
+            "(-1 for no key)",
+        )
+
+
 def check_copy_pages_data(blocks: Tensor, src_pages: Tensor, dst_pages: Tensor) -> None:
     num_pages = blocks.shape[0]
     dst = _host(dst_pages)
