@@ -1,12 +1,15 @@
 """`PagedCache` on sparse-attention models (transformers' "indexed_attention" layers: DeepSeek-V3.2,
 GLM-MoE-DSA), whose indexer keeps a key per token beside the MLA latent and picks each query's top-k
-keys (`hf_indexed.PagedIndexedLayer`). `index_topk` is 3, below every prompt's length, so a wrong
-indexer key changes which keys a query reads. Every oracle is transformers' own `StaticCache` of the
-same `max_cache_len`: top-k flips where fp32 rounding reorders a near-tie, and caches of static shapes
-round differently from `DynamicCache` (tests/transformers_matrix.py, `Family.reference`)."""
+keys (`hf_indexed.PagedIndexedLayer`), under the model's attention (sdpa) and under `paged_kv` (absorbed
+MLA over each query's top-k latent rows). `index_topk` is 3, below every prompt's length, so a wrong
+indexer key or a wrong pick changes which keys a query reads. Every oracle is transformers' own
+`StaticCache` of the same `max_cache_len` under sdpa: top-k flips where fp32 rounding reorders a
+near-tie, and caches of static shapes round differently from `DynamicCache`
+(tests/transformers_matrix.py, `Family.reference`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -22,7 +25,7 @@ from test_hf_states import assert_compiled_decode_does_not_recompile, generate, 
 from transformers import StaticCache
 
 from torch_paged_kv.checkpoint import CheckpointError, read_info
-from torch_paged_kv.integrations import hf_support
+from torch_paged_kv.integrations import hf_indexed, hf_support
 from torch_paged_kv.integrations.hf_checkpoint import METADATA_KEY
 from torch_paged_kv.integrations.transformers import PagedCache
 
@@ -39,9 +42,9 @@ pytestmark = [
 DSA = next(f for f in matrix.FAMILIES if f.config == MODELS[0][0])
 
 
-def dsa_model(config_name: str, model_name: str, **overrides) -> torch.nn.Module:
-    """A tiny random model of the type (the matrix's DeepSeek-V3.2 config), its indexer keeping the top 3
-    keys per query."""
+def dsa_model(config_name: str, model_name: str, attention: str = "sdpa", **overrides) -> torch.nn.Module:
+    """A tiny random model of the type (the matrix's DeepSeek-V3.2 config) under `attention`, its indexer
+    keeping the top 3 keys per query."""
     config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -49,7 +52,7 @@ def dsa_model(config_name: str, model_name: str, **overrides) -> torch.nn.Module
         config = config_class(**{k: v for k, v in kwargs.items() if v is not None})
         torch.manual_seed(0)
         model = model_class(config).float().eval()
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(attention)
     return model
 
 
@@ -59,6 +62,21 @@ def model(request) -> torch.nn.Module:
 
 
 MAX_CACHE_LEN = 40
+ATTENTIONS = ["sdpa", "paged_kv"]
+PAGED_KV_SINCE = "5.24"  # MLA under paged_kv: `Cache.update(kwargs=)` (tests/transformers_matrix.py MLA_BEFORE_5_24)
+
+
+@contextlib.contextmanager
+def attending(model, attention: str):
+    """`model` under `attention` inside the block (skipped where paged_kv does not serve MLA yet)."""
+    if attention == "paged_kv" and hf_support._older_than(PAGED_KV_SINCE):
+        pytest.skip(f"paged_kv serves MLA from transformers {PAGED_KV_SINCE} (test_paged_kv_refusals covers before)")
+    before = model.config._attn_implementation
+    model.set_attn_implementation(attention)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def paged(model, rows: int = 3) -> PagedCache:
@@ -79,7 +97,8 @@ def static(model) -> StaticCache:
     ],
     ids=["padded batch", "beam search", "prompt lookup"],
 )
-def test_sparse_attention_gives_static_cache_tokens(model, lengths, options):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_sparse_attention_gives_static_cache_tokens(model, lengths, options, attention):
     """Greedy over left-padded prompts, beam search (rows reordered) and speculative decoding (drafts
     cropped): the tokens of StaticCache."""
     rows = len(lengths) * options.get("num_beams", 1)
@@ -88,45 +107,108 @@ def test_sparse_attention_gives_static_cache_tokens(model, lengths, options):
             generate(model, paged(model, rows), lengths, 10, **options)  # (StaticCache refuses it there too)
         return
     expected = generate(model, static(model), lengths, 10, **options)
-    assert torch.equal(generate(model, paged(model, rows), lengths, 10, **options), expected)
+    with attending(model, attention):
+        assert torch.equal(generate(model, paged(model, rows), lengths, 10, **options), expected)
 
 
-def test_a_reset_cache_takes_another_batch(model):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_reset_cache_takes_another_batch(model, attention):
     """The indexer keys start again at column 0 after `reset`, for a batch of another size too."""
     cache = paged(model)
     for lengths in [(5, 9), (4, 6, 8), (7, 3)]:
         cache.reset()
         expected = generate(model, static(model), lengths, 6)
-        assert torch.equal(generate(model, cache, lengths, 6), expected), lengths
+        with attending(model, attention):
+            assert torch.equal(generate(model, cache, lengths, 6), expected), lengths
 
 
-def test_paged_kv_attention_is_refused_before_anything_is_stored(model):
-    """The paged kernels do not take top-k keys: `paged_kv` is refused naming `config.layer_types`."""
+def test_paged_kv_refusals(model, monkeypatch):
+    """`paged_kv` is refused before anything is stored: before transformers 5.24 naming
+    `attn_implementation` (MLA needs `Cache.update(kwargs=)`), and for a sparse-attention model type it
+    was not checked on naming `config.layer_types`."""
     cache = paged(model)
+    if hf_support._older_than(PAGED_KV_SINCE):
+        message = "^attn_implementation: 'paged_kv' on an MLA model needs"
+    else:
+        monkeypatch.setattr(hf_support, "SPARSE_MLA_MODEL_TYPES", ())
+        message = (
+            "^config.layer_types: layers \\[[0-9, ]+\\] are 'indexed_attention' .* paged_kv applies only for \\[\\]"
+        )
     model.set_attn_implementation("paged_kv")
     try:
-        with pytest.raises(ValueError, match="^config.layer_types: layers \\[[0-9, ]+\\] are 'indexed_attention'"):
+        with pytest.raises(ValueError, match=message):
             generate(model, cache, (5, 7), 4)
     finally:
         model.set_attn_implementation("sdpa")
     assert cache.pool is None or not cache.pool.lengths.any()
 
 
-def test_generation_resumes_exactly_after_save_and_load(model, tmp_path):
+@pytest.mark.skipif(not hasattr(transformers, "HYV4Config"), reason="this transformers has no HY-V4")
+def test_mla_with_sinks_is_refused_under_paged_kv(monkeypatch):
+    """HY-V4's MLA attention adds sinks (`s_aux`), which `mla_attention` lacks: refused under `paged_kv`
+    naming `config.layer_types`, and were it listed as served, at its first attention call naming
+    `config.model_type`, before anything is stored."""
+    model = dsa_model("HYV4Config", "HYV4ForCausalLM", "eager")  # (no sdpa)
+    for listed, message in [
+        (False, "^config.layer_types: "),
+        (True, "^config.model_type: 'hy_v4' MLA attention has sinks"),
+    ]:
+        if listed:
+            monkeypatch.setattr(hf_support, "SPARSE_MLA_MODEL_TYPES", ("hy_v4",))
+        cache = paged(model)
+        with attending(model, "paged_kv"), pytest.raises(ValueError, match=message):
+            generate(model, cache, (5, 7), 4)
+        assert cache.pool is None or not cache.pool.lengths.any()
+
+
+def test_key_positions_count_the_visible_columns_before_each_pick():
+    """Column j of row b holds the row's k-th real token where k real columns precede it: picks the query
+    may not see become -1."""
+    gen = torch.Generator().manual_seed(0)
+    batch, new, columns, k = 3, 4, 12, 5
+    mask = torch.rand(batch, 1, new, columns, generator=gen) < 0.6
+    indices = torch.randint(0, columns, (batch, new, k), generator=gen, dtype=torch.int32)
+    expected = torch.full((batch * new, k), -1, dtype=torch.int32)
+    for b in range(batch):
+        for s in range(new):
+            visible = mask[b, 0, s].tolist()
+            for i, j in enumerate(indices[b, s].tolist()):
+                if visible[j]:
+                    expected[b * new + s, i] = sum(visible[:j])
+    assert torch.equal(hf_indexed.key_positions(indices, mask), expected)
+
+
+def test_a_forward_without_cache_applies_the_top_k():
+    """`paged_kv` with no cache at all (one forward): the logits of sdpa's, which masks unpicked keys."""
+    model = dsa_model(*MODELS[0])
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, use_cache=False).logits
+        with attending(model, "paged_kv"):
+            got = model(ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_generation_resumes_exactly_after_save_and_load(model, tmp_path, attention):
     """Generate, save, load into a fresh cache, generate on: the tokens of one uninterrupted `generate`
     over StaticCache; the indexer keys travel as extra tensors, bit for bit."""
     lengths, first, more = (5, 9), 4, 5
     expected = generate(model, static(model), lengths, first + more)
     cache = paged(model, rows=2)
-    so_far = generate(model, cache, lengths, first)
+    with attending(model, attention):
+        so_far = generate(model, cache, lengths, first)
     cache.save(tmp_path / "kv.safetensors")
     info = read_info(tmp_path / "kv.safetensors")
     columns = int(cache.get_seq_length())
     assert set(info.extra_tensors) == {f"extra.indexer.{i}" for i in cache.indexer_keys(columns)}
-    loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
-    for i, keys in cache.indexer_keys(columns).items():
-        assert keys.shape[:2] == (2, columns) and torch.equal(loaded.indexer_keys(columns)[i], keys), i
-    assert torch.equal(go_on(model, loaded, so_far, lengths, more), expected)
+    with attending(model, attention):  # (a file remembers whether it holds padding: the attention must match)
+        loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
+        for i, keys in cache.indexer_keys(columns).items():
+            assert keys.shape[:2] == (2, columns) and torch.equal(loaded.indexer_keys(columns)[i], keys), i
+        assert torch.equal(go_on(model, loaded, so_far, lengths, more), expected)
 
 
 @pytest.mark.parametrize("damage", ["unlisted", "missing", "other layer"])
@@ -168,19 +250,22 @@ def _edited_state(change):
     return edit
 
 
-def test_shared_indexer_layers_keep_no_keys(tmp_path):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_shared_indexer_layers_keep_no_keys(tmp_path, attention):
     """GLM-MoE-DSA's "shared" layers reuse the previous layer's top-k and write no indexer keys: the
     tokens are StaticCache's, the file holds the other layers' keys only, and resume is exact."""
     model = dsa_model(*MODELS[1], indexer_types=["full", "shared", "full"])
     lengths, first, more = (5, 9), 4, 5
     expected = generate(model, static(model), lengths, first + more)
     cache = paged(model, rows=2)
-    so_far = generate(model, cache, lengths, first)
+    with attending(model, attention):
+        so_far = generate(model, cache, lengths, first)
     assert sorted(cache.indexer_keys(int(cache.get_seq_length()))) == [0, 2]
     cache.save(tmp_path / "kv.safetensors")
     assert set(read_info(tmp_path / "kv.safetensors").extra_tensors) == {"extra.indexer.0", "extra.indexer.2"}
-    loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
-    assert torch.equal(go_on(model, loaded, so_far, lengths, more), expected)
+    with attending(model, attention):
+        loaded = PagedCache.load(tmp_path / "kv.safetensors", model.config, max_cache_len=MAX_CACHE_LEN)
+        assert torch.equal(go_on(model, loaded, so_far, lengths, more), expected)
 
 
 def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):
@@ -190,10 +275,12 @@ def test_indexed_layers_are_refused_where_unchecked(model, monkeypatch):
         paged(model)
 
 
-@pytest.mark.slow  # (about 30 s on a cold inductor cache)
-def test_compiled_decode_with_indexed_layers_does_not_recompile():
+@pytest.mark.slow  # (about 30 s each on a cold inductor cache)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_compiled_decode_with_indexed_layers_does_not_recompile(attention):
     """`generate` with a compiled decode step (fullgraph) over the latent pages and the indexer keys:
     greedy tokens equal StaticCache's, and a second `generate` after `reset` reuses the graph."""
     model = dsa_model(*MODELS[0])
     expected = generate(model, static(model), (5, 7), 8)
-    assert_compiled_decode_does_not_recompile(model, paged(model, rows=2), expected)
+    with attending(model, attention):
+        assert_compiled_decode_does_not_recompile(model, paged(model, rows=2), expected)

@@ -338,13 +338,16 @@ FAMILIES: tuple[Family, ...] = (
         "DeepseekV32Config",
         "DeepseekV32ForCausalLM",
         dict(DEEPSEEK_MOE, n_group=1, topk_group=1, index_topk=3, index_head_dim=16, index_n_heads=4),
-        paged_kv=Refused("config.layer_types"),
         notes=(
             "indexed attention (DSA): MLA latent in pages, indexer keys beside them, top 3 keys per query; "
-            "`paged_kv` does not apply top-k; oracle: transformers' `StaticCache` (its top-k, like any cache of "
-            "static shapes, differs from DynamicCache's where fp32 rounding flips a near-tie)"
+            "under `paged_kv` absorbed MLA over each query's top-k latent rows; oracle: transformers' "
+            "`StaticCache` (its top-k, like any cache of static shapes, differs from DynamicCache's where fp32 "
+            "rounding flips a near-tie)"
         ),
-        older=(Before("5.18", default=Refused("config.layer_types")),),  # "deepseek_sparse_attention" before
+        older=(
+            Before("5.18", Refused("config.layer_types"), Refused("config.layer_types")),  # "deepseek_sparse_attention"
+            Before("5.24", paged_kv=Refused("attn_implementation")),  # no `Cache.update(kwargs=)` yet
+        ),
         reference="StaticCache",
     ),
     Family(

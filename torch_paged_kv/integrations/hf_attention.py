@@ -5,6 +5,9 @@ needs: with a `PagedCache`, padding is never stored, so the pages hold exactly t
 may see (up to causality, which `flash_attention` applies). It is `[batch, 1, new, 1]` bool (a 4-D
 mask over the query rows, broadcast over heads and keys), so model code that slices the query
 dimension of a 4-D mask (Gemma4's K/V-sharing layers trimmed to `logits_to_keep`) slices it too.
+For a model with sparse-attention layers it is transformers' full causal mask (`sdpa_mask`) over the
+cache's columns, padded queries' rows all False: their indexer picks keys with it (`hf_indexed`).
+The attention reads the real query rows as those that see any column, in either form.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from . import hf_mla
+from . import hf_indexed, hf_mla
 from .hf_layer import PendingKV, token_rows
-from .hf_support import attention_chunk_size, check_attention_call
+from .hf_support import attention_chunk_size, check_attention_call, indexed_layers
 
 
 def paged_kv_mask(
@@ -29,14 +33,20 @@ def paged_kv_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, 1, new, 1]` bool).
+    """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, 1, new, 1]` bool;
+    for sparse-attention models `[batch, 1, new, kv_length]`, see the module docstring).
 
     Contiguous: a compiled decode step guards on the mask's strides, and a slice of the growing 2D mask
     would change them every step (transformers < 5.18 passes the slice on as is).
     """
-    if attention_mask is None:
-        return None
-    return attention_mask[:, -q_length:].bool().contiguous()[:, None, :, None]
+    real = None if attention_mask is None else attention_mask[:, -q_length:].bool().contiguous()[:, None, :, None]
+    if not indexed_layers(kwargs.get("config")):
+        return real
+    kwargs["allow_is_causal_skip"] = False  # (the indexer needs the causal mask at every step)
+    mask_function = mask_function or causal_mask_function
+    full = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
+    assert full is not None  # (no skip allowed)
+    return full if real is None else full & real
 
 
 def paged_kv_attention(
@@ -60,10 +70,21 @@ def paged_kv_attention(
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
-    mask = None if attention_mask is None else attention_mask[:, 0, :, 0]  # [batch, new]: real query rows
+    indices = kwargs.pop("indices", None)  # a sparse-attention layer's top-k columns [batch, new, k]
+    mask = None if attention_mask is None else attention_mask[:, 0].any(-1)  # [batch, new]: real query rows
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
-        return _uncached_attention(query, key, value, mask, scale), None
+        return _uncached_attention(query, key, value, mask, scale, indices), None
+    if isinstance(pending, hf_mla.PendingLatent) and kwargs.get("s_aux") is not None:
+        raise ValueError(
+            f"config.model_type: {getattr(getattr(module, 'config', None), 'model_type', None)!r} MLA attention has "
+            "sinks (s_aux), which paged_kv's absorbed MLA does not apply; use the model's default attention"
+        )
+    if indices is not None and not isinstance(pending, hf_mla.PendingLatent):
+        raise ValueError(
+            "config.layer_types: a sparse-attention layer over per-head K/V (not an MLA latent); paged_kv applies "
+            "top-k keys to MLA layers only"
+        )
     check_attention_call(module, kwargs)
     batch, num_heads, new, _ = query.shape
     layer, cache = pending.layer, pending.layer.cache
@@ -81,7 +102,12 @@ def paged_kv_attention(
     if new != step_columns:  # only the step's last `new` positions ask (K/V stored by the layer shared)
         plan = cache.trailing_plan(batch, counts(), layer.pool_layer)
     if isinstance(pending, hf_mla.PendingLatent):
-        out = hf_mla.attend(plan, module, q, pending, real, scale)
+        positions = None
+        if indices is not None:
+            assert attention_mask is not None  # (paged_kv_mask gives sparse-attention models their full mask)
+            positions = hf_indexed.key_positions(indices, attention_mask)
+            positions = positions if real is None else positions[real]
+        out = hf_mla.attend(plan, module, q, pending, real, scale, positions)
     else:
         if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
             k, v = token_rows(pending.key), token_rows(pending.value)
@@ -105,9 +131,15 @@ def _new_tokens(attention_mask: torch.Tensor | None, batch: int, new: int, devic
 
 
 def _uncached_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+    indices: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Causal SDPA over the given keys, hiding padded keys; only for a forward with no past."""
+    """Causal SDPA over the given keys, hiding padded keys (and with `indices`, `[batch, new, k]`, every
+    key a query's row does not list); only for a forward with no past."""
     new, kv_len = query.shape[2], key.shape[2]
     if kv_len != new:
         raise ValueError(
@@ -117,6 +149,9 @@ def _uncached_attention(
     allowed = torch.ones(new, new, dtype=torch.bool, device=query.device).tril()[None, None]
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :]
+    if indices is not None:
+        listed = torch.zeros(*indices.shape[:2], kv_len, dtype=torch.bool, device=query.device)
+        allowed = allowed & listed.scatter_(-1, indices.long(), True)[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )

@@ -5,9 +5,13 @@ DeepSeek-V3.2, GLM-5 and the other DSA models), whose indexer keeps one key row 
 Its K/V (or MLA latent) are in the pages, as for any `PagedLayer`. The indexer keys are in one buffer
 of `max_batch_size` rows x `max_cache_len` columns, each token at the column its K/V take, and
 `update_indexer` returns the batch's rows of it whole: transformers' `StaticIndexedLayer`'s layout,
-whose unfilled columns the model's own mask hides. Served under the model's default attention only
-(`hf_support.check_config` refuses `paged_kv`: its kernels do not take top-k keys). `saved_keys` and
-`restore` are what `PagedCache.save` / `load` store and set of it.
+whose unfilled columns the model's own mask hides. `saved_keys` and `restore` are what
+`PagedCache.save` / `load` store and set of it.
+
+Under `paged_kv` (`hf_support.SPARSE_MLA_MODEL_TYPES`) the mask function gives such models the full
+causal mask over those columns (the indexer needs it), and the model hands the attention function
+each query's top-k columns (`indices=`); `key_positions` turns them into positions in the pages,
+which hold only the real tokens, for `mla_attention`.
 """
 
 from __future__ import annotations
@@ -74,3 +78,18 @@ class PagedIndexedLayer(PagedLayer):
         """Row i := old row `rows[i]` (beam reorder, batch select, repeat)."""
         if self.indexer_keys is not None:
             self.indexer_keys[: rows.numel()] = self.indexer_keys[rows.to(self.indexer_keys.device)]
+
+
+def key_positions(indices: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The page positions of the keys the indexer picked, `[batch * new, k]` int32, -1 where a pick is a
+    column the query may not see (top-k over fewer visible columns than k picks masked ones too).
+
+    `indices` `[batch, new, k]`: columns of the indexer's layout (every token of each row, padding
+    included); `attention_mask` `[batch, 1, new, columns]` bool: which columns each query sees. The
+    pages hold a row's real tokens in column order, and a query sees every real column before its
+    own, so a visible column's position is the count of visible columns before it."""
+    visible = attention_mask[:, 0]
+    picks = indices.long()
+    seen = visible.gather(-1, picks)
+    positions = visible.cumsum(-1, dtype=torch.int32).gather(-1, picks) - 1
+    return torch.where(seen, positions, -1).flatten(0, 1).to(torch.int32)

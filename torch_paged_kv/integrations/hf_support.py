@@ -29,8 +29,13 @@ HYBRID_LAYER_TYPES = ("hybrid", "hybrid_sliding")
 """transformers' layer types that keep both: K/V (full or sliding-window attention) and states."""
 INDEXED_LAYER_TYPES = ("indexed_attention",)
 """transformers' sparse-attention layer type (DSA: DeepSeek-V3.2, GLM-5): K/V plus an indexer key per
-token, from which each query attends only to its top-k keys; served under the model's own attention
-(`hf_indexed.PagedIndexedLayer`), not under `paged_kv`."""
+token, from which each query attends only to its top-k keys (`hf_indexed.PagedIndexedLayer`); under
+`paged_kv` only for `SPARSE_MLA_MODEL_TYPES`."""
+SPARSE_MLA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa", "axk2")
+"""Sparse-attention MLA model types served under `paged_kv` (checked by the family matrix and the sweep):
+their attention hands the indexer's top-k columns to the attention function (`indices=`), which
+attends to those latent rows only (`mla_attention`'s `key_positions`); their `expand_kv` is the one
+`hf_mla` absorbs. Not HY-V4: its MLA attention has sinks (`s_aux`), which `mla_attention` lacks."""
 INDEXED_LAYERS_SINCE = "5.18"
 """The oldest transformers whose indexed layers `PagedCache` was checked to hold exactly: older ones are
 refused."""
@@ -219,11 +224,11 @@ def check_config(config: Any, paged: bool) -> None:
             f"{STATE_LAYERS_SINCE}, recurrent and convolution layers too); PagedCache does not hold it"
         )
     indexed = indexed_layers(config)
-    if paged and indexed:
+    if paged and indexed and getattr(config, "model_type", None) not in SPARSE_MLA_MODEL_TYPES:
         raise ValueError(
             f"config.layer_types: layers {indexed} are 'indexed_attention' (sparse attention: each query attends "
-            "to the top-k keys an indexer picks), which the paged_kv attention does not apply; use PagedCache "
-            "with the model's default attention"
+            f"to the top-k keys an indexer picks), which paged_kv applies only for {list(SPARSE_MLA_MODEL_TYPES)}; "
+            "use PagedCache with the model's default attention"
         )
     if types and not attention_layers(config)[0]:
         raise ValueError(
@@ -301,10 +306,11 @@ def check_config(config: Any, paged: bool) -> None:
             f"config.use_bidirectional_attention: {bidirectional!r} makes the attention non-causal; paged_kv "
             "attends causally only"
         )
-    if is_mla(config) and model_type not in MLA_MODEL_TYPES:
+    if is_mla(config) and model_type not in MLA_MODEL_TYPES + SPARSE_MLA_MODEL_TYPES:
         raise ValueError(
             f"config.model_type: {model_type!r} caches an MLA latent, but paged_kv's absorbed MLA is verified "
-            f"only for {list(MLA_MODEL_TYPES)}; use PagedCache with the model's default attention"
+            f"only for {list(MLA_MODEL_TYPES + SPARSE_MLA_MODEL_TYPES)}; use PagedCache with the model's default "
+            "attention"
         )
 
 
