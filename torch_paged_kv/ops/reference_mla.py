@@ -7,13 +7,17 @@ each step gathers every sequence's rows once (fp32, dequantized), folds the head
 rows (all heads read the same row: no per-head copy of K), and runs torch's SDPA with the value set
 to the whole row, keeping the first `kv_lora_rank` output columns (SDPA's fast CPU path needs equal
 key and value widths; the rope columns cost 1/8 more of the value product at DeepSeek's shapes).
+Sparse attention (`key_positions`) reads only the listed rows, through the table, one row per entry.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
+from ..layout import NULL_PAGE
 from . import quant
 from .reference import (
     CHUNK_BUDGET_BYTES,
@@ -122,13 +126,15 @@ def mla_attention(
     kv_len, min_kv, max_kv, max_new = step_lengths(
         cache_lengths, lookup_table, input_row_offsets, blocks, "q_nope", total
     )
-    rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, kv_len, rank, rope_dim, scales)[:, None]
-    key_pos = torch.arange(max_kv, device=q_nope.device)
     q = torch.cat((q_nope.float(), q_rope.float()), dim=2)  # [total, heads, rank + rope]
     if key_positions is not None:
-        limit = cache_lengths if causal else kv_len - input_row_offsets.diff()  # (+ index among the new tokens)
-        out = _attend_listed(q, rows[:, 0], key_positions, limit, input_row_offsets, causal, softmax_scale, rank)
-        return out.to(q_nope.dtype)
+        seq, tok = _row_coordinates(input_row_offsets, total)
+        new = input_row_offsets.diff().long()[seq]
+        limit = cache_lengths.long()[seq] + (tok if causal else new - 1)  # the last key each query may see
+        listed = Listed(blocks, layer_idx, lookup_table, seq, rank, scales)
+        return _attend_listed(q, listed, key_positions, limit, softmax_scale).to(q_nope.dtype)
+    rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, kv_len, rank, rope_dim, scales)[:, None]
+    key_pos = torch.arange(max_kv, device=q_nope.device)
     if total == batch and max_new == 1:  # decode: each sequence's one query (at its last position) sees all its keys
         allowed = None if min_kv == max_kv else _decode_allowed(kv_len, key_pos, -1)
         out = _attend(q.view(batch, 1, heads, -1), rows, allowed, softmax_scale)
@@ -152,38 +158,64 @@ def mla_attention(
     return out[seq, tok].to(q_nope.dtype)
 
 
+class Listed(NamedTuple):
+    """Where a sparse step's rows are: the pool, its layer and table, each query's sequence."""
+
+    blocks: torch.Tensor
+    layer_idx: int
+    lookup_table: torch.Tensor
+    seq: torch.Tensor  # [total] int64
+    rank: int
+    scales: torch.Tensor | None
+
+    def rows_fp32(self, queries: slice, positions: torch.Tensor) -> torch.Tensor:
+        """`[n, k, rank + rope_dim]` fp32: the rows at `positions` `[n, k]` (>= 0) of the sequences of
+        `queries`, latent dequantized; the null page's rows where a position passes the table row or
+        names a page outside the pool (entries the caller masks)."""
+        blocks, rank = self.blocks, self.rank
+        page_size = blocks.shape[3]
+        table = self.lookup_table.long() if self.lookup_table.dim() == 2 else self.lookup_table.long()[:, None]
+        pages = table[self.seq[queries, None], (positions // page_size).clamp(max=table.shape[1] - 1)]
+        pages = pages.where((pages >= 0) & (pages < blocks.shape[0]), NULL_PAGE)
+        slots = (pages * page_size + positions % page_size).view(-1)
+        source = quant.indexable(blocks)[:, 0, self.layer_idx, :, 0].flatten(0, 1)  # [pages * page_size, row]
+        raw = source.index_select(0, slots).view(*positions.shape, -1)
+        if self.scales is None:
+            return raw.float()
+        rope = raw[..., rank:].view(ROPE_DTYPE)
+        out = torch.empty(*positions.shape, rank + rope.shape[-1], dtype=torch.float32, device=blocks.device)
+        _fp8_to_fp32(raw[..., :rank].contiguous(), blocks.dtype, out[..., :rank])
+        out[..., rank:].copy_(rope)
+        latent = out[..., :rank]
+        if self.scales.dim() == 1:
+            latent.mul_(self.scales[0])
+        else:
+            row_scales = self.scales[:, 0, self.layer_idx, :, 0].flatten(0, 1).index_select(0, slots)
+            groups = row_scales.shape[-1]
+            latent.view(*positions.shape, groups, rank // groups).mul_(row_scales.view(*positions.shape, groups, 1))
+        return out
+
+
 def _attend_listed(
-    q: torch.Tensor,
-    rows: torch.Tensor,
-    key_positions: torch.Tensor,
-    first_limit: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    causal: bool,
-    scale: float,
-    rank: int,
+    q: torch.Tensor, listed: Listed, key_positions: torch.Tensor, limit: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """fp32 attention of each query row of `q` `[total, heads, width]` over the rows of its sequence
-    (`rows` `[batch, max_kv, width]`: keys, and their first `rank` elements values) that `key_positions`
-    lists -> `[total, heads, rank]`; entries outside 0 ..
-    the query's last visible position (`first_limit[b]` plus its index among the new tokens when
-    `causal`, else `first_limit[b]` plus the sequence's new tokens, minus 1) count as none; a row with
-    no key gets zeros. Chunked over queries (`[n, k, width]` keys each)."""
+    """fp32 attention of each query row of `q` `[total, heads, width]` over the rows `key_positions` lists
+    (keys, and their first `rank` elements values) -> `[total, heads, rank]`; entries outside 0 ..
+    `limit` (per query: the last key it may see) count as none; a row with no key gets zeros. Reads only
+    the listed rows, chunked over queries (`[n, k, width]` each)."""
     total, _, width = q.shape
-    seq, tok = _row_coordinates(input_row_offsets, total)
-    new = (input_row_offsets[1:] - input_row_offsets[:-1]).long()
-    limit = first_limit.long()[seq] + (tok if causal else new[seq] - 1)
     positions = key_positions.long()
     valid = (positions >= 0) & (positions <= limit[:, None])  # [total, k]
-    positions = positions.clamp(0, rows.shape[1] - 1)
-    out = q.new_zeros(*q.shape[:2], rank)
+    positions = positions.where(valid, 0)
+    out = q.new_zeros(*q.shape[:2], listed.rank)
     chunk = max(1, CHUNK_BUDGET_BYTES // (positions.shape[1] * width * 4))
     for start in range(0, total, chunk):
         part = slice(start, min(total, start + chunk))
-        keys = rows[seq[part, None], positions[part]]  # [n, k, width]
+        keys = listed.rows_fp32(part, positions[part])  # [n, k, width]
         scores = torch.einsum("nhw,nkw->nhk", q[part], keys) * scale
         scores = scores.masked_fill(~valid[part, None, :], float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # (a row with no key: all -inf -> NaN -> 0)
-        out[part] = torch.einsum("nhk,nkr->nhr", weights, keys[..., :rank])
+        out[part] = torch.einsum("nhk,nkr->nhr", weights, keys[..., : listed.rank])
     return out
 
 
