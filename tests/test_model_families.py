@@ -284,7 +284,7 @@ def test_check_config_refusals_name_the_field():
         (dict(attention_chunk_size=8), "config.layer_types", True),  # which layers are chunked?
         (dict(use_bidirectional_attention=True), "config.use_bidirectional_attention", True),
         (dict(model_type="falcon"), "config.model_type", True),
-        (dict(kv_lora_rank=8, qk_rope_head_dim=4, model_type="longcat_flash"), "config.model_type", True),
+        (dict(kv_lora_rank=8, qk_rope_head_dim=4, model_type="unchecked_mla"), "config.model_type", True),
         (dict(use_cache=False), "config.use_cache", False),  # generate would feed every token again (MPT)
         (dict(model_type="openai-gpt"), "config.model_type", False),  # its forward takes no cache
         (dict(model_type="cpmant"), "config.model_type", False),  # masks by the keys' count

@@ -171,6 +171,7 @@ MLA = dict(
     num_key_value_heads=4,
 )
 DEEPSEEK_MOE = dict(MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
+DEEPSEEK_V3 = dict(DEEPSEEK_MOE, n_group=1, topk_group=1)
 WINDOW = "sliding-window layers (window 8, crossed)"
 SHARING = "K/V-sharing layers (under `paged_kv` fed only the last prompt position, as transformers trims them)"
 MLA_NOTE = "MLA: one latent + rope row per token; absorbed MLA over the pages under `paged_kv`"
@@ -349,6 +350,41 @@ FAMILIES: tuple[Family, ...] = (
             Before("5.24", paged_kv=Refused("attn_implementation")),  # no `Cache.update(kwargs=)` yet
         ),
         reference="StaticCache",
+    ),
+    Family("AXK1 (MLA)", "AXK1Config", "AXK1ForCausalLM", DEEPSEEK_V3, notes=MLA_NOTE, older=MLA_BEFORE_5_24),
+    Family(
+        "LongCat-Flash (MLA)",
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        dict(
+            DEEPSEEK_V3,
+            num_layers=3,  # (two attention sublayers each)
+            q_lora_rank=16,
+            head_dim=8,
+            moe_topk=2,
+            ffn_hidden_size=128,
+            expert_ffn_hidden_size=32,
+            zero_expert_num=2,
+        ),
+        notes=MLA_NOTE + "; two attention sublayers per layer, a cache slot each",
+        older=MLA_BEFORE_5_24,
+    ),
+    Family("Youtu (MLA)", "YoutuConfig", "YoutuForCausalLM", DEEPSEEK_V3, notes=MLA_NOTE, older=MLA_BEFORE_5_24),
+    Family(
+        "Kimi-Linear (MLA hybrid)",
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(DEEPSEEK_V3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+        notes=f"{MLA_NOTE}; {STATES}",
+        older=MLA_BEFORE_5_24,
+    ),
+    Family(
+        "Bailing-hybrid (MLA hybrid)",
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        dict(DEEPSEEK_V3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+        notes=f"{MLA_NOTE}; {STATES}",
+        older=MLA_BEFORE_5_24,
     ),
     Family(
         "Falcon",

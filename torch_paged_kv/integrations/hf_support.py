@@ -50,7 +50,10 @@ the matrix's families are exact there); before 5.14, transformers' `LinearAttent
 conv and one recurrent state per layer (no `number_of_states`), which `hf_state.StateLayer` does not follow."""
 MLA_LATENT_UPDATE = "5.15"
 """The oldest transformers checked to hand an MLA cache the latent (not per-head K/V) in `update`."""
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla")
+MLA_MODEL_TYPES = (
+    *("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "sarvam_mla"),
+    *("axk1", "bailing_hybrid", "kimi_linear", "longcat_flash", "youtu"),
+)
 """MLA model types whose `expand_kv` is the one `hf_mla` absorbs (checked by the family matrix):
 per head, keys `[W_UK c; k_rope]` and values `W_UV c` from `kv_b_proj`."""
 OWN_CACHE_USE_MODEL_TYPES = {
