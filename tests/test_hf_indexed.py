@@ -161,21 +161,29 @@ def test_mla_with_sinks_is_refused_under_paged_kv(monkeypatch):
         assert cache.pool is None or not cache.pool.lengths.any()
 
 
-def test_key_positions_count_the_visible_columns_before_each_pick():
-    """Column j of row b holds the row's k-th real token where k real columns precede it: picks the query
-    may not see become -1."""
+def test_key_positions_are_the_real_tokens_before_each_pick():
+    """A visible pick at column j is the row's page position j' = the count of real (unpadded) columns
+    before j, as the pages hold only real tokens; picks the query may not see (future, padding, a
+    padded query's) are -1. Rows padded at the start and in the middle, a step of 4 new columns."""
     gen = torch.Generator().manual_seed(0)
-    batch, new, columns, k = 3, 4, 12, 5
-    mask = torch.rand(batch, 1, new, columns, generator=gen) < 0.6
+    batch, new, past, k = 3, 4, 8, 5
+    columns = past + new + 3  # (unfilled columns at the end, as in a static layout)
+    padding = torch.ones(batch, past + new, dtype=torch.bool)
+    padding[0, :3] = False  # left padding
+    padding[1, 4:6] = False  # padding in the middle (a second prompt after the first generate)
+    padding[2, past + 1] = False  # a padded new token
+    causal = torch.arange(columns)[None, :] <= torch.arange(past, past + new)[:, None]  # [new, columns]
+    real_columns = torch.cat((padding, torch.zeros(batch, columns - past - new, dtype=torch.bool)), dim=1)
+    mask = causal[None] & real_columns[:, None, :] & padding[:, past:, None]  # padded queries see nothing
     indices = torch.randint(0, columns, (batch, new, k), generator=gen, dtype=torch.int32)
     expected = torch.full((batch * new, k), -1, dtype=torch.int32)
     for b in range(batch):
         for s in range(new):
-            visible = mask[b, 0, s].tolist()
             for i, j in enumerate(indices[b, s].tolist()):
-                if visible[j]:
-                    expected[b * new + s, i] = sum(visible[:j])
-    assert torch.equal(hf_indexed.key_positions(indices, mask), expected)
+                if mask[b, s, j]:
+                    expected[b * new + s, i] = int(padding[b, :j].sum())
+    assert (expected >= 0).any() and (expected == -1).any()
+    assert torch.equal(hf_indexed.key_positions(indices, mask[:, None]), expected)
 
 
 def test_a_forward_without_cache_applies_the_top_k():

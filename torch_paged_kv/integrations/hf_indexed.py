@@ -85,11 +85,14 @@ def key_positions(indices: torch.Tensor, attention_mask: torch.Tensor) -> torch.
     column the query may not see (top-k over fewer visible columns than k picks masked ones too).
 
     `indices` `[batch, new, k]`: columns of the indexer's layout (every token of each row, padding
-    included); `attention_mask` `[batch, 1, new, columns]` bool: which columns each query sees. The
-    pages hold a row's real tokens in column order, and a query sees every real column before its
-    own, so a visible column's position is the count of visible columns before it."""
+    included); `attention_mask` `[batch, 1, new, columns]` bool: which columns each query sees (causal,
+    padding, padded queries' rows all False). The pages hold a row's real tokens in column order, so a
+    column's position is the count of real columns before it; the columns some query of the step sees
+    are the real ones up to the step's last real token, which is all any pick may be. `O(batch x
+    columns)` beside the picks: no `[new, columns]` intermediate besides the mask itself."""
     visible = attention_mask[:, 0]
     picks = indices.long()
-    seen = visible.gather(-1, picks)
-    positions = visible.cumsum(-1, dtype=torch.int32).gather(-1, picks) - 1
-    return torch.where(seen, positions, -1).flatten(0, 1).to(torch.int32)
+    real = visible.any(1)  # [batch, columns]
+    before = real.cumsum(-1, dtype=torch.int32) - 1
+    positions = before.gather(-1, picks.flatten(1)).view(picks.shape)
+    return torch.where(visible.gather(-1, picks), positions, -1).flatten(0, 1)
