@@ -144,21 +144,13 @@ def test_paged_kv_refusals(model, monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(transformers, "HYV4Config"), reason="this transformers has no HY-V4")
-def test_mla_with_sinks_is_refused_under_paged_kv(monkeypatch):
-    """HY-V4's MLA attention adds sinks (`s_aux`), which `mla_attention` lacks: refused under `paged_kv`
-    naming `config.layer_types`, and were it listed as served, at its first attention call naming
-    `config.model_type`, before anything is stored."""
+def test_mla_with_sinks_under_paged_kv_gives_static_cache_tokens():
+    """HY-V4's MLA attention adds sinks (`s_aux`): under `paged_kv` they reach `mla_attention`'s `sinks`,
+    over padded prompts too, and the tokens are StaticCache's (under its eager attention)."""
     model = dsa_model("HYV4Config", "HYV4ForCausalLM", "eager")  # (no sdpa)
-    for listed, message in [
-        (False, "^config.layer_types: "),
-        (True, "^config.model_type: 'hy_v4' MLA attention has sinks"),
-    ]:
-        if listed:
-            monkeypatch.setattr(hf_support, "SPARSE_MLA_MODEL_TYPES", ("hy_v4",))
-        cache = paged(model)
-        with attending(model, "paged_kv"), pytest.raises(ValueError, match=message):
-            generate(model, cache, (5, 7), 4)
-        assert cache.pool is None or not cache.pool.lengths.any()
+    expected = generate(model, static(model), (5, 9, 3), 8)
+    with attending(model, "paged_kv"):
+        assert torch.equal(generate(model, paged(model), (5, 9, 3), 8), expected)
 
 
 def test_key_positions_are_the_real_tokens_before_each_pick():

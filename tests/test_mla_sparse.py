@@ -1,6 +1,7 @@
-"""Sparse absorbed MLA: `mla_attention` with `key_positions` (each query attends to the keys it lists,
-DeepSeek-V3.2's DSA), against an fp64 oracle over the rows the cache holds, kept contiguous by the
-test; its validation, its unchecked overload's bounds, opcheck and a compiled decode step."""
+"""Sparse absorbed MLA and MLA sinks: `mla_attention` with `key_positions` (each query attends to the
+keys it lists, DeepSeek-V3.2's DSA) and with `sinks` (HY-V4), against fp64 oracles over the rows the
+cache holds, kept contiguous by the test; validation, the unchecked overload's bounds, opcheck and a
+compiled decode step."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import torch
 from test_mla import QUANT
 
 import torch_paged_kv as pk
-from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch
+from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch, mla_attention_fp64
 
 
-def _sparse_fp64(b, key_positions: torch.Tensor, scale: float, causal: bool = True) -> torch.Tensor:
-    """Query by query in float64: softmax over the listed keys it may see, of `[latent; rope]` . `[q_nope;
-    q_rope]`, times the latents; zeros for a query with none."""
+def _sparse_fp64(
+    b, key_positions: torch.Tensor, scale: float, causal: bool = True, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Query by query in float64: softmax over the listed keys it may see (and head h's sink logit
+    `sinks[h]`, a term of the denominator only), of `[latent; rope]` . `[q_nope; q_rope]`, times the
+    latents; zeros for a query with no key."""
     q = torch.cat((b.q_nope.double(), b.q_rope.double()), dim=2)
     offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
     out = torch.zeros(b.q_nope.shape, dtype=torch.float64)
@@ -25,8 +29,11 @@ def _sparse_fp64(b, key_positions: torch.Tensor, scale: float, causal: bool = Tr
             listed = [p for p in key_positions[t].tolist() if 0 <= p <= last]
             if listed:
                 chosen = keys[listed]
-                weights = torch.softmax(q[t] @ chosen.T * scale, dim=-1)
-                out[t] = weights @ chosen[:, : b.q_nope.shape[2]]
+                logits = q[t] @ chosen.T * scale  # [heads, keys]
+                denominator = logits.exp().sum(-1, keepdim=True)
+                if sinks is not None:
+                    denominator = denominator + sinks.double().exp()[:, None]
+                out[t] = (logits.exp() / denominator) @ chosen[:, : b.q_nope.shape[2]]
     return out
 
 
@@ -74,10 +81,12 @@ def _batch(name: str, dtype: torch.dtype | None = None, **quantization):
     )
 
 
-def _run(b, key_positions: torch.Tensor, scale: float, causal: bool = True, overload: str = "default") -> torch.Tensor:
+def _run(
+    b, key_positions: torch.Tensor | None, scale: float, causal: bool = True, overload: str = "default", sinks=None
+) -> torch.Tensor:
     pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
     op = getattr(torch.ops.paged_kv.mla_attention, overload)
-    return op(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, scale, causal, b.scales, key_positions)
+    return op(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, scale, causal, b.scales, key_positions, sinks)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -125,6 +134,39 @@ def test_a_listed_twice_key_counts_twice_and_a_query_with_no_key_gets_zeros():
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     once = _sparse_fp64(b, torch.tensor([[3, 7, -1, -1, -1]] * 3, dtype=torch.int32), 0.3)
     assert not torch.allclose(got[0].double(), once[0], rtol=1e-3)  # the duplicate weighs in
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_sinks_match_fp64(name, sparse):
+    """Each head's sink logit joins its softmax denominator (dense: the fp64 MHA oracle's sinks; sparse:
+    the per-query oracle's); magnitudes near the scores', so they matter."""
+    causal, k = CASES[name][8], CASES[name][9]
+    b = _batch(name)
+    scale = (b.q_nope.shape[2] + b.q_rope.shape[2]) ** -0.5
+    sinks = torch.randn(b.q_nope.shape[1], generator=torch.Generator().manual_seed(9)) * 2
+    positions = _random_positions(b, k, seed=len(name), causal=causal) if sparse else None
+    got = _run(b, positions, scale, causal, sinks=sinks)
+    if sparse:
+        expected = _sparse_fp64(b, positions, scale, causal, sinks)
+    else:
+        expected = mla_attention_fp64(
+            b.q_nope, b.q_rope, b.latents, b.ropes, b.cache_lengths.tolist(), scale, causal, sinks
+        )
+    torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
+    without = pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, scale, causal, b.scales, positions)
+    assert not torch.allclose(got, without, rtol=1e-2)  # the sinks weigh in
+
+
+def test_bad_sinks_are_refused_naming_them():
+    b = _batch("decode-page4")
+    for sinks, message in [
+        (torch.zeros(3), "expected 4 entries"),
+        (torch.zeros(4, dtype=torch.float64), "expected a 1-D float32"),
+        (torch.zeros(8)[::2], "expected unit stride"),
+    ]:
+        with pytest.raises(ValueError, match=f"^sinks: {message}"):
+            _run(b, None, 0.2, sinks=sinks)
 
 
 REJECTED = {  # case: (override of key_positions, message)

@@ -82,7 +82,7 @@ CONTRACT = {  # docs/design.md's op contract; the registered schemas are derived
     "Tensor input_row_offsets, int layer_idx, Tensor(a!)? scales=None) -> ()",
     "mla_attention": "(Tensor q_nope, Tensor q_rope, Tensor blocks, Tensor cache_lengths, Tensor lookup_table, "
     "Tensor input_row_offsets, int layer_idx, float softmax_scale, bool causal=True, Tensor? scales=None, "
-    "Tensor? key_positions=None) -> Tensor",
+    "Tensor? key_positions=None, Tensor? sinks=None) -> Tensor",
 }
 
 

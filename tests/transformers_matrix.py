@@ -351,6 +351,18 @@ FAMILIES: tuple[Family, ...] = (
         ),
         reference="StaticCache",
     ),
+    Family(
+        "HY-V4 (sparse attention, sinks)",
+        "HYV4Config",
+        "HYV4ForCausalLM",
+        dict(DEEPSEEK_MOE, n_group=1, topk_group=1, index_topk=3, index_head_dim=16, index_n_heads=4),
+        notes=(
+            "indexed attention (DSA) as DeepSeek-V3.2's, with attention sinks (`s_aux`: `mla_attention`'s `sinks` "
+            "under `paged_kv`) and a gated output; oracle: transformers' `StaticCache`"
+        ),
+        older=(Before("5.24", paged_kv=Refused("attn_implementation")),),  # no `Cache.update(kwargs=)` yet
+        reference="StaticCache",
+    ),
     Family("AXK1 (MLA)", "AXK1Config", "AXK1ForCausalLM", DEEPSEEK_V3, notes=MLA_NOTE, older=MLA_BEFORE_5_24),
     Family(
         "LongCat-Flash (MLA)",

@@ -177,13 +177,15 @@ class StepPlan:
         softmax_scale: float,
         causal: bool = True,
         key_positions: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """`api.mla_attention` (absorbed MLA) of this step's queries at layer `layer_idx` -> `[total_new,
-        num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK; `key_positions` for sparse attention."""
+        num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK; `key_positions` for sparse
+        attention, `sinks` per head."""
         self._rows("q_nope", q_nope, layer_idx)
         op = getattr(_OPS.mla_attention, self._checked(layer_idx))
-        scales = self.scales
-        return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, scales, key_positions)
+        extra = (self.scales, key_positions, sinks)
+        return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, *extra)
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`api.gather_kv` of layer `layer_idx`: `[batch, max_kv_len, num_kv_heads, head_dim]` K and V."""
@@ -245,10 +247,11 @@ class GroupStepPlan:
         softmax_scale: float,
         causal: bool = True,
         key_positions: Tensor | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """`StepPlan.mla_attention` at model layer `layer_idx`."""
         plan, j = self.at(layer_idx)
-        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal, key_positions)
+        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal, key_positions, sinks)
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`StepPlan.gather_kv` at model layer `layer_idx`."""

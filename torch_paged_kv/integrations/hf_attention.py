@@ -75,11 +75,6 @@ def paged_kv_attention(
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
         return _uncached_attention(query, key, value, mask, scale, indices), None
-    if isinstance(pending, hf_mla.PendingLatent) and kwargs.get("s_aux") is not None:
-        raise ValueError(
-            f"config.model_type: {getattr(getattr(module, 'config', None), 'model_type', None)!r} MLA attention has "
-            "sinks (s_aux), which paged_kv's absorbed MLA does not apply; use the model's default attention"
-        )
     if indices is not None and not isinstance(pending, hf_mla.PendingLatent):
         raise ValueError(
             "config.layer_types: a sparse-attention layer over per-head K/V (not an MLA latent); paged_kv applies "
@@ -101,21 +96,22 @@ def paged_kv_attention(
     plan = cache.layer_plan(layer_idx, batch, new, counts)
     if new != step_columns:  # only the step's last `new` positions ask (K/V stored by the layer shared)
         plan = cache.trailing_plan(batch, counts(), layer.pool_layer)
+    sinks = kwargs.get("s_aux")  # per-head sink logits (GPT-OSS, HY-V4)
+    sinks = None if sinks is None else sinks.detach().float()
     if isinstance(pending, hf_mla.PendingLatent):
         positions = None
         if indices is not None:
             assert attention_mask is not None  # (paged_kv_mask gives sparse-attention models their full mask)
             positions = hf_indexed.key_positions(indices, attention_mask)
             positions = positions if real is None else positions[real]
-        out = hf_mla.attend(plan, module, q, pending, real, scale, positions)
+        out = hf_mla.attend(plan, module, q, pending, real, scale, positions, sinks)
     else:
         if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
             k, v = token_rows(pending.key), token_rows(pending.value)
             plan.store_kv(k if real is None else k[real], v if real is None else v[real], layer.pool_layer)
-        sinks = kwargs.get("s_aux")  # GPT-OSS's per-head sink logits
         out = plan.flash_attention(
-            q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0,
-            None if sinks is None else sinks.detach().float(), attention_chunk_size(module),
+            q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0, sinks,
+            attention_chunk_size(module),
         )  # fmt: skip
     cache.layer_done(layer_idx, batch)
     if real is not None:

@@ -109,11 +109,13 @@ def attend(
     real: torch.Tensor | None,
     scale: float,
     key_positions: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store this step's latent rows (only `real` token rows where given) and run absorbed MLA for the
     queries `q` `[tokens, heads, qk_nope_head_dim + qk_rope_head_dim]` -> `[tokens, heads, v_head_dim]`
     of `module`, transformers' MLA attention (its `kv_b_proj`, `qk_nope_head_dim`, `v_head_dim`); with
-    `key_positions` `[tokens, k]`, over the keys each query's row lists (sparse attention)."""
+    `key_positions` `[tokens, k]`, over the keys each query's row lists (sparse attention); `sinks` fp32
+    `[heads]` (HY-V4's)."""
     latent, rope = rows(pending.latent), rows(pending.rope)
     if real is not None:
         latent, rope = latent[real], rope[real]
@@ -122,5 +124,6 @@ def attend(
     nope, v_dim = module.qk_nope_head_dim, module.v_head_dim
     w_uk, w_uv = module.kv_b_proj.weight.view(q.shape[1], nope + v_dim, -1).split([nope, v_dim], dim=1)
     q_latent = torch.einsum("thd,hdr->thr", q[..., :nope], w_uk)
-    out = plan.mla_attention(q_latent.contiguous(), q[..., nope:].contiguous(), pool_layer, scale, True, key_positions)
+    q_rope = q[..., nope:].contiguous()
+    out = plan.mla_attention(q_latent.contiguous(), q_rope, pool_layer, scale, True, key_positions, sinks)
     return torch.einsum("thr,hvr->thv", out.to(w_uv.dtype), w_uv)

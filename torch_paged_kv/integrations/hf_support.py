@@ -31,11 +31,11 @@ INDEXED_LAYER_TYPES = ("indexed_attention",)
 """transformers' sparse-attention layer type (DSA: DeepSeek-V3.2, GLM-5): K/V plus an indexer key per
 token, from which each query attends only to its top-k keys (`hf_indexed.PagedIndexedLayer`); under
 `paged_kv` only for `SPARSE_MLA_MODEL_TYPES`."""
-SPARSE_MLA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa", "axk2")
+SPARSE_MLA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4")
 """Sparse-attention MLA model types served under `paged_kv` (checked by the family matrix and the sweep):
 their attention hands the indexer's top-k columns to the attention function (`indices=`), which
 attends to those latent rows only (`mla_attention`'s `key_positions`); their `expand_kv` is the one
-`hf_mla` absorbs. Not HY-V4: its MLA attention has sinks (`s_aux`), which `mla_attention` lacks."""
+`hf_mla` absorbs (HY-V4's with sinks, `s_aux`: `mla_attention`'s `sinks`)."""
 INDEXED_LAYERS_SINCE = "5.18"
 """The oldest transformers whose indexed layers `PagedCache` was checked to hold exactly: older ones are
 refused."""

@@ -169,6 +169,7 @@ def mla_attention(
     causal: bool = True,
     scales: Tensor | None = None,
     key_positions: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Absorbed multi-head latent attention (DeepSeek-V2 MLA) over each sequence's `cache_lengths[b] +
     new_b` latent rows -> `[total_new, num_heads, kv_lora_rank]` (the latent-space output: multiply
@@ -187,6 +188,9 @@ def mla_attention(
     query at position p, or `< kv_len` when not `causal`): the checked op raises `ValueError` naming
     `key_positions` otherwise, and kernels skip such entries (an unchecked call never reads outside
     the sequence's pages). A query with no key gets zeros.
+
+    `sinks` (fp32 `[num_heads]`, HY-V4's MLA): adds `exp(sinks[h])` to the softmax denominator of
+    every query row of head h and nothing to its output, as for `flash_attention`.
     """
     return torch.ops.paged_kv.mla_attention.default(
         q_nope,
@@ -200,6 +204,7 @@ def mla_attention(
         causal,
         scales,
         key_positions,
+        sinks,
     )
 
 

@@ -85,6 +85,7 @@ class MLAAttentionArgs(NamedTuple):
     causal: bool = True
     scales: Tensor | None = None
     key_positions: Tensor | None = None
+    sinks: Tensor | None = None
 
 
 RECORDS: dict[str, type[tuple]] = {

@@ -117,6 +117,7 @@ def mla_attention(
     causal: bool = True,
     scales: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     total, heads, rank = q_nope.shape
     rope_dim = q_rope.shape[2]
@@ -132,12 +133,12 @@ def mla_attention(
         new = input_row_offsets.diff().long()[seq]
         limit = cache_lengths.long()[seq] + (tok if causal else new - 1)  # the last key each query may see
         listed = Listed(blocks, layer_idx, lookup_table, seq, rank, scales)
-        return _attend_listed(q, listed, key_positions, limit, softmax_scale).to(q_nope.dtype)
+        return _attend_listed(q, listed, key_positions, limit, softmax_scale, sinks).to(q_nope.dtype)
     rows = _gather_rows_fp32(blocks, layer_idx, lookup_table, max_kv, kv_len, rank, rope_dim, scales)[:, None]
     key_pos = torch.arange(max_kv, device=q_nope.device)
     if total == batch and max_new == 1:  # decode: each sequence's one query (at its last position) sees all its keys
         allowed = None if min_kv == max_kv else _decode_allowed(kv_len, key_pos, -1)
-        out = _attend(q.view(batch, 1, heads, -1), rows, allowed, softmax_scale)
+        out = _attend(q.view(batch, 1, heads, -1), rows, allowed, softmax_scale, sinks)
         return q_nope.new_empty(q_nope.shape).copy_(out[..., :rank].view(q_nope.shape))  # contiguous, like the fake
 
     seq, tok = _row_coordinates(input_row_offsets, total)
@@ -154,7 +155,9 @@ def mla_attention(
             allowed = _allowed(cache_lengths, kv_len, key_pos, start, stop, causal, -1)
             allowed = allowed[:, :, :, None].expand(batch, 1, n, heads, max_kv).reshape(batch, 1, n * heads, max_kv)
         q_chunk = q_padded[:, start:stop].reshape(batch, 1, n * heads, -1)
-        out[:, start:stop] = _attend(q_chunk, rows, allowed, softmax_scale)[..., :rank].view(batch, n, heads, rank)
+        out[:, start:stop] = _attend(q_chunk, rows, allowed, softmax_scale, sinks)[..., :rank].view(
+            batch, n, heads, rank
+        )
     return out[seq, tok].to(q_nope.dtype)
 
 
@@ -197,12 +200,17 @@ class Listed(NamedTuple):
 
 
 def _attend_listed(
-    q: torch.Tensor, listed: Listed, key_positions: torch.Tensor, limit: torch.Tensor, scale: float
+    q: torch.Tensor,
+    listed: Listed,
+    key_positions: torch.Tensor,
+    limit: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """fp32 attention of each query row of `q` `[total, heads, width]` over the rows `key_positions` lists
-    (keys, and their first `rank` elements values) -> `[total, heads, rank]`; entries outside 0 ..
-    `limit` (per query: the last key it may see) count as none; a row with no key gets zeros. Reads only
-    the listed rows, chunked over queries (`[n, k, width]` each)."""
+    (keys, and their first `rank` elements values) -> `[total, heads, rank]`, each head's sink logit in
+    its denominator; entries outside 0 .. `limit` (per query: the last key it may see) count as none; a
+    row with no key gets zeros. Reads only the listed rows, chunked over queries (`[n, k, width]` each)."""
     total, _, width = q.shape
     positions = key_positions.long()
     valid = (positions >= 0) & (positions <= limit[:, None])  # [total, k]
@@ -214,12 +222,32 @@ def _attend_listed(
         keys = listed.rows_fp32(part, positions[part])  # [n, k, width]
         scores = torch.einsum("nhw,nkw->nhk", q[part], keys) * scale
         scores = scores.masked_fill(~valid[part, None, :], float("-inf"))
-        weights = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # (a row with no key: all -inf -> NaN -> 0)
+        weights = _softmax(scores, sinks).nan_to_num_(0.0)  # (a row with no key nor sink: all -inf -> NaN -> 0)
         out[part] = torch.einsum("nhk,nkr->nhr", weights, keys[..., : listed.rank])
     return out
 
 
-def _attend(q: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """fp32 attention of `q` `[batch, 1, m, width]` over `rows` `[batch, 1, s, width]` as keys and values;
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of `scores` `[..., heads, keys]`, with head h's sink logit `sinks[h]` as
+    one more entry of each row, dropped after."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float()[:, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
+def _attend(
+    q: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor | None, scale: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """fp32 attention of `q` `[batch, 1, m, width]` (its m rows: query tokens x heads, head fastest) over
+    `rows` `[batch, 1, s, width]` as keys and values, with each head's sink logit in its denominator;
     rows of `q` that may see no key (padding) are garbage."""
-    return F.scaled_dot_product_attention(q, rows, rows, attn_mask=allowed, scale=scale)
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, rows, rows, attn_mask=allowed, scale=scale)
+    batch, m = q.shape[0], q.shape[2]
+    heads = sinks.shape[0]
+    scores = torch.matmul(q, rows.transpose(-1, -2)).mul_(scale)  # [batch, 1, m, s]
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    probs = _softmax(scores.view(batch, m // heads, heads, -1), sinks).view(batch, 1, m, -1)
+    return torch.matmul(probs, rows)

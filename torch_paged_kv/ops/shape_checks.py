@@ -232,18 +232,7 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
     if not softcap >= 0 or softcap == float("inf"):
         fail("softcap", f"expected a finite float >= 0 (0 disables it), got {softcap!r}")
     if sinks is not None:
-        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.dtype != torch.float32:
-            fail(
-                "sinks",
-                f"expected a 1-D float32 tensor [num_q_heads] (one logit per query head), got {_describe(sinks)}",
-            )
-        if sinks.shape[0] != q.shape[1]:
-            fail("sinks", f"expected {q.shape[1]} entries (one per query head of q), got {sinks.shape[0]}")
-        if sinks.device != blocks.device:
-            fail("sinks", f"expected device {blocks.device} (that of blocks), got {sinks.device}")
-        if sinks.stride(0) != 1 and sinks.shape[0] > 1:
-            fail("sinks", f"expected unit stride (kernels index it densely), got stride {sinks.stride(0)}")
-        _check_inference("sinks", sinks)
+        _check_sinks(sinks, q, "q", blocks)
     chunk = a.attention_chunk_size
     if not isinstance(chunk, int) or isinstance(chunk, bool):
         fail("attention_chunk_size", f"expected an int (<= 0 disables it), got {chunk!r}")
@@ -263,6 +252,19 @@ def check_flash_attention_rows(a: FlashAttentionArgs) -> None:
             fail("tree_mask", f"expected device {blocks.device} (that of blocks), got {tree.device}")
         if tree.stride(0) != 1 and tree.shape[0] > 1:
             fail("tree_mask", f"expected unit stride (kernels index it densely), got stride {tree.stride(0)}")
+
+
+def _check_sinks(sinks: Tensor, q: Tensor, q_name: str, blocks: Tensor) -> None:
+    """Attention sinks: fp32 `[heads]`, one logit per query head of `q`, on `blocks`' device."""
+    if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.dtype != torch.float32:
+        fail("sinks", f"expected a 1-D float32 tensor [num_q_heads] (one logit per query head), got {_describe(sinks)}")
+    if sinks.shape[0] != q.shape[1]:
+        fail("sinks", f"expected {q.shape[1]} entries (one per query head of {q_name}), got {sinks.shape[0]}")
+    if sinks.device != blocks.device:
+        fail("sinks", f"expected device {blocks.device} (that of blocks), got {sinks.device}")
+    if sinks.stride(0) != 1 and sinks.shape[0] > 1:
+        fail("sinks", f"expected unit stride (kernels index it densely), got stride {sinks.stride(0)}")
+    _check_inference("sinks", sinks)
 
 
 def _describe(t: object) -> str:
@@ -347,6 +349,8 @@ def check_mla_attention_meta(a: MLAAttentionArgs) -> None:
                 "key_positions",
                 f"expected contiguous rows (kernels index it densely), got strides {positions.stride()}",
             )
+    if a.sinks is not None:
+        _check_sinks(a.sinks, a.q_nope, "q_nope", a.blocks)
 
 
 def gather_dtype(blocks: Tensor, out_dtype: torch.dtype | None) -> torch.dtype:

@@ -158,10 +158,13 @@ def mla_attention_fp64(
     cache_lengths: Sequence[int],
     softmax_scale: float,
     causal: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA in float64, from the op contract: multi-query attention whose one key per token is
-    `[latent; rope]`, whose query is `[q_nope; q_rope]`, and whose value is the latent."""
-    return attention_fp64(*mla_as_attention(q_nope, q_rope, latents, ropes), cache_lengths, softmax_scale, causal)
+    `[latent; rope]`, whose query is `[q_nope; q_rope]`, and whose value is the latent (`sinks`: each
+    head's sink logit in its denominator)."""
+    attention = mla_as_attention(q_nope, q_rope, latents, ropes)
+    return attention_fp64(*attention, cache_lengths, softmax_scale, causal, sinks=sinks)
 
 
 def mla_as_attention(
