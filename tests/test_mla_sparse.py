@@ -10,44 +10,8 @@ from test_mla import QUANT
 
 import torch_paged_kv as pk
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch
-
-
-def _sparse_fp64(b, key_positions: torch.Tensor, scale: float, causal: bool = True) -> torch.Tensor:
-    """Query by query in float64: softmax over the listed keys it may see, of `[latent; rope]` . `[q_nope;
-    q_rope]`, times the latents; zeros for a query with none."""
-    q = torch.cat((b.q_nope.double(), b.q_rope.double()), dim=2)
-    offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
-    out = torch.zeros(b.q_nope.shape, dtype=torch.float64)
-    for s in range(len(lengths)):
-        keys = torch.cat((b.latents[s].double(), b.ropes[s].double()), dim=1)
-        for i, t in enumerate(range(offsets[s], offsets[s + 1])):
-            last = lengths[s] + i if causal else keys.shape[0] - 1
-            listed = [p for p in key_positions[t].tolist() if 0 <= p <= last]
-            if listed:
-                chosen = keys[listed]
-                weights = torch.softmax(q[t] @ chosen.T * scale, dim=-1)
-                out[t] = weights @ chosen[:, : b.q_nope.shape[2]]
-    return out
-
-
-def _random_positions(b, k: int, seed: int, causal: bool = True, none_share: float = 0.25) -> torch.Tensor:
-    """`[total_new, k]` distinct visible positions per query in random order, some entries -1."""
-    gen = torch.Generator().manual_seed(seed)
-    offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
-    rows = []
-    for s in range(len(lengths)):
-        new = offsets[s + 1] - offsets[s]
-        for i in range(new):
-            visible = lengths[s] + (i + 1 if causal else new)
-            chosen = torch.randperm(visible, generator=gen)[:k]
-            row = torch.full((k,), -1, dtype=torch.int32)
-            row[: chosen.numel()] = chosen.int()
-            dropped = torch.rand(k, generator=gen) < none_share
-            rows.append(
-                torch.where(dropped, torch.tensor(-1, dtype=torch.int32), row)[torch.randperm(k, generator=gen)]
-            )
-    return torch.stack(rows)
-
+from torch_paged_kv.testing.mla import random_key_positions as _random_positions
+from torch_paged_kv.testing.mla import sparse_mla_attention_fp64 as _sparse_fp64
 
 CASES = {  # (cached, new, page_size, continuous, heads, rank, rope, dtype, causal, k)
     "decode-page4": ([13, 6, 30], [1, 1, 1], 4, False, 4, 32, 16, torch.float32, True, 5),
