@@ -13,7 +13,8 @@ that decode is bound by instruction issue). Tiles and the causal key range are t
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
 `mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
 one scale per token the scale multiplies the scores and the probabilities instead of every element
-(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled.
+(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled. That key
+tile (`attend_key_tile`) also serves sparse attention (`mla_sparse.py`).
 """
 
 from __future__ import annotations
