@@ -11,50 +11,7 @@ from test_mla import QUANT
 
 import torch_paged_kv as pk
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch, mla_attention_fp64
-
-
-def _sparse_fp64(
-    b, key_positions: torch.Tensor, scale: float, causal: bool = True, sinks: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Query by query in float64: softmax over the listed keys it may see (and head h's sink logit
-    `sinks[h]`, a term of the denominator only), of `[latent; rope]` . `[q_nope; q_rope]`, times the
-    latents; zeros for a query with no key."""
-    q = torch.cat((b.q_nope.double(), b.q_rope.double()), dim=2)
-    offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
-    out = torch.zeros(b.q_nope.shape, dtype=torch.float64)
-    for s in range(len(lengths)):
-        keys = torch.cat((b.latents[s].double(), b.ropes[s].double()), dim=1)
-        for i, t in enumerate(range(offsets[s], offsets[s + 1])):
-            last = lengths[s] + i if causal else keys.shape[0] - 1
-            listed = [p for p in key_positions[t].tolist() if 0 <= p <= last]
-            if listed:
-                chosen = keys[listed]
-                logits = q[t] @ chosen.T * scale  # [heads, keys]
-                denominator = logits.exp().sum(-1, keepdim=True)
-                if sinks is not None:
-                    denominator = denominator + sinks.double().exp()[:, None]
-                out[t] = (logits.exp() / denominator) @ chosen[:, : b.q_nope.shape[2]]
-    return out
-
-
-def _random_positions(b, k: int, seed: int, causal: bool = True, none_share: float = 0.25) -> torch.Tensor:
-    """`[total_new, k]` distinct visible positions per query in random order, some entries -1."""
-    gen = torch.Generator().manual_seed(seed)
-    offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
-    rows = []
-    for s in range(len(lengths)):
-        new = offsets[s + 1] - offsets[s]
-        for i in range(new):
-            visible = lengths[s] + (i + 1 if causal else new)
-            chosen = torch.randperm(visible, generator=gen)[:k]
-            row = torch.full((k,), -1, dtype=torch.int32)
-            row[: chosen.numel()] = chosen.int()
-            dropped = torch.rand(k, generator=gen) < none_share
-            rows.append(
-                torch.where(dropped, torch.tensor(-1, dtype=torch.int32), row)[torch.randperm(k, generator=gen)]
-            )
-    return torch.stack(rows)
-
+from torch_paged_kv.testing.mla import random_key_positions, sparse_mla_attention_fp64
 
 CASES = {  # (cached, new, page_size, continuous, heads, rank, rope, dtype, causal, k)
     "decode-page4": ([13, 6, 30], [1, 1, 1], 4, False, 4, 32, 16, torch.float32, True, 5),
@@ -93,12 +50,12 @@ def _run(
 def test_sparse_mla_attention_matches_fp64(name):
     causal, k = CASES[name][8], CASES[name][9]
     b = _batch(name)
-    positions = _random_positions(b, k, seed=len(name), causal=causal)
+    positions = random_key_positions(b, k, seed=len(name), causal=causal)
     scale = (b.q_nope.shape[2] + b.q_rope.shape[2]) ** -0.5
     got = _run(b, positions, scale, causal)
     assert got.shape == b.q_nope.shape and got.dtype == b.q_nope.dtype and got.is_contiguous()
     torch.testing.assert_close(
-        got, _sparse_fp64(b, positions, scale, causal).to(got.dtype), **ATTENTION_TOLERANCE[got.dtype]
+        got, sparse_mla_attention_fp64(b, positions, scale, causal).to(got.dtype), **ATTENTION_TOLERANCE[got.dtype]
     )
 
 
@@ -106,9 +63,11 @@ def test_sparse_mla_attention_matches_fp64(name):
 def test_sparse_mla_attention_on_fp8_rows_matches_fp64_over_what_the_cache_holds(kind):
     dtype, quantization = QUANT[kind]
     b = _batch("chunked-bf16", dtype, **quantization)
-    positions = _random_positions(b, 6, seed=3)
+    positions = random_key_positions(b, 6, seed=3)
     got = _run(b, positions, 0.1)
-    torch.testing.assert_close(got, _sparse_fp64(b, positions, 0.1).to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
+    torch.testing.assert_close(
+        got, sparse_mla_attention_fp64(b, positions, 0.1).to(got.dtype), **ATTENTION_TOLERANCE[got.dtype]
+    )
 
 
 def test_listing_every_visible_key_is_dense_attention():
@@ -130,9 +89,11 @@ def test_a_listed_twice_key_counts_twice_and_a_query_with_no_key_gets_zeros():
     b = _batch("decode-page4")
     positions = torch.tensor([[3, 3, 7, -1, -1], [-1] * 5, [0, 29, 30, -1, 30]], dtype=torch.int32)
     got = _run(b, positions, 0.3)
-    torch.testing.assert_close(got, _sparse_fp64(b, positions, 0.3).float(), **ATTENTION_TOLERANCE[torch.float32])
+    torch.testing.assert_close(
+        got, sparse_mla_attention_fp64(b, positions, 0.3).float(), **ATTENTION_TOLERANCE[torch.float32]
+    )
     assert torch.equal(got[1], torch.zeros_like(got[1]))
-    once = _sparse_fp64(b, torch.tensor([[3, 7, -1, -1, -1]] * 3, dtype=torch.int32), 0.3)
+    once = sparse_mla_attention_fp64(b, torch.tensor([[3, 7, -1, -1, -1]] * 3, dtype=torch.int32), 0.3)
     assert not torch.allclose(got[0].double(), once[0], rtol=1e-3)  # the duplicate weighs in
 
 
@@ -145,10 +106,10 @@ def test_sinks_match_fp64(name, sparse):
     b = _batch(name)
     scale = (b.q_nope.shape[2] + b.q_rope.shape[2]) ** -0.5
     sinks = torch.randn(b.q_nope.shape[1], generator=torch.Generator().manual_seed(9)) * 2
-    positions = _random_positions(b, k, seed=len(name), causal=causal) if sparse else None
+    positions = random_key_positions(b, k, seed=len(name), causal=causal) if sparse else None
     got = _run(b, positions, scale, causal, sinks=sinks)
     if sparse:
-        expected = _sparse_fp64(b, positions, scale, causal, sinks)
+        expected = sparse_mla_attention_fp64(b, positions, scale, causal, sinks)
     else:
         expected = mla_attention_fp64(
             b.q_nope, b.q_rope, b.latents, b.ropes, b.cache_lengths.tolist(), scale, causal, sinks
@@ -197,7 +158,7 @@ def test_bad_key_positions_are_refused_naming_them(case):
     override, message = REJECTED[case]
     b = _batch("decode-page4")
     pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
-    positions = override(_random_positions(b, 5, seed=1, none_share=0.0))
+    positions = override(random_key_positions(b, 5, seed=1, none_share=0.0))
     with pytest.raises(ValueError, match=f"^key_positions: .*({message})"):
         pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales, positions)
 
@@ -205,10 +166,12 @@ def test_bad_key_positions_are_refused_naming_them(case):
 def test_unchecked_call_skips_keys_it_may_not_see():
     """Entries past what a query may see, past the table, or below -1 read nothing: they count as -1."""
     b = _batch("decode-page4")  # sequences of 14, 7 and 31 keys, one query each, at their last position
-    positions = _random_positions(b, 5, seed=2)
+    positions = random_key_positions(b, 5, seed=2)
     wild = positions.clone()
     wild[:, -1] = torch.tensor([14, 2**31 - 1, -(2**31)], dtype=torch.int32)
-    expected = _sparse_fp64(b, torch.cat((positions[:, :-1], torch.full((3, 1), -1, dtype=torch.int32)), dim=1), 0.2)
+    expected = sparse_mla_attention_fp64(
+        b, torch.cat((positions[:, :-1], torch.full((3, 1), -1, dtype=torch.int32)), dim=1), 0.2
+    )
     got = _run(b, wild, 0.2, overload="unchecked")
     torch.testing.assert_close(got, expected.float(), **ATTENTION_TOLERANCE[torch.float32])
 
@@ -220,7 +183,7 @@ def test_opcheck_sparse_mla_attention(overload):
     torch.library.opcheck(
         getattr(torch.ops.paged_kv.mla_attention, overload),
         (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.3),
-        {"causal": True, "scales": None, "key_positions": _random_positions(b, 6, seed=4)},
+        {"causal": True, "scales": None, "key_positions": random_key_positions(b, 6, seed=4)},
     )
 
 

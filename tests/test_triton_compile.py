@@ -62,6 +62,7 @@ def test_every_kernel_compiles_for_both_targets(compiled):
             "gather_kv",
             "copy_pages",
             "mla_attention_kernel",
+            "mla_sparse_attention_kernel",
             "mla_merge_kernel",
             "store_latent",
         }, arch
@@ -78,10 +79,13 @@ def test_no_variant_spills_more_than_a_few_registers(compiled):
 
 @pytest.mark.slow  # the AOT compile (the `compiled` fixture)
 def test_16_bit_attention_uses_tensor_cores(compiled):
-    """sm_80 and decode tiles (16 rows) emit mma.sync; sm_90 prefill tiles (64 rows) emit wgmma."""
+    """sm_80 and decode tiles (16 rows) emit mma.sync; sm_90 prefill tiles (64 rows) emit wgmma. Sparse
+    MLA takes the MLA decode tiles (16 heads of one token)."""
     rows, keep = compiled
     attention = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("attention_kernel")}
-    mla = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("mla_attention_kernel")}
+    mla = {(arch, name): row for (arch, name), row in rows.items() if name.startswith("mla_")}
+    mla = {key: row for key, row in mla.items() if key[1].split()[0].endswith("attention_kernel")}
+    assert {name.split()[0] for _, name in mla} == {"mla_attention_kernel", "mla_sparse_attention_kernel"}
     for (arch, name), (_, _, cores) in mla.items():  # 16-row tiles: mma.sync on both
         assert cores == ("-" if " fp32 " in name else "mma"), (arch, name)
     for (arch, name), (_, _, cores) in attention.items():
@@ -108,6 +112,7 @@ def test_fp8_attention_converts_in_hardware_on_sm_90_and_decodes_integers_on_sm_
     assert {arch for arch, _ in fp8} == {80, 90} and {name.split()[0] for _, name in fp8} == {
         "attention_kernel",
         "mla_attention_kernel",
+        "mla_sparse_attention_kernel",
     }
     for arch, name in fp8:
         stem = re.sub(r"[^\w.+-]+", "_", name)
@@ -138,8 +143,9 @@ def test_no_kernel_multiplies_a_layer_or_page_offset_in_int32(compiled):
             checked.add((name.split()[0], any(arg.endswith("stride_token") for arg in args)))
     assert checked >= {("attention_kernel", True), ("attention_kernel", False), ("store_kv", True)}
     assert checked >= {("mla_attention_kernel", True), ("mla_attention_kernel", False), ("store_latent", True)}
+    assert checked >= {("mla_sparse_attention_kernel", True), ("mla_sparse_attention_kernel", False)}
     kernels = {"attention_kernel", "merge_kernel", "store_kv", "gather_kv", "copy_pages"}
-    kernels |= {"mla_attention_kernel", "mla_merge_kernel", "store_latent"}
+    kernels |= {"mla_attention_kernel", "mla_sparse_attention_kernel", "mla_merge_kernel", "store_latent"}
     assert {kernel for kernel, _ in checked} == kernels
     old = (
         "tt.func public @k(%layer_idx: i32 loc(#loc1), %stride_layer: i32 loc(#loc2)) {\n"
@@ -177,6 +183,7 @@ from torch_paged_kv.ops.records import FlashAttentionArgs, MLAAttentionArgs, Sto
 from torch_paged_kv.ops.triton.flash_attention import plan_flash_attention
 from torch_paged_kv.ops.triton.store_kv import plan_store_kv
 from torch_paged_kv.ops.triton.mla_attention import plan_mla_attention
+from torch_paged_kv.ops.triton.mla_sparse import plan_mla_sparse
 from torch_paged_kv.ops.triton.mla_store import plan_store_latent
 keys = {}
 for batch in (1, 2, 15, 16, 17, 300):
@@ -190,6 +197,8 @@ for batch in (1, 2, 15, 16, 17, 300):
         q_rope = torch.empty(batch, 16, 64, dtype=torch.bfloat16, device="meta")
         a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, layer, 0.1, True, scales)
         launches += plan_mla_attention(a)[1][:1]
+        positions = torch.empty(batch, 2047 + layer % 2, dtype=torch.int32, device="meta")  # (k: 16-divisible or not)
+        launches += plan_mla_sparse(a._replace(key_positions=positions))[1][:1]  # (split 2-8 ways at every batch)
         launches += plan_store_latent(StoreLatentArgs(latent, rope, blocks, lengths, table, offsets, layer, scales))
         for launch in launches:
             keys.setdefault(launch.kernel.__name__, set()).add(aot.compile_key(launch, 90))
@@ -199,10 +208,12 @@ print(sorted((name, len(found)) for name, found in keys.items()))
 
 def test_growing_batch_and_other_layers_compile_nothing_new():
     """Triton specialises int arguments equal to 1 or divisible by 16 unless told not to: batch,
-    total and layer_idx must not, or a serving batch reaching 16 (or layer 1) compiles again."""
+    total and layer_idx (and sparse MLA's k) must not, or a serving batch reaching 16 (or layer 1)
+    compiles again."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
     run = subprocess.run([sys.executable, "-c", GROWING_STEPS], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == (
-        "[('_attention_kernel', 1), ('_mla_attention_kernel', 1), ('_store_kv_kernel', 1), ('_store_latent_kernel', 1)]"
+        "[('_attention_kernel', 1), ('_mla_attention_kernel', 1), ('_mla_sparse_attention_kernel', 1), "
+        "('_store_kv_kernel', 1), ('_store_latent_kernel', 1)]"
     )

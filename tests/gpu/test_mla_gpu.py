@@ -1,6 +1,6 @@
 """Triton MLA kernels on CUDA at DeepSeek sizes (kv_lora_rank 512, rope 64), against the reference backend
 and the fp64 oracle (`torch_paged_kv.testing`), bf16 and FP8 rope-aware rows; a decode step under
-CUDA-graph capture."""
+CUDA-graph capture; sparse attention (`key_positions`, DeepSeek-V3.2's 2048 keys per query)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch_paged_kv.testing import (
     mla_as_attention,
     mla_attention_fp64,
 )
+from torch_paged_kv.testing.mla import random_key_positions, sparse_mla_attention_fp64
 
 CUDA = torch.device("cuda")
 if torch.cuda.is_available() and unavailable_reason(CUDA) is not None:
@@ -100,3 +101,38 @@ def test_decode_step_replays_from_a_cuda_graph(kind):
     torch.cuda.synchronize()
     expected = mla_attention_fp64(b.q_nope, b.q_rope, b.latents, b.ropes, [33, 700], 0.1)
     torch.testing.assert_close(out, expected.to(out.dtype), **ATTENTION_TOLERANCE[out.dtype])
+
+
+SPARSE_CASES = {  # (cached, new, page_size, heads); each query lists DeepSeek-V3.2's index_topk = 2048 keys
+    "decode-split-page64-h128": ([5000, 3000, 40], [1, 1, 1], 64, 128),  # (the short one: k past its length)
+    "decode-page1-h16": ([3000, 2100], [1, 1], 1, 16),
+    "chunked-page64-h16": ([2500, 0], [30, 40], 64, 16),
+}
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])
+@pytest.mark.parametrize("name", SPARSE_CASES)
+def test_sparse_mla_attention_matches_reference_and_fp64(kind, name):
+    cached, new, page_size, heads = SPARSE_CASES[name]
+    b = _batch(cached, new, page_size, heads, kind, seed=len(name))
+    reference_mla.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    positions = random_key_positions(b, 2048, seed=len(name), none_share=0.05).to(CUDA)
+    args = (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 192**-0.5, True, b.scales, positions)
+    got = pk.mla_attention(*args)
+    spread = sparse_mla_attention_fp64(b, positions, 192**-0.5, spread=True)
+    assert_attention_within_rounding(got, sparse_mla_attention_fp64(b, positions, 192**-0.5), spread)
+    assert_attention_within_rounding(got, reference_mla.mla_attention(*args).double(), spread)
+
+
+def test_unchecked_sparse_mla_attention_skips_wild_entries():
+    """Entries past the query's position or the table, or below -1, read nothing (no fault): the result
+    is bit for bit that of the same call with them as -1."""
+    b = _batch([3000, 100], [1, 1], 64, 128, "bf16", seed=1)
+    pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx)
+    positions = random_key_positions(b, 2048, seed=1).to(CUDA)
+    wild, skipped = positions.clone(), positions.clone()
+    wild[:, -3:] = torch.tensor([[3001, 2**31 - 1, -(2**31)], [101, 5000, -2]], dtype=torch.int32, device=CUDA)
+    skipped[:, -3:] = -1
+    step = (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.1, True, None)
+    got = torch.ops.paged_kv.mla_attention.unchecked(*step, wild)
+    assert torch.equal(got, torch.ops.paged_kv.mla_attention.unchecked(*step, skipped))

@@ -167,6 +167,59 @@ def mla_attention_fp64(
     return attention_fp64(*attention, cache_lengths, softmax_scale, causal, sinks=sinks)
 
 
+def sparse_mla_attention_fp64(
+    b: MLABatch,
+    key_positions: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = True,
+    sinks: torch.Tensor | None = None,
+    spread: bool = False,
+) -> torch.Tensor:
+    """Sparse absorbed MLA (`mla_attention` with `key_positions`) in float64 on the CPU, query by query
+    from the op contract: softmax over the listed keys `[latent; rope]` that it may see (each entry
+    counts once as listed; other entries none; head h's sink logit `sinks[h]` a term of the
+    denominator only), of `[latent; rope] . [q_nope; q_rope]` times the scale, times the latents; zeros
+    for a query with no key. `spread`: the same weights times |latent| (`assert_attention_within_rounding`'s
+    spread)."""
+    q = torch.cat((b.q_nope.double(), b.q_rope.double()), dim=2).cpu()
+    offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
+    rank = b.q_nope.shape[2]
+    out = torch.zeros(b.q_nope.shape, dtype=torch.float64)
+    for s in range(len(lengths)):
+        keys = torch.cat((b.latents[s].double(), b.ropes[s].double()), dim=1).cpu()
+        values = keys[:, :rank].abs() if spread else keys[:, :rank]
+        for i, t in enumerate(range(offsets[s], offsets[s + 1])):
+            last = lengths[s] + i if causal else keys.shape[0] - 1
+            listed = [p for p in key_positions[t].tolist() if 0 <= p <= last]
+            if listed:
+                logits = (q[t] @ keys[listed].T * softmax_scale).exp()  # [heads, keys]
+                denominator = logits.sum(-1, keepdim=True)
+                if sinks is not None:
+                    denominator = denominator + sinks.double().cpu().exp()[:, None]
+                out[t] = (logits / denominator) @ values[listed]
+    return out
+
+
+def random_key_positions(b: MLABatch, k: int, seed: int, causal: bool = True, none_share: float = 0.25) -> torch.Tensor:
+    """`key_positions` for batch `b`: int32 `[total_new, k]` (on the CPU), each row up to `k` distinct
+    positions its query may see in random order, about `none_share` of the entries -1."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets, lengths = b.input_row_offsets.tolist(), b.cache_lengths.tolist()
+    rows = []
+    for s in range(len(lengths)):
+        new = offsets[s + 1] - offsets[s]
+        for i in range(new):
+            visible = lengths[s] + (i + 1 if causal else new)
+            chosen = torch.randperm(visible, generator=gen)[:k]
+            row = torch.full((k,), -1, dtype=torch.int32)
+            row[: chosen.numel()] = chosen.int()
+            dropped = torch.rand(k, generator=gen) < none_share
+            rows.append(
+                torch.where(dropped, torch.tensor(-1, dtype=torch.int32), row)[torch.randperm(k, generator=gen)]
+            )
+    return torch.stack(rows)
+
+
 def mla_as_attention(
     q_nope: torch.Tensor, q_rope: torch.Tensor, latents: list[torch.Tensor], ropes: list[torch.Tensor]
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:

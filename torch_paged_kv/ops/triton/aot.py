@@ -35,6 +35,7 @@ from .copy_pages import plan_copy_pages
 from .flash_attention import plan_flash_attention
 from .gather_kv import plan_gather_kv
 from .mla_attention import plan_mla_attention
+from .mla_sparse import plan_mla_sparse
 from .mla_store import plan_store_latent
 from .store_kv import plan_store_kv
 
@@ -189,6 +190,7 @@ MLA_CACHES = {  # name: (pool dtype, scales shape per token or None, or "static"
     "e5m2-static": (torch.float8_e5m2, "static"),
 }
 MLA_RANK, MLA_ROPE = 512, 64  # DeepSeek-V2/V3
+MLA_TOPK = 2048  # DeepSeek-V3.2's index_topk: the keys each query of sparse MLA attends to
 
 
 MLAStep = tuple[
@@ -239,6 +241,27 @@ def _mla_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
         yield dtype, cache, 128, "decode-split"  # (64-head wgmma tiles on sm_90 for per-token and static scales)
 
 
+def _mla_sparse_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
+    """(dtype, cache, heads, mode) of the sparse MLA attention variants (`key_positions`, k 2048): one
+    query token per program, so decode and prefill differ in their splits (decode-split: batch 1, split
+    over its 2048 entries, then the merge; decode: batch 64, one split; prefill: 4 x 256 tokens)."""
+    if quick:
+        yield from [
+            ("bf16", "unquantized", 16, "decode-split"),
+            ("bf16", "unquantized", 128, "prefill"),
+            ("bf16", "fp8", 128, "decode"),
+            ("bf16", "fp8-g128", 16, "decode-slot"),
+        ]
+        return
+    for heads, mode in itertools.product((16, 128), MODES):
+        yield "bf16", "unquantized", heads, mode
+    for cache, heads in itertools.product(list(MLA_CACHES)[1:], (16, 128)):
+        yield "bf16", cache, heads, "decode-split"
+    yield "fp16", "unquantized", 128, "decode-split"
+    for cache in MLA_CACHES:
+        yield "bf16", cache, 16, "decode-slot"
+
+
 def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
     shapes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
     shapes["decode-slot"] = (2, 1, WIDE_SLOT)  # slots whose in-page offsets pass int32 (WIDE_PAGE)
@@ -251,6 +274,16 @@ def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
         a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
         launches = plan_mla_attention(a)
         for launch in launches[1]:
+            yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
+    for dtype, cache, heads, mode in _mla_sparse_cases(quick):
+        batch, new, context = shapes[mode]
+        page_size = WIDE_SLOT if mode == "decode-slot" else 64
+        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
+        q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
+        q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
+        positions = torch.empty(batch * new, MLA_TOPK, dtype=torch.int32, device="meta")
+        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales, positions)
+        for launch in plan_mla_sparse(a)[1]:
             yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
     for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
         if quick and cache == "fp8-g128":

@@ -13,7 +13,8 @@ that decode is bound by instruction issue). Tiles and the causal key range are t
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
 `mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
 one scale per token the scale multiplies the scores and the probabilities instead of every element
-(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled.
+(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled. That key
+tile (`attend_key_tile`) also serves sparse attention (`mla_sparse.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,61 @@ from .flash_attention import num_splits
 from .fp8 import fp8_bits_to_operand, hardware_fp8
 from .mla_merge import plan_mla_merge
 from .mla_store import granules, mla_views, quant_mode, view_strides
+
+
+@triton.jit
+def attend_key_tile(
+    qn, qr, m_i, l_i, acc, row_ok, page, offset, key_ok, j, pos, latent_cache, rope_cache, scales,
+    cache_stride_page, cache_stride_token, rope_cache_stride_page, rope_cache_stride_token,
+    scales_stride_page, scales_stride_token, softmax_scale,
+    BLOCK_N: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, ROPE_P: tl.constexpr, GROUPS: tl.constexpr,
+    FP8: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, HW_FP8: tl.constexpr, SCALES: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of `BLOCK_N` keys for the query rows `qn` `[rows, RANK]`, `qr` `[rows, ROPE_P]`: load the
+    rows at (`page`, `offset`) of the layer's views where `key_ok` (the latent, FP8 codes decoded and
+    scaled, and the rope), score them for the rows where `row_ok` (and, if `CAUSAL`, key position `j`
+    <= the row's position `pos`), and fold them into the online softmax state. Returns (m_i, l_i, acc)."""
+    dim = tl.arange(0, RANK)
+    rd = tl.arange(0, ROPE_P)
+    slot = page.to(tl.int64) * cache_stride_page + offset * cache_stride_token
+    latent = tl.load(latent_cache + slot[:, None] + dim[None, :], mask=key_ok[:, None], other=0)
+    rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
+    rope = tl.load(rope_cache + rope_slot[:, None] + rd[None, :], mask=key_ok[:, None] & (rd[None, :] < ROPE))
+    if FP8:
+        if SCALES == 2:  # one static scale: applied to the scores and the probabilities below
+            token_scale = tl.load(scales + tl.zeros([BLOCK_N], tl.int32))
+        elif GROUPS == 1:  # one scale per token: likewise (loaded here, so page and offset die early)
+            scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
+            token_scale = tl.load(scales + scale_slot, mask=key_ok, other=0.0)
+        if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
+            latent = fp8_bits_to_operand(latent, tl.float32, MANT, BIAS, HW_FP8)
+            scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
+            granule = tl.load(
+                scales + scale_slot[:, None] + tl.arange(0, GROUPS)[None, :], mask=key_ok[:, None], other=0.0
+            )
+            latent = tl.reshape(latent, (BLOCK_N, GROUPS, RANK // GROUPS)) * granule[:, :, None]
+            latent = tl.reshape(latent, (BLOCK_N, RANK)).to(qn.dtype)
+        else:  # exact in the query's dtype: the scale is applied to scores and probabilities
+            latent = fp8_bits_to_operand(latent, qn.dtype, MANT, BIAS, HW_FP8)
+        rope = rope.to(qn.dtype)
+    elif UPCAST:
+        latent = latent.to(tl.float32)
+        rope = rope.to(tl.float32)
+    s = tl.dot(qn, tl.trans(latent), input_precision=PRECISION)
+    if FP8 and (SCALES == 2 or GROUPS == 1):
+        s = s * token_scale[None, :]
+    if ROPE > 0:
+        s += tl.dot(qr, tl.trans(rope), input_precision=PRECISION)
+    allowed = row_ok[:, None] & key_ok[None, :]
+    if CAUSAL:
+        allowed = allowed & (j[None, :] <= pos[:, None])
+    s = tl.where(allowed, s * (softmax_scale * 1.4426950408889634), float("-inf"))  # base-2 softmax
+    p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
+    if FP8 and (SCALES == 2 or GROUPS == 1):
+        p = p * token_scale[None, :]  # the value rows' scale, folded into the probabilities
+    acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
+    return m_i, l_i, acc
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch or total compiles nothing
@@ -141,44 +197,12 @@ def _mla_attention_kernel(
     for j0 in range(start, k_hi, num_splits * BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         page, offset, key_ok = key_pages(table_row, j, k_hi, page_size, table_width, num_pages, WIDE_PAGE)
-        slot = page.to(tl.int64) * cache_stride_page + offset * cache_stride_token
-        latent = tl.load(latent_cache + slot[:, None] + dim[None, :], mask=key_ok[:, None], other=0)
-        rope_slot = page.to(tl.int64) * rope_cache_stride_page + offset * rope_cache_stride_token
-        rope = tl.load(rope_cache + rope_slot[:, None] + rd[None, :], mask=key_ok[:, None] & (rd[None, :] < ROPE))
-        if FP8:
-            if SCALES == 2:  # one static scale: applied to the scores and the probabilities below
-                token_scale = tl.load(scales + tl.zeros([BLOCK_N], tl.int32))
-            elif GROUPS == 1:  # one scale per token: likewise (loaded here, so page and offset die early)
-                scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
-                token_scale = tl.load(scales + scale_slot, mask=key_ok, other=0.0)
-            if SCALES == 1 and GROUPS > 1:  # one scale per granule: scale each element
-                latent = fp8_bits_to_operand(latent, tl.float32, MANT, BIAS, HW_FP8)
-                scale_slot = page.to(tl.int64) * scales_stride_page + offset * scales_stride_token
-                granule = tl.load(
-                    scales + scale_slot[:, None] + tl.arange(0, GROUPS)[None, :], mask=key_ok[:, None], other=0.0
-                )
-                latent = tl.reshape(latent, (BLOCK_N, GROUPS, RANK // GROUPS)) * granule[:, :, None]
-                latent = tl.reshape(latent, (BLOCK_N, RANK)).to(qn.dtype)
-            else:  # exact in the query's dtype: the scale is applied to scores and probabilities
-                latent = fp8_bits_to_operand(latent, qn.dtype, MANT, BIAS, HW_FP8)
-            rope = rope.to(qn.dtype)
-        elif UPCAST:
-            latent = latent.to(tl.float32)
-            rope = rope.to(tl.float32)
-        s = tl.dot(qn, tl.trans(latent), input_precision=PRECISION)
-        if FP8 and (SCALES == 2 or GROUPS == 1):
-            s = s * token_scale[None, :]
-        if ROPE > 0:
-            s += tl.dot(qr, tl.trans(rope), input_precision=PRECISION)
-        allowed = row_ok[:, None] & key_ok[None, :]
-        if CAUSAL:
-            allowed = allowed & (j[None, :] <= pos[:, None])
-        s = tl.where(allowed, s * (softmax_scale * 1.4426950408889634), float("-inf"))  # base-2 softmax
-        p, alpha, m_i, l_i = online_softmax(s, m_i, l_i)
-        if FP8 and (SCALES == 2 or GROUPS == 1):
-            p = p * token_scale[None, :]  # the value rows' scale, folded into the probabilities
-        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision=PRECISION)
-
+        m_i, l_i, acc = attend_key_tile(
+            qn, qr, m_i, l_i, acc, row_ok, page, offset, key_ok, j, pos, latent_cache, rope_cache, scales,
+            cache_stride_page, cache_stride_token, rope_cache_stride_page, rope_cache_stride_token,
+            scales_stride_page, scales_stride_token, softmax_scale,
+            BLOCK_N, RANK, ROPE, ROPE_P, GROUPS, FP8, MANT, BIAS, HW_FP8, SCALES, CAUSAL, UPCAST, PRECISION,
+        )  # fmt: skip
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     store_rows(
         o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_heads,

@@ -1,0 +1,253 @@
+"""`mla_attention` with `key_positions`: sparse absorbed MLA (DeepSeek-V3.2's DSA), each query over the
+keys its row lists, for decode and prefill alike.
+
+Grid `(rows x head blocks, 1, splits)`. A program takes one query token and `BLOCK_H` of its heads
+(`>= 16` rows for `tl.dot`; heads past `num_heads` are masked rows): each token has its own key list,
+so tokens share no key tile. It walks its row of `key_positions` `BLOCK_N` entries at a time: an
+entry is read only if it is a key the query may see (`0 <= pos <=` the query's position, or `<
+kv_len` when not causal) inside the lookup table, on a page of the pool; any other entry counts as
+-1 (an `.unchecked` call's wild entries read nothing). The table is read only for those entries.
+Each tile of rows then goes through `mla_attention.attend_key_tile` (the dense kernel's load, FP8
+decode, scores, online softmax and `p . latent`), so the two kernels read rows alike. A query with
+no key ends with an empty softmax: zeros. Few queries (decode) deal the entries' tiles
+round-robin to `splits` programs, merged by `mla_merge`; the split count comes from shapes alone
+(`ops/splits.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..records import MLAAttentionArgs
+from .common import Launch, is_interpreted, owning_sequence, search_steps, sm_version, store_rows, tile_rows
+from .flash_attention import num_splits
+from .fp8 import hardware_fp8
+from .mla_attention import WGMMA_TILES, _blocks_for, attend_key_tile, wide_page
+from .mla_merge import plan_mla_merge
+from .mla_store import granules, mla_views, quant_mode, view_strides
+
+
+# per-call sizes: no specialisation on ==1 or %16, so a new batch, total or k compiles nothing
+@triton.jit(do_not_specialize=["batch", "total", "layer_idx", "num_keys"])
+def _mla_sparse_attention_kernel(
+    q_nope,
+    q_rope,
+    out,
+    part_out,
+    part_lse,
+    latent_cache,
+    rope_cache,
+    scales,
+    cache_lengths,
+    lookup_table,
+    input_row_offsets,
+    key_positions,
+    batch,
+    total,
+    num_heads,
+    num_pages,
+    table_width,
+    table_stride,
+    page_size,
+    layer_idx,
+    num_keys,
+    q_nope_stride_row,
+    q_nope_stride_head,
+    q_rope_stride_row,
+    q_rope_stride_head,
+    out_stride_row,
+    out_stride_head,
+    cache_stride_page,
+    cache_stride_layer,
+    cache_stride_token,
+    rope_cache_stride_page,
+    rope_cache_stride_layer,
+    rope_cache_stride_token,
+    scales_stride_page,
+    scales_stride_layer,
+    scales_stride_token,
+    num_splits,
+    softmax_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    RANK: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_P: tl.constexpr,
+    GROUPS: tl.constexpr,
+    FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    HW_FP8: tl.constexpr,
+    SCALES: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WIDE_PAGE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    head_blocks = tl.cdiv(num_heads, BLOCK_H)
+    row = tl.program_id(0) // head_blocks  # head blocks fastest: a token's run side by side
+    head_block = tl.program_id(0) % head_blocks
+    split = tl.program_id(2)
+    seq = owning_sequence(input_row_offsets, batch, row, 1, 0, STEPS)
+    row0 = tl.load(input_row_offsets + seq)
+    new = tl.load(input_row_offsets + seq + 1) - row0
+    q_index = row - row0  # the token's index among its sequence's new tokens
+    if (q_index < 0) | (q_index >= new):  # (only an `.unchecked` call's offsets leave a row outside)
+        return
+    tok, head, q_rows, row_ok = tile_rows(q_index, row0, new, total, head_block * BLOCK_H, num_heads, BLOCK_H, BLOCK_H)
+    cache_len = tl.load(cache_lengths + seq).to(tl.int64)
+    limit = cache_len + q_index if CAUSAL else cache_len + new - 1  # the last key it may see (int64: no wrap)
+    dim = tl.arange(0, RANK)
+    rd = tl.arange(0, ROPE_P)
+    qn = tl.load(
+        q_nope + (q_rows * q_nope_stride_row + head * q_nope_stride_head)[:, None] + dim[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    qr = tl.load(
+        q_rope + (q_rows * q_rope_stride_row + head * q_rope_stride_head)[:, None] + rd[None, :],
+        mask=row_ok[:, None] & (rd[None, :] < ROPE),
+        other=0.0,
+    )
+    if UPCAST:
+        qn = qn.to(tl.float32)
+        qr = qr.to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK], tl.float32)
+    listed_row = key_positions + row.to(tl.int64) * num_keys
+    table_row = lookup_table + seq.to(tl.int64) * table_stride
+    latent_cache += layer_idx.to(tl.int64) * cache_stride_layer
+    rope_cache += layer_idx.to(tl.int64) * rope_cache_stride_layer
+    scales += layer_idx.to(tl.int64) * scales_stride_layer
+    for n0 in range(split * BLOCK_N, num_keys, num_splits * BLOCK_N):  # split s takes tiles s, s + splits, ...
+        n = n0 + tl.arange(0, BLOCK_N)
+        j = tl.load(listed_row + n, mask=n < num_keys, other=-1)
+        col = j // page_size
+        seen = (j >= 0) & (j <= limit) & (col < table_width)  # a key it may see, in the table
+        page = tl.load(table_row + col, mask=seen, other=0)
+        key_ok = seen & (page >= 0) & (page < num_pages)  # (common.real_page)
+        offset = j % page_size
+        if WIDE_PAGE:
+            offset = offset.to(tl.int64)
+        m_i, l_i, acc = attend_key_tile(  # (key_ok holds the causal bound: no per-row mask)
+            qn, qr, m_i, l_i, acc, row_ok, page, offset, key_ok, j, tok, latent_cache, rope_cache, scales,
+            cache_stride_page, cache_stride_token, rope_cache_stride_page, rope_cache_stride_token,
+            scales_stride_page, scales_stride_token, softmax_scale,
+            BLOCK_N, RANK, ROPE, ROPE_P, GROUPS, FP8, MANT, BIAS, HW_FP8, SCALES, False, UPCAST, PRECISION,
+        )  # fmt: skip
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    store_rows(
+        o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_heads,
+        row0, tok, q_rows, head, row_ok, RANK, SPLIT,
+    )  # fmt: skip
+
+
+def plan_mla_sparse(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
+    """The output, allocated, and the launches that fill it (attention, then the split merge) of a call
+    with `key_positions`. Tiles are the dense kernel's decode tiles (`_blocks_for`), its query
+    tokens' rows given to heads: `BLOCK_H` = the tile's rows (16, or 64 for wgmma)."""
+    q_nope, q_rope, blocks, scales, lookup_table = a.q_nope, a.q_rope, a.blocks, a.scales, a.lookup_table
+    key_positions = a.key_positions
+    assert key_positions is not None  # (routed here only with it)
+    total, heads, rank = q_nope.shape
+    rope = q_rope.shape[2]
+    batch, page_size, num_keys = a.cache_lengths.shape[0], blocks.shape[3], key_positions.shape[1]
+    out = torch.empty((total, heads, rank), dtype=q_nope.dtype, device=q_nope.device)
+    if total == 0 or batch == 0:
+        return out, []
+    q_nope = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
+    q_rope = q_rope if q_rope.stride(2) == 1 or rope == 0 else q_rope.contiguous()
+    interpret = is_interpreted(q_nope)
+    fp32 = q_nope.dtype == torch.float32
+    hw_fp8 = scales is not None and hardware_fp8(q_nope.device)
+    wgmma = WGMMA_TILES and sm_version(q_nope.device) == 90
+    block_h, block_q, block_n, num_warps = _blocks_for(
+        rank, heads, True, interpret, fp32, scales is not None, hw_fp8, wgmma, granules(scales) > 1
+    )
+    block_h *= block_q  # one token per program: its rows all go to heads (masked past num_heads)
+    head_blocks = triton.cdiv(heads, block_h)
+    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
+    splits = num_splits(total * head_blocks, num_keys, block_n, q_nope.device)
+    if splits == 1:
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty((splits, total, heads, rank), dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty((splits, total, heads), dtype=torch.float32, device=q_nope.device)
+    latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
+    quant = quant_mode(blocks, scales)
+    scales_kind = quant["SCALES"]
+    launches = [
+        Launch(
+            _mla_sparse_attention_kernel,
+            (total * head_blocks, 1, splits),
+            (
+                q_nope,
+                q_rope,
+                out,
+                part_out,
+                part_lse,
+                latent_cache,
+                rope_cache,
+                pool_scales,
+                a.cache_lengths,
+                lookup_table,
+                a.input_row_offsets,
+                key_positions,
+                batch,
+                total,
+                heads,
+                blocks.shape[0],
+                width,
+                table_stride,
+                page_size,
+                a.layer_idx,
+                num_keys,
+                q_nope.stride(0),
+                q_nope.stride(1),
+                q_rope.stride(0),
+                q_rope.stride(1),
+                out.stride(0),
+                out.stride(1),
+                *view_strides(latent_cache),
+                *view_strides(rope_cache),
+                *view_strides(pool_scales, scales_kind == 1),
+                splits,
+                float(a.softmax_scale),
+            ),
+            dict(
+                BLOCK_H=block_h,
+                BLOCK_N=block_n,
+                RANK=rank,
+                ROPE=rope,
+                ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
+                GROUPS=granules(scales),
+                **quant,
+                HW_FP8=hw_fp8,
+                CAUSAL=bool(a.causal),
+                SPLIT=splits > 1,
+                WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
+                UPCAST=interpret,
+                PRECISION="ieee" if interpret or fp32 else "tf32",
+                STEPS=search_steps(batch),
+                num_warps=num_warps,
+            ),
+        )
+    ]
+    if splits > 1:
+        launches.append(plan_mla_merge(part_out, part_lse, out))
+    return out, launches
+
+
+def mla_sparse(a: MLAAttentionArgs) -> torch.Tensor:
+    out, launches = plan_mla_sparse(a)
+    for launch in launches:
+        launch()
+    return out
