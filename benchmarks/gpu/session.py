@@ -186,7 +186,7 @@ CALLS = {
         budget_s=300,
         steps=(
             Step("env", "shell", (f'{PYTHON} -c "{ENV_REPORT}"',), cap_s=40),
-            Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=60, deadline_s=45),
+            Step("mla-tests", "pytest", ("tests/gpu/test_mla_gpu.py",), cap_s=90, deadline_s=45),  # (sparse: 7 more)
             Step("variants-tests", "pytest", ("tests/gpu/test_variants_gpu.py",), cap_s=60, deadline_s=40),
             Step(
                 "cuda-paths-tests",
