@@ -163,6 +163,19 @@ def test_bad_key_positions_are_refused_naming_them(case):
         pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales, positions)
 
 
+def test_step_plan_checks_each_layers_key_positions():
+    """Every layer picks its own keys: a `StepPlan` checks them at later layers too (whose step tensors
+    it leaves unchecked), naming `key_positions`."""
+    b = make_mla_batch([13, 6], [1, 1], page_size=4, num_layers=2, layer_idx=1, seed=3)
+    plan = pk.StepPlan(b.blocks, pk.StepTensors(*b.step))
+    positions = torch.tensor([[0, 13], [6, -1]], dtype=torch.int32)
+    for layer in (0, 1):
+        plan.store_latent(b.new_latent, b.new_rope, layer)
+        assert plan.mla_attention(b.q_nope, b.q_rope, layer, 0.2, key_positions=positions).shape == b.q_nope.shape
+    with pytest.raises(ValueError, match="^key_positions: row 0 lists position 14"):
+        plan.mla_attention(b.q_nope, b.q_rope, 1, 0.2, key_positions=positions + 1)
+
+
 def test_unchecked_call_skips_keys_it_may_not_see():
     """Entries past what a query may see, past the table, or below -1 read nothing: they count as -1."""
     b = _batch("decode-page4")  # sequences of 14, 7 and 31 keys, one query each, at their last position

@@ -181,9 +181,9 @@ class StepPlan:
     ) -> Tensor:
         """`api.mla_attention` (absorbed MLA) of this step's queries at layer `layer_idx` -> `[total_new,
         num_heads, kv_lora_rank]`; `q_nope` already multiplied by W_UK; `key_positions` for sparse
-        attention, `sinks` per head."""
+        attention (each layer's own: value-checked at every layer), `sinks` per head."""
         self._rows("q_nope", q_nope, layer_idx)
-        op = getattr(_OPS.mla_attention, self._checked(layer_idx))
+        op = getattr(_OPS.mla_attention, "default" if key_positions is not None else self._checked(layer_idx))
         extra = (self.scales, key_positions, sinks)
         return op(q_nope, q_rope, self.blocks, *self.step, layer_idx, softmax_scale, causal, *extra)
 
