@@ -122,6 +122,20 @@ def test_a_reset_cache_takes_another_batch(model, attention):
             assert torch.equal(generate(model, cache, lengths, 6), expected), lengths
 
 
+def test_indexer_bytes_count_the_key_buffers(model):
+    """`indexer_bytes()`: nothing before a step, then one `max_batch_size` x `max_cache_len` x
+    `index_head_dim` buffer per indexed layer that writes keys; `kv_bytes_in_use()` leaves them out."""
+    cache = paged(model)
+    assert cache.indexer_bytes() == 0
+    generate(model, cache, (5, 9), 2)
+    config = model.config
+    writers = [
+        i for i in cache.indexed_layers if (getattr(config, "indexer_types", None) or ["full"] * 99)[i] != "shared"
+    ]
+    one = 3 * MAX_CACHE_LEN * config.index_head_dim * 4  # (rows, columns, width, fp32)
+    assert cache.indexer_bytes() == len(writers) * one > 0
+
+
 def test_paged_kv_refusals(model, monkeypatch):
     """`paged_kv` is refused before anything is stored: before transformers 5.24 naming
     `attn_implementation` (MLA needs `Cache.update(kwargs=)`), and for a sparse-attention model type it

@@ -345,6 +345,12 @@ class PagedCache(Cache):
             if state is not None
         )
 
+    def indexer_bytes(self) -> int:
+        """Bytes of the sparse-attention layers' indexer-key buffers (`max_batch_size` x `max_cache_len` x
+        `index_head_dim` each, allocated whole at the first step that writes keys; 0 before)."""
+        buffers = (layer.indexer_keys for layer in self._indexed_layer_objects())
+        return sum(keys.nbytes for keys in buffers if keys is not None)
+
     def activate_past_recording(self) -> None:
         """Keep the pages sliding windows would give back until the next `crop` (transformers calls this
         before assisted generation, whose `crop` may go back past a window's start), and the state
