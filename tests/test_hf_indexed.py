@@ -129,9 +129,8 @@ def test_indexer_bytes_count_the_key_buffers(model):
     assert cache.indexer_bytes() == 0
     generate(model, cache, (5, 9), 2)
     config = model.config
-    writers = [
-        i for i in cache.indexed_layers if (getattr(config, "indexer_types", None) or ["full"] * 99)[i] != "shared"
-    ]
+    types = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers  # "shared": no keys
+    writers = [i for i in cache.indexed_layers if types[i] != "shared"]
     one = 3 * MAX_CACHE_LEN * config.index_head_dim * 4  # (rows, columns, width, fp32)
     assert cache.indexer_bytes() == len(writers) * one > 0
 
