@@ -195,7 +195,7 @@ CALLS = {
                 cap_s=40,
                 deadline_s=30,
             ),
-            Step("bench-mla-tiles", "shell", (_on_gpu("benchmarks/bench_mla_tiles_gpu.py"),), cap_s=75),
+            Step("bench-mla-tiles", "shell", (_on_gpu("benchmarks/bench_mla_tiles_gpu.py"),), cap_s=100),  # (+6 sparse)
             Step(
                 "bench-hf",
                 "shell",
