@@ -290,9 +290,9 @@ def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
         for dtype, cache, heads, mode in cases:
             for launch in plan(_mla_args(dtype, cache, heads, mode, sparse))[1]:
                 yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
-        # attention sinks (HY-V4's MLA): split decode, whose merge adds the sink term
-        for launch in plan(_mla_args("bf16", "unquantized", 16, "decode-split", sparse, sinks=True))[1]:
-            yield f"{launch.kernel.__name__.strip('_')} bf16 unquantized h16 decode-split sinks", launch
+        for mode in ("decode-split", "prefill"):  # sinks (HY-V4): in the merge, or in the kernel's epilogue
+            for launch in plan(_mla_args("bf16", "unquantized", 16, mode, sparse, sinks=True))[1]:
+                yield f"{launch.kernel.__name__.strip('_')} bf16 unquantized h16 {mode} sinks", launch
     for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
         if quick and cache == "fp8-g128":
             continue
