@@ -151,6 +151,35 @@ def test_split_kv_decode_matches_fp64(monkeypatch, kind):
     _check(b, 0.2)
 
 
+SINK_CASES = {  # name: (cached, new, page_size, heads, kind, causal, split decode)
+    "prefill-chunked-page3": ([7, 0, 12], [6, 3, 5], 3, 2, "bf16", True, False),
+    "prefill-noncausal-h20": ([20, 3], [5, 2], 16, 20, "fp16", False, False),  # 2 head blocks, one partial
+    "decode-h40": ([45, 3, 70], [1, 1, 1], 8, 40, "bf16", True, False),  # 3 head blocks, one partial
+    "decode-split": ([70, 5, 33], [1, 1, 1], 8, 4, "bf16", True, True),  # splits holding none of the 6 keys
+    "decode-split-fp8-per-token": ([70, 5, 33], [1, 1, 1], 8, 4, "fp8-per-token", True, True),
+}
+
+
+@pytest.mark.parametrize("name", SINK_CASES)
+def test_sinks_match_fp64(name, monkeypatch):
+    """Each head's sink logit joins its rows' denominators: at the end of a program, or once in the
+    merge of split decode (where some splits saw no key of the shorter sequences)."""
+    cached, new, page_size, heads, kind, causal, split = SINK_CASES[name]
+    if split:
+        monkeypatch.setattr(split_rule, "MIN_SPLIT_KEYS", 16)
+    dtype, quantization = QUANT[kind]
+    b = make_mla_batch(cached, new, page_size=page_size, num_heads=heads, dtype=dtype, seed=len(name), **quantization)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(len(name))) + 3  # e^3: as heavy as ~10 keys
+    a = MLAAttentionArgs(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, causal, b.scales, None, sinks)
+    launches = triton_mla.plan_mla_attention(a)[1]
+    assert len(launches) == (2 if split else 1) and launches[0].kwargs["SINK"]
+    assert all(launch.kwargs["SINK"] for launch in launches)  # (the merge adds the sink term)
+    reference_mla.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    got = pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, causal, b.scales, None, sinks)
+    expected = mla_attention_fp64(b.q_nope, b.q_rope, b.latents, b.ropes, b.cache_lengths.tolist(), 0.2, causal, sinks)
+    torch.testing.assert_close(got, expected.to(got.dtype), **ATTENTION_TOLERANCE[got.dtype])
+
+
 def test_deepseek_shape_decode_matches_fp64():
     """kv_lora_rank 512, rope 64, 16 heads: one latent row per token serves every head."""
     b = make_mla_batch([21, 3], [1, 1], page_size=16, num_heads=16, kv_lora_rank=512, rope_dim=64, dtype=torch.bfloat16)

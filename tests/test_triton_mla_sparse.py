@@ -118,6 +118,40 @@ def test_split_decode_merges_splits_some_empty(dtype, monkeypatch):
     assert torch.equal(got[2], torch.zeros_like(got[2]))
 
 
+SINK_CASES = {  # name: (CASES entry or None for the split decode batch, pool kind, splits)
+    "decode-page1-h20": ("decode-page1-h20", None, 1),  # 2 head blocks, one partial
+    "prefill-ragged-page16": ("prefill-ragged-page16", None, 1),
+    "decode-split": (None, None, 3),
+    "decode-split-fp8-per-token": (None, "fp8-per-token", 3),
+}
+
+
+@pytest.mark.parametrize("name", SINK_CASES)
+def test_sinks_match_fp64(name, monkeypatch):
+    """Each head's sink logit joins its rows' denominators: at the end of a program, or once in the
+    merge of split decode (splits whose entries are all -1 included); a query with no key still gets
+    zeros (row 2, listing none)."""
+    case, kind, splits = SINK_CASES[name]
+    dtype, quantization = QUANT[kind] if kind else (None, {})
+    if case is None:
+        monkeypatch.setattr(split_rule, "MIN_SPLIT_KEYS", 16)
+        b = make_mla_batch([60, 40, 9], [1, 1, 1], page_size=8, dtype=dtype or torch.bfloat16, seed=2, **quantization)
+        positions = random_key_positions(b, 40, seed=5, none_share=0.1)
+    else:
+        b = _batch(case, dtype, **quantization)
+        positions = random_key_positions(b, CASES[case][9], seed=len(name))
+    positions[2] = -1
+    sinks = torch.randn(b.q_nope.shape[1], generator=torch.Generator().manual_seed(len(name))) + 3  # e^3: ~10 keys
+    a = MLAAttentionArgs(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales, positions, sinks)
+    launches = mla_sparse.plan_mla_sparse(a)[1]
+    assert launches[0].grid[2] == splits and all(launch.kwargs["SINK"] for launch in launches)
+    pk.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    got = pk.mla_attention(b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.2, True, b.scales, positions, sinks)
+    expected = sparse_mla_attention_fp64(b, positions, 0.2, True, sinks).to(got.dtype)
+    torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCE[got.dtype])
+    assert torch.equal(got[2], torch.zeros_like(got[2]))
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_64_head_tiles_mask_the_heads_past_the_last(splits, monkeypatch):
     """The tile sm_90 takes at 64+ heads (64 heads x 32 keys, forced here): 72 heads make two head
@@ -187,12 +221,14 @@ def test_deepseek_decode_splits_its_2048_entries_and_prefill_does_not(monkeypatc
 
 
 def test_triton_takes_sparse_calls_on_cuda(force_backend, monkeypatch):
-    """`supports` accepts `key_positions`, and the default order on CUDA picks Triton for such a call
+    """`supports` accepts `key_positions` and `sinks`, and the default order on CUDA picks Triton for such a call
     (Triton's availability on CUDA, which this interpreter process lacks, patched in)."""
     force_backend(None)
     a = _deepseek_call(4, 4, 128)
     kernel, supports = KERNELS["mla_attention"][:2]
     assert supports(a) and supports(a._replace(key_positions=None))
+    sinks = torch.empty(128, device="meta")
+    assert supports(a._replace(sinks=sinks)) and supports(a._replace(key_positions=None, sinks=sinks))
     assert not supports(a._replace(q_nope=a.q_nope.float(), scales=torch.empty(1, device="meta")))
     monkeypatch.setitem(dispatch._availability, "triton", lambda device: None)
     assert dispatch.select("mla_attention", torch.device("cuda"), a) is kernel

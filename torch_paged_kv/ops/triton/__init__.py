@@ -104,10 +104,10 @@ def _store_latent_supports(a: StoreLatentArgs) -> bool:
 
 def _mla_attention_supports(a: MLAAttentionArgs) -> bool:
     """kv_lora_rank a power of two from 16 (tl.dot) to 512 (the fp32 accumulator's registers); rope_dim
-    <= 256; no `sinks` (the reference runs them); not fp32 queries over FP8 rows (its FMA tiles spill
-    kilobytes at rank 512: the reference runs them; FP8 caches serve 16-bit models); a grid CUDA can
-    launch. With or without `key_positions`."""
-    if a.sinks is not None or (a.scales is not None and a.q_nope.dtype == torch.float32):
+    <= 256; not fp32 queries over FP8 rows (its FMA tiles spill kilobytes at rank 512: the reference
+    runs them; FP8 caches serve 16-bit models); a grid CUDA can launch. With or without
+    `key_positions` and `sinks`."""
+    if a.scales is not None and a.q_nope.dtype == torch.float32:
         return False
     total, heads, rank = a.q_nope.shape  # grid x: query tiles (at most total + batch) x head blocks
     launchable = (total + a.cache_lengths.shape[0]) * heads < 2**31  # (common.MAX_GRID; common imports triton)

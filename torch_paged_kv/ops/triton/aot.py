@@ -262,29 +262,37 @@ def _mla_sparse_cases(quick: bool) -> Iterator[tuple[str, str, int, str]]:
         yield "bf16", cache, 16, "decode-slot"
 
 
+MLA_SHAPES = {  # mode: (batch, new tokens each, context)
+    "decode-split": (1, 1, 32768),
+    "decode": (64, 1, 128),
+    "prefill": (4, 256, 1024),
+    "decode-slot": (2, 1, WIDE_SLOT),  # slots whose in-page offsets pass int32 (WIDE_PAGE)
+}
+
+
+def _mla_args(dtype: str, cache: str, heads: int, mode: str, sparse: bool, sinks: bool = False) -> MLAAttentionArgs:
+    """Meta tensors of an `mla_attention` call (`sparse`: with `key_positions`, k = `MLA_TOPK`)."""
+    batch, new, context = MLA_SHAPES[mode]
+    page_size = WIDE_SLOT if mode == "decode-slot" else 64
+    blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
+    q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
+    q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
+    positions = torch.empty(batch * new, MLA_TOPK, dtype=torch.int32, device="meta") if sparse else None
+    sink_logits = torch.empty(heads, device="meta") if sinks else None
+    return MLAAttentionArgs(
+        q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales, positions, sink_logits
+    )
+
+
 def _mla_variants(quick: bool) -> Iterator[tuple[str, Launch]]:
-    shapes = {"decode-split": (1, 1, 32768), "decode": (64, 1, 128), "prefill": (4, 256, 1024)}
-    shapes["decode-slot"] = (2, 1, WIDE_SLOT)  # slots whose in-page offsets pass int32 (WIDE_PAGE)
-    for dtype, cache, heads, mode in _mla_cases(quick):
-        batch, new, context = shapes[mode]
-        page_size = WIDE_SLOT if mode == "decode-slot" else 64
-        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
-        q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
-        q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
-        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales)
-        launches = plan_mla_attention(a)
-        for launch in launches[1]:
-            yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
-    for dtype, cache, heads, mode in _mla_sparse_cases(quick):
-        batch, new, context = shapes[mode]
-        page_size = WIDE_SLOT if mode == "decode-slot" else 64
-        blocks, scales, lengths, table, offsets, _, _ = _mla_paged(DTYPES[dtype], cache, batch, new, context, page_size)
-        q_nope = torch.empty(batch * new, heads, MLA_RANK, dtype=DTYPES[dtype], device="meta")
-        q_rope = torch.empty(batch * new, heads, MLA_ROPE, dtype=DTYPES[dtype], device="meta")
-        positions = torch.empty(batch * new, MLA_TOPK, dtype=torch.int32, device="meta")
-        a = MLAAttentionArgs(q_nope, q_rope, blocks, lengths, table, offsets, LAYER, 192**-0.5, True, scales, positions)
-        for launch in plan_mla_sparse(a)[1]:
-            yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
+    for sparse, cases in ((False, _mla_cases(quick)), (True, _mla_sparse_cases(quick))):
+        plan = plan_mla_sparse if sparse else plan_mla_attention
+        for dtype, cache, heads, mode in cases:
+            for launch in plan(_mla_args(dtype, cache, heads, mode, sparse))[1]:
+                yield f"{launch.kernel.__name__.strip('_')} {dtype} {cache} h{heads} {mode}", launch
+        for mode in ("decode-split", "prefill"):  # sinks (HY-V4): in the merge, or in the kernel's epilogue
+            for launch in plan(_mla_args("bf16", "unquantized", 16, mode, sparse, sinks=True))[1]:
+                yield f"{launch.kernel.__name__.strip('_')} bf16 unquantized h16 {mode} sinks", launch
     for dtype, cache in itertools.product(("bf16",) if quick else DTYPES, MLA_CACHES):
         if quick and cache == "fp8-g128":
             continue

@@ -11,9 +11,10 @@ blocks in grid order, x fastest (observed, not promised), so they run at the sam
 the first find each key tile in L2 (on an H100 no faster than head blocks on grid y at 128 heads:
 that decode is bound by instruction issue). Tiles and the causal key range are those of
 `flash_attention.py`; decode deals key tiles round-robin to `splits` programs, merged by
-`mla_merge`. FP8 rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with
-one scale per token the scale multiplies the scores and the probabilities instead of every element
-(exact: every FP8 value is a bf16/fp16 value); with finer granules each element is scaled. That key
+`mla_merge`. Attention sinks (`SINK`) join each row's denominator at the end, or in the merge. FP8
+rows (uint8 codes, decoded exactly by `fp8.py`) are cast to the query dtype: with one scale per
+token the scale multiplies the scores and the probabilities instead of every element (exact: every
+FP8 value is a bf16/fp16 value); with finer granules each element is scaled. That key
 tile (`attend_key_tile`) also serves sparse attention (`mla_sparse.py`).
 """
 
@@ -96,6 +97,19 @@ def attend_key_tile(
     return m_i, l_i, acc
 
 
+@triton.jit
+def normalize(acc, m_i, l_i, sinks, head, row_ok, SINK: tl.constexpr):
+    """The output rows `acc / l_i` (0 for a row that saw no key); with `SINK`, head `head`'s sink logit
+    `sinks[head]` joins each row's denominator (`l_i + 2^(sink - m_i)` in the base-2 softmax; a row that
+    saw no key has `m_i = -inf`: 0). Split programs leave the sink to the merge."""
+    if SINK:
+        sink = tl.load(sinks + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        o = acc / (l_i + tl.exp2(sink - m_i))[:, None]
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    return o
+
+
 # per-call sizes: no specialisation on ==1 or %16, so a new batch or total compiles nothing
 @triton.jit(do_not_specialize=["batch", "total", "layer_idx"])
 def _mla_attention_kernel(
@@ -135,6 +149,7 @@ def _mla_attention_kernel(
     scales_stride_token,
     num_splits,
     softmax_scale,
+    sinks,
     BLOCK_H: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,6 +164,7 @@ def _mla_attention_kernel(
     HW_FP8: tl.constexpr,
     SCALES: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SINK: tl.constexpr,
     SPLIT: tl.constexpr,
     WIDE_PAGE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -203,7 +219,7 @@ def _mla_attention_kernel(
             scales_stride_page, scales_stride_token, softmax_scale,
             BLOCK_N, RANK, ROPE, ROPE_P, GROUPS, FP8, MANT, BIAS, HW_FP8, SCALES, CAUSAL, UPCAST, PRECISION,
         )  # fmt: skip
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = normalize(acc, m_i, l_i, sinks, head, row_ok, SINK and not SPLIT)
     store_rows(
         o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_heads,
         row0, tok, q_rows, head, row_ok, RANK, SPLIT,
@@ -323,6 +339,7 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
                 *view_strides(pool_scales, scales_kind == 1),
                 splits,
                 float(a.softmax_scale),
+                q_nope if a.sinks is None else a.sinks,  # (not read without sinks)
             ),
             dict(
                 BLOCK_H=block_h,
@@ -335,6 +352,7 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
                 **quant,
                 HW_FP8=hw_fp8,
                 CAUSAL=bool(a.causal),
+                SINK=a.sinks is not None,
                 SPLIT=splits > 1,
                 WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
                 UPCAST=interpret,
@@ -345,7 +363,7 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
         )
     ]
     if splits > 1:
-        launches.append(plan_mla_merge(part_out, part_lse, out))
+        launches.append(plan_mla_merge(part_out, part_lse, out, a.sinks))
     return out, launches
 
 

@@ -1,6 +1,7 @@
-"""Merge of MLA decode splits: out = sum_s 2^(lse_s - max) o_s / sum_s 2^(lse_s - max), one program
-per (row, head), looping over the splits (a `[splits, kv_lora_rank]` tile, as `flash_merge` holds
-for head_dim, would take 64 x 512 fp32 values per program at 64 splits: spills)."""
+"""Merge of MLA decode splits: out = sum_s 2^(lse_s - max) o_s / (sum_s 2^(lse_s - max) + 2^(sink - max)),
+the sink term only with attention sinks (one logit per head). One program per (row, head), looping
+over the splits (a `[splits, kv_lora_rank]` tile, as `flash_merge` holds for head_dim, would take
+64 x 512 fp32 values per program at 64 splits: spills)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def _mla_merge_kernel(
     num_splits,
     out_stride_row,
     out_stride_head,
+    sinks,
+    SINK: tl.constexpr,
     RANK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -38,17 +41,31 @@ def _mla_merge_kernel(
         weight = tl.exp2(tl.load(part_lse + part_row) - top)
         norm += weight
         acc += weight * tl.load(part_out + part_row * RANK + dim)
+    if SINK:  # the head's sink logit (log2 units) joins the denominator once
+        norm += tl.exp2(tl.load(sinks + head) * 1.4426950408889634 - top)
     merged = acc / tl.where(norm > 0, norm, 1.0)
     tl.store(out + row.to(tl.int64) * out_stride_row + head * out_stride_head + dim, merged.to(out.dtype.element_ty))
 
 
-def plan_mla_merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> Launch:
+def plan_mla_merge(
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None
+) -> Launch:
     """Combine `part_out [splits, total, heads, kv_lora_rank]` (normalized, fp32) with log2-sum-exp
-    `part_lse [splits, total, heads]` into `out [total, heads, kv_lora_rank]`."""
+    `part_lse [splits, total, heads]` (and `sinks [heads]`, fp32) into `out [total, heads, kv_lora_rank]`."""
     splits, total, num_heads, rank = part_out.shape
     return Launch(
         _mla_merge_kernel,
         (total, num_heads),
-        (part_out, part_lse, out, total, num_heads, splits, out.stride(0), out.stride(1)),
-        dict(RANK=rank),
+        (
+            part_out,
+            part_lse,
+            out,
+            total,
+            num_heads,
+            splits,
+            out.stride(0),
+            out.stride(1),
+            out if sinks is None else sinks,  # (not read without sinks)
+        ),
+        dict(SINK=sinks is not None, RANK=rank),
     )

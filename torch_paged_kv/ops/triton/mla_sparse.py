@@ -9,7 +9,8 @@ kv_len` when not causal) inside the lookup table, on a page of the pool; any oth
 -1 (an `.unchecked` call's wild entries read nothing). The table is read only for those entries.
 Each tile of rows then goes through `mla_attention.attend_key_tile` (the dense kernel's load, FP8
 decode, scores, online softmax and `p . latent`), so the two kernels read rows alike. A query with
-no key ends with an empty softmax: zeros. Few queries (decode) deal the entries' tiles
+no key ends with an empty softmax: zeros. Attention sinks join the denominator as in the dense kernel
+(`mla_attention.normalize`, or the merge). Few queries (decode) deal the entries' tiles
 round-robin to `splits` programs, merged by `mla_merge`; the split count comes from shapes alone
 (`ops/splits.py`).
 """
@@ -24,7 +25,7 @@ from ..records import MLAAttentionArgs
 from .common import Launch, is_interpreted, owning_sequence, search_steps, sm_version, store_rows, tile_rows
 from .flash_attention import num_splits
 from .fp8 import hardware_fp8
-from .mla_attention import WGMMA_TILES, _blocks_for, attend_key_tile, wide_page
+from .mla_attention import WGMMA_TILES, _blocks_for, attend_key_tile, normalize, wide_page
 from .mla_merge import plan_mla_merge
 from .mla_store import granules, mla_views, quant_mode, view_strides
 
@@ -70,6 +71,7 @@ def _mla_sparse_attention_kernel(
     scales_stride_token,
     num_splits,
     softmax_scale,
+    sinks,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     RANK: tl.constexpr,
@@ -83,6 +85,7 @@ def _mla_sparse_attention_kernel(
     HW_FP8: tl.constexpr,
     SCALES: tl.constexpr,
     CAUSAL: tl.constexpr,
+    SINK: tl.constexpr,
     SPLIT: tl.constexpr,
     WIDE_PAGE: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -143,7 +146,7 @@ def _mla_sparse_attention_kernel(
             BLOCK_N, RANK, ROPE, ROPE_P, GROUPS, FP8, MANT, BIAS, HW_FP8, SCALES, False, UPCAST, PRECISION,
         )  # fmt: skip
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = normalize(acc, m_i, l_i, sinks, head, row_ok, SINK and not SPLIT)
     store_rows(
         o, m_i, l_i, out, out_stride_row, out_stride_head, part_out, part_lse, split, total, num_heads,
         row0, tok, q_rows, head, row_ok, RANK, SPLIT,
@@ -221,6 +224,7 @@ def plan_mla_sparse(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
                 *view_strides(pool_scales, scales_kind == 1),
                 splits,
                 float(a.softmax_scale),
+                q_nope if a.sinks is None else a.sinks,  # (not read without sinks)
             ),
             dict(
                 BLOCK_H=block_h,
@@ -232,6 +236,7 @@ def plan_mla_sparse(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
                 **quant,
                 HW_FP8=hw_fp8,
                 CAUSAL=bool(a.causal),
+                SINK=a.sinks is not None,
                 SPLIT=splits > 1,
                 WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
                 UPCAST=interpret,
@@ -242,7 +247,7 @@ def plan_mla_sparse(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
         )
     ]
     if splits > 1:
-        launches.append(plan_mla_merge(part_out, part_lse, out))
+        launches.append(plan_mla_merge(part_out, part_lse, out, a.sinks))
     return out, launches
 
 
