@@ -136,3 +136,17 @@ def test_unchecked_sparse_mla_attention_skips_wild_entries():
     step = (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 0.1, True, None)
     got = torch.ops.paged_kv.mla_attention.unchecked(*step, wild)
     assert torch.equal(got, torch.ops.paged_kv.mla_attention.unchecked(*step, skipped))
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8-per-token"])
+def test_mla_attention_with_sinks_matches_the_reference(kind, sparse):
+    """HY-V4's attention sinks at DeepSeek sizes, split decode and a chunk: Triton against the reference."""
+    b = _batch([3000, 40], [1, 5], 64, 16, kind, seed=2)
+    reference_mla.store_latent(b.new_latent, b.new_rope, b.blocks, *b.step, b.layer_idx, b.scales)
+    positions = random_key_positions(b, 2048, seed=2).to(CUDA) if sparse else None
+    sinks = torch.randn(16, generator=torch.Generator().manual_seed(3)).add_(3).to(CUDA)
+    args = (b.q_nope, b.q_rope, b.blocks, *b.step, b.layer_idx, 192**-0.5, True, b.scales, positions, sinks)
+    got = pk.mla_attention(*args)
+    expected = reference_mla.mla_attention(*args)
+    torch.testing.assert_close(got, expected, **ATTENTION_TOLERANCE[got.dtype])
