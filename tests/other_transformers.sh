@@ -7,8 +7,9 @@
 # Runs the family matrix (CI cells), speculative decoding, layer groups, the integration and its
 # checkpoints. What an older transformers refuses by design is declared in tests/transformers_matrix.py
 # (`Family.older`) and in the docs' "Supported models" table; those cells then expect the refusal.
-# Checked versions: 5.5.4, 5.8.1, 5.11.0, 5.12.1, 5.13.1, 5.14.1, 5.15.1, 5.16.1, 5.17.0, 5.18.0, 5.19.0,
-# 5.20.2, 5.21.1, 5.22.2, 5.23.0 (and the installed 5.24 by the ordinary test run).
+# Checked versions: 5.5.4, 5.6.2, 5.7.0, 5.8.1, 5.9.0, 5.10.4, 5.11.0, 5.12.1, 5.13.1, 5.14.1, 5.15.1,
+# 5.16.1, 5.17.0, 5.18.0, 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 (and the installed 5.24 by the ordinary
+# test run).
 set -euo pipefail
 version="${1:?usage: bash tests/other_transformers.sh VERSION [pytest args...]}"
 shift
