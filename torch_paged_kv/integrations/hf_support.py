@@ -44,7 +44,7 @@ INDEXED_SPECULATIVE_SINCE = "5.24"
 indexed layers (whose top-k DynamicCache's rounding does not reproduce). `PagedCache` refuses it before."""
 STATE_LAYERS_SINCE = "5.15"
 """The oldest transformers whose state layers `PagedCache` holds exactly (the matrix's hybrid families
-in every mode on 5.15.1 to 5.19.0 and 5.23, the sweep on 5.15.1 to 5.19.0): older ones are refused.
+in every mode on 5.15.1 to 5.19.0 and 5.23, the sweep on 5.15.1 to 5.24): older ones are refused.
 In 5.14 OLMo-Hybrid and Zamba2 keep their states in caches of their own (a crash under `PagedCache`;
 the matrix's families are exact there); before 5.14, transformers' `LinearAttentionLayer` keeps one
 conv and one recurrent state per layer (no `number_of_states`), which `hf_state.StateLayer` does not follow."""
@@ -361,8 +361,8 @@ def _mla_update_gets_decompressed_kv() -> bool:
 
 def _generate_breaks_chunked_masks() -> bool:
     """Whether this transformers' `create_masks_for_generate` hands `create_chunked_causal_mask` an
-    argument it does not take (`block_sequence_ids`; so in 5.9 to 5.19, not in 5.5 or 5.20): a `TypeError` in
-    `generate` before the first token, for every compileable cache."""
+    argument it does not take (`block_sequence_ids`; so in 5.9 to 5.19, not in 5.5 to 5.8 nor from
+    5.20): a `TypeError` in `generate` before the first token, for every compileable cache."""
     from transformers import masking_utils
 
     passed = inspect.signature(masking_utils.create_masks_for_generate).parameters
