@@ -119,7 +119,7 @@ def sparse_row(cache: str, heads: int, page: int, tile: tuple[int, int, int] | N
         with contextlib.ExitStack() as patches:
             if tile is not None:
                 blocks_for = lambda *_, h=tile[0], n=tile[1], w=tile[2]: (h, 1, n, w)
-                patches.enter_context(mock.patch.object(triton_sparse, "_blocks_for", blocks_for))
+                patches.enter_context(mock.patch.object(triton_mla, "_blocks_for", blocks_for))  # (mla_tiles)
             out, launches = triton_sparse.plan_mla_sparse(a)
 
         def run() -> torch.Tensor:

@@ -22,8 +22,10 @@ CASES = {  # (cached, new, page_size, continuous, heads, rank, rope, dtype, caus
 }
 
 
-def _batch(name: str, dtype: torch.dtype | None = None, **quantization):
-    cached, new, page_size, continuous, heads, rank, rope, case_dtype, _, _ = CASES[name]
+def case_batch(case: tuple, seed: int, dtype: torch.dtype | None = None, **quantization):
+    """The MLA batch of a `CASES`-shaped case (cached, new, page_size, continuous, heads, rank, rope, dtype,
+    causal, k), in `dtype` if given."""
+    cached, new, page_size, continuous, heads, rank, rope, case_dtype, _, _ = case
     return make_mla_batch(
         cached,
         new,
@@ -33,9 +35,13 @@ def _batch(name: str, dtype: torch.dtype | None = None, **quantization):
         kv_lora_rank=rank,
         rope_dim=rope,
         dtype=dtype or case_dtype,
-        seed=len(name),
+        seed=seed,
         **quantization,
     )
+
+
+def _batch(name: str, dtype: torch.dtype | None = None, **quantization):
+    return case_batch(CASES[name], len(name), dtype, **quantization)
 
 
 def _run(

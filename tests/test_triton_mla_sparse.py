@@ -16,12 +16,13 @@ if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("a GPU is visible: tests/gpu covers the Triton kernels", allow_module_level=True)
 
 from test_mla import QUANT
+from test_mla_sparse import case_batch
 
 import torch_paged_kv as pk
 from torch_paged_kv.ops import dispatch
 from torch_paged_kv.ops import splits as split_rule
 from torch_paged_kv.ops.records import MLAAttentionArgs
-from torch_paged_kv.ops.triton import KERNELS, mla_sparse, unavailable_reason
+from torch_paged_kv.ops.triton import KERNELS, mla_attention, mla_sparse, unavailable_reason
 from torch_paged_kv.testing import ATTENTION_TOLERANCE, make_mla_batch
 from torch_paged_kv.testing.mla import random_key_positions, sparse_mla_attention_fp64
 
@@ -44,19 +45,7 @@ CASES = {  # (cached, new, page_size, continuous, heads, rank, rope, dtype, caus
 
 
 def _batch(name: str, dtype: torch.dtype | None = None, **quantization):
-    cached, new, page_size, continuous, heads, rank, rope, case_dtype, _, _ = CASES[name]
-    return make_mla_batch(
-        cached,
-        new,
-        page_size=page_size,
-        continuous=continuous,
-        num_heads=heads,
-        kv_lora_rank=rank,
-        rope_dim=rope,
-        dtype=dtype or case_dtype,
-        seed=len(name),
-        **quantization,
-    )
+    return case_batch(CASES[name], len(name), dtype, **quantization)
 
 
 def _run(b, positions: torch.Tensor, scale: float, causal: bool = True, overload: str = "default") -> torch.Tensor:
@@ -85,7 +74,7 @@ def test_sparse_mla_attention_matches_fp64(name):
 def test_fp8_rows_match_fp64_over_what_the_cache_holds(kind, hardware, monkeypatch):
     """The integer decode (sm_80, the interpreter) and the sm_89+ hardware conversion (emulated exactly
     by the interpreter for these finite codes)."""
-    monkeypatch.setattr(mla_sparse, "hardware_fp8", lambda device: hardware)
+    monkeypatch.setattr(mla_attention, "hardware_fp8", lambda device: hardware)
     dtype, quantization = QUANT[kind]
     b = _batch("prefill-ragged-page16", dtype, **quantization)
     positions = random_key_positions(b, 5, seed=3)
@@ -156,7 +145,7 @@ def test_sinks_match_fp64(name, monkeypatch):
 def test_64_head_tiles_mask_the_heads_past_the_last(splits, monkeypatch):
     """The tile sm_90 takes at 64+ heads (64 heads x 32 keys, forced here): 72 heads make two head
     blocks, the second mostly masked rows."""
-    monkeypatch.setattr(mla_sparse, "_blocks_for", lambda *_: (64, 1, 32, 8))
+    monkeypatch.setattr(mla_attention, "_blocks_for", lambda *_: (64, 1, 32, 8))
     monkeypatch.setattr(mla_sparse, "num_splits", lambda *_: splits)
     b = make_mla_batch([40, 3], [1, 2], page_size=16, num_heads=72, dtype=torch.bfloat16, seed=6)
     positions = random_key_positions(b, 36, seed=6)
@@ -212,7 +201,7 @@ def test_deepseek_decode_splits_its_2048_entries_and_prefill_does_not(monkeypatc
     """One token per program over 16-head tiles (not sm_90's 64-head ones, which `WGMMA_TILES` picks
     under older triton): a decode of 4 tokens at 128 heads is 32 programs, so its 2048 entries split 8
     ways (256 each: `ops/splits.py`, an H100's 132 SMs on meta), merged; a 1024-token prefill does not."""
-    monkeypatch.setattr(mla_sparse, "WGMMA_TILES", False)
+    monkeypatch.setattr(mla_attention, "WGMMA_TILES", False)
     out, launches = mla_sparse.plan_mla_sparse(_deepseek_call(4, 4, 128))
     assert out.shape == (4, 128, 512) and [launch.grid for launch in launches] == [(32, 1, 8), (4, 128)]
     assert launches[0].kwargs["BLOCK_H"] * 8 == 128

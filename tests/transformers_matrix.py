@@ -172,6 +172,8 @@ MLA = dict(
 )
 DEEPSEEK_MOE = dict(MLA, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
 DEEPSEEK_V3 = dict(DEEPSEEK_MOE, n_group=1, topk_group=1)
+DSA = dict(DEEPSEEK_V3, index_topk=3, index_head_dim=16, index_n_heads=4)  # sparse attention: top 3 keys
+MLA_HYBRID = dict(DEEPSEEK_V3, layer_types=["linear_attention", "full_attention", "linear_attention"])
 WINDOW = "sliding-window layers (window 8, crossed)"
 SHARING = "K/V-sharing layers (under `paged_kv` fed only the last prompt position, as transformers trims them)"
 MLA_NOTE = "MLA: one latent + rope row per token; absorbed MLA over the pages under `paged_kv`"
@@ -330,7 +332,7 @@ FAMILIES: tuple[Family, ...] = (
         "DeepSeek-V3 (MLA)",
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
-        dict(DEEPSEEK_MOE, n_group=1, topk_group=1),
+        DEEPSEEK_V3,
         notes=MLA_NOTE,
         older=MLA_BEFORE_5_24,
     ),
@@ -338,7 +340,7 @@ FAMILIES: tuple[Family, ...] = (
         "DeepSeek-V3.2 (sparse attention)",
         "DeepseekV32Config",
         "DeepseekV32ForCausalLM",
-        dict(DEEPSEEK_MOE, n_group=1, topk_group=1, index_topk=3, index_head_dim=16, index_n_heads=4),
+        DSA,
         notes=(
             "indexed attention (DSA): MLA latent in pages, indexer keys beside them, top 3 keys per query; "
             "under `paged_kv` absorbed MLA over each query's top-k latent rows; oracle: transformers' "
@@ -355,7 +357,7 @@ FAMILIES: tuple[Family, ...] = (
         "HY-V4 (sparse attention, sinks)",
         "HYV4Config",
         "HYV4ForCausalLM",
-        dict(DEEPSEEK_MOE, n_group=1, topk_group=1, index_topk=3, index_head_dim=16, index_n_heads=4),
+        DSA,
         notes=(
             "indexed attention (DSA) as DeepSeek-V3.2's, with attention sinks (`s_aux`: `mla_attention`'s `sinks` "
             "under `paged_kv`) and a gated output; oracle: transformers' `StaticCache`"
@@ -386,7 +388,7 @@ FAMILIES: tuple[Family, ...] = (
         "Kimi-Linear (MLA hybrid)",
         "KimiLinearConfig",
         "KimiLinearForCausalLM",
-        dict(DEEPSEEK_V3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+        MLA_HYBRID,
         notes=f"{MLA_NOTE}; {STATES}",
         older=MLA_BEFORE_5_24,
     ),
@@ -394,7 +396,7 @@ FAMILIES: tuple[Family, ...] = (
         "Bailing-hybrid (MLA hybrid)",
         "BailingHybridConfig",
         "BailingHybridForCausalLM",
-        dict(DEEPSEEK_V3, layer_types=["linear_attention", "full_attention", "linear_attention"]),
+        MLA_HYBRID,
         notes=f"{MLA_NOTE}; {STATES}",
         older=MLA_BEFORE_5_24,
     ),

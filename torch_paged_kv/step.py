@@ -240,18 +240,11 @@ class GroupStepPlan:
         plan.store_latent(latent, k_rope, j)
 
     def mla_attention(
-        self,
-        q_nope: Tensor,
-        q_rope: Tensor,
-        layer_idx: int,
-        softmax_scale: float,
-        causal: bool = True,
-        key_positions: Tensor | None = None,
-        sinks: Tensor | None = None,
+        self, q_nope: Tensor, q_rope: Tensor, layer_idx: int, softmax_scale: float, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """`StepPlan.mla_attention` at model layer `layer_idx`."""
+        """`StepPlan.mla_attention` at model layer `layer_idx` (the same further arguments)."""
         plan, j = self.at(layer_idx)
-        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, causal, key_positions, sinks)
+        return plan.mla_attention(q_nope, q_rope, j, softmax_scale, *args, **kwargs)
 
     def gather_kv(self, layer_idx: int, max_kv_len: int, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """`StepPlan.gather_kv` at model layer `layer_idx`."""

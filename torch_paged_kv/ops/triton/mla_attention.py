@@ -274,28 +274,55 @@ def _blocks_for(
     return block_h, max(1, rows // block_h), block_n, warps
 
 
-def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
-    """The output, allocated, and the launches that fill it (attention, then the split merge)."""
-    q_nope, q_rope, blocks, scales, lookup_table = a.q_nope, a.q_rope, a.blocks, a.scales, a.lookup_table
+def mla_queries(a: MLAAttentionArgs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, allocated; q_nope and q_rope with unit stride in their last dim) of an MLA attention call."""
+    q_nope, q_rope = a.q_nope, a.q_rope
+    out = torch.empty(q_nope.shape, dtype=q_nope.dtype, device=q_nope.device)
+    q_nope = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
+    q_rope = q_rope if q_rope.stride(2) == 1 or q_rope.shape[2] == 0 else q_rope.contiguous()
+    return out, q_nope, q_rope
+
+
+def mla_tiles(a: MLAAttentionArgs, decode: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_Q, BLOCK_N, num_warps) of an MLA attention call (`_blocks_for`, on its device)."""
+    q_nope, scales = a.q_nope, a.scales
+    device, fp8 = q_nope.device, scales is not None
+    return _blocks_for(
+        q_nope.shape[2],
+        q_nope.shape[1],
+        decode,
+        is_interpreted(q_nope),
+        q_nope.dtype == torch.float32,
+        fp8,
+        fp8 and hardware_fp8(device),
+        WGMMA_TILES and sm_version(device) == 90,
+        granules(scales) > 1,
+    )
+
+
+def table_geometry(a: MLAAttentionArgs) -> tuple[int, int]:
+    """(columns, row stride) of the call's lookup table (a 1-D table: one slot per row)."""
+    table = a.lookup_table
+    return (table.shape[1], table.stride(0)) if table.dim() == 2 else (1, 1)
+
+
+def mla_launches(
+    kernel: triton.JITFunction,
+    a: MLAAttentionArgs,
+    queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    grid: tuple[int, int, int],
+    step_args: tuple,
+    size_args: tuple,
+    tiles: dict[str, int],
+    num_warps: int,
+) -> list[Launch]:
+    """The launches of an MLA attention kernel (this file's, or `mla_sparse.py`'s), then the split merge
+    where `grid[2]` splits: the arguments and constexprs both kernels take, `step_args` after
+    `input_row_offsets`, `size_args` after `layer_idx`, `tiles` (its `BLOCK_*`) among the constexprs."""
+    out, q_nope, q_rope = queries
+    blocks, scales, splits = a.blocks, a.scales, grid[2]
     total, heads, rank = q_nope.shape
     rope = q_rope.shape[2]
-    batch, page_size = a.cache_lengths.shape[0], blocks.shape[3]
-    out = torch.empty((total, heads, rank), dtype=q_nope.dtype, device=q_nope.device)
-    if total == 0 or batch == 0:
-        return out, []
-    q_nope = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
-    q_rope = q_rope if q_rope.stride(2) == 1 or rope == 0 else q_rope.contiguous()
-    interpret = is_interpreted(q_nope)
-    decode = total <= batch
-    fp32 = q_nope.dtype == torch.float32
-    hw_fp8 = scales is not None and hardware_fp8(q_nope.device)
-    wgmma = WGMMA_TILES and sm_version(q_nope.device) == 90
-    block_h, block_q, block_n, num_warps = _blocks_for(
-        rank, heads, decode, interpret, fp32, scales is not None, hw_fp8, wgmma, granules(scales) > 1
-    )
-    head_blocks = triton.cdiv(heads, block_h)
-    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
-    splits = num_splits(batch * head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
     if splits == 1:
         part_out = part_lse = out  # unused
     else:
@@ -304,10 +331,13 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
     latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
     quant = quant_mode(blocks, scales)
     scales_kind = quant["SCALES"]
+    interpret = is_interpreted(q_nope)
+    width, table_stride = table_geometry(a)
+    batch = a.cache_lengths.shape[0]
     launches = [
         Launch(
-            _mla_attention_kernel,
-            ((total // block_q + batch) * head_blocks, 1, splits),
+            kernel,
+            grid,
             (
                 q_nope,
                 q_rope,
@@ -318,16 +348,18 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
                 rope_cache,
                 pool_scales,
                 a.cache_lengths,
-                lookup_table,
+                a.lookup_table,
                 a.input_row_offsets,
+                *step_args,
                 batch,
                 total,
                 heads,
                 blocks.shape[0],
                 width,
                 table_stride,
-                page_size,
+                blocks.shape[3],
                 a.layer_idx,
+                *size_args,
                 q_nope.stride(0),
                 q_nope.stride(1),
                 q_rope.stride(0),
@@ -342,15 +374,13 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
                 q_nope if a.sinks is None else a.sinks,  # (not read without sinks)
             ),
             dict(
-                BLOCK_H=block_h,
-                BLOCK_Q=block_q,
-                BLOCK_N=block_n,
+                **tiles,
                 RANK=rank,
                 ROPE=rope,
                 ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
                 GROUPS=granules(scales),
                 **quant,
-                HW_FP8=hw_fp8,
+                HW_FP8=scales is not None and hardware_fp8(q_nope.device),
                 CAUSAL=bool(a.causal),
                 SINK=a.sinks is not None,
                 SPLIT=splits > 1,
@@ -364,7 +394,24 @@ def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]
     ]
     if splits > 1:
         launches.append(plan_mla_merge(part_out, part_lse, out, a.sinks))
-    return out, launches
+    return launches
+
+
+def plan_mla_attention(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
+    """The output, allocated, and the launches that fill it (attention, then the split merge)."""
+    queries = out, q_nope, _ = mla_queries(a)
+    total, heads, _ = q_nope.shape
+    batch, page_size = a.cache_lengths.shape[0], a.blocks.shape[3]
+    if total == 0 or batch == 0:
+        return out, []
+    decode = total <= batch
+    block_h, block_q, block_n, num_warps = mla_tiles(a, decode)
+    head_blocks = triton.cdiv(heads, block_h)
+    width = table_geometry(a)[0]
+    splits = num_splits(batch * head_blocks, width * page_size, block_n, q_nope.device) if decode else 1
+    grid = ((total // block_q + batch) * head_blocks, 1, splits)
+    tiles = dict(BLOCK_H=block_h, BLOCK_Q=block_q, BLOCK_N=block_n)
+    return out, mla_launches(_mla_attention_kernel, a, queries, grid, (), (), tiles, num_warps)
 
 
 def mla_attention(a: MLAAttentionArgs) -> torch.Tensor:

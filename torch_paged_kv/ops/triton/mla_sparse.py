@@ -22,12 +22,9 @@ import triton
 import triton.language as tl
 
 from ..records import MLAAttentionArgs
-from .common import Launch, is_interpreted, owning_sequence, search_steps, sm_version, store_rows, tile_rows
+from .common import Launch, owning_sequence, store_rows, tile_rows
 from .flash_attention import num_splits
-from .fp8 import hardware_fp8
-from .mla_attention import WGMMA_TILES, _blocks_for, attend_key_tile, normalize, wide_page
-from .mla_merge import plan_mla_merge
-from .mla_store import granules, mla_views, quant_mode, view_strides
+from .mla_attention import attend_key_tile, mla_launches, mla_queries, mla_tiles, normalize
 
 
 # per-call sizes: no specialisation on ==1 or %16, so a new batch, total or k compiles nothing
@@ -155,100 +152,23 @@ def _mla_sparse_attention_kernel(
 
 def plan_mla_sparse(a: MLAAttentionArgs) -> tuple[torch.Tensor, list[Launch]]:
     """The output, allocated, and the launches that fill it (attention, then the split merge) of a call
-    with `key_positions`. Tiles are the dense kernel's decode tiles (`_blocks_for`), its query
-    tokens' rows given to heads: `BLOCK_H` = the tile's rows (16, or 64 for wgmma)."""
-    q_nope, q_rope, blocks, scales, lookup_table = a.q_nope, a.q_rope, a.blocks, a.scales, a.lookup_table
+    with `key_positions`. Tiles are the dense kernel's decode tiles (`mla_tiles`), its query tokens'
+    rows given to heads: `BLOCK_H` = the tile's rows (16, or 64 for wgmma)."""
     key_positions = a.key_positions
     assert key_positions is not None  # (routed here only with it)
-    total, heads, rank = q_nope.shape
-    rope = q_rope.shape[2]
-    batch, page_size, num_keys = a.cache_lengths.shape[0], blocks.shape[3], key_positions.shape[1]
-    out = torch.empty((total, heads, rank), dtype=q_nope.dtype, device=q_nope.device)
+    queries = out, q_nope, _ = mla_queries(a)
+    total, heads, _ = q_nope.shape
+    batch, num_keys = a.cache_lengths.shape[0], key_positions.shape[1]
     if total == 0 or batch == 0:
         return out, []
-    q_nope = q_nope if q_nope.stride(2) == 1 else q_nope.contiguous()
-    q_rope = q_rope if q_rope.stride(2) == 1 or rope == 0 else q_rope.contiguous()
-    interpret = is_interpreted(q_nope)
-    fp32 = q_nope.dtype == torch.float32
-    hw_fp8 = scales is not None and hardware_fp8(q_nope.device)
-    wgmma = WGMMA_TILES and sm_version(q_nope.device) == 90
-    block_h, block_q, block_n, num_warps = _blocks_for(
-        rank, heads, True, interpret, fp32, scales is not None, hw_fp8, wgmma, granules(scales) > 1
-    )
+    block_h, block_q, block_n, num_warps = mla_tiles(a, True)
     block_h *= block_q  # one token per program: its rows all go to heads (masked past num_heads)
     head_blocks = triton.cdiv(heads, block_h)
-    width, table_stride = (lookup_table.shape[1], lookup_table.stride(0)) if lookup_table.dim() == 2 else (1, 1)
     splits = num_splits(total * head_blocks, num_keys, block_n, q_nope.device)
-    if splits == 1:
-        part_out = part_lse = out  # unused
-    else:
-        part_out = torch.empty((splits, total, heads, rank), dtype=torch.float32, device=q_nope.device)
-        part_lse = torch.empty((splits, total, heads), dtype=torch.float32, device=q_nope.device)
-    latent_cache, rope_cache, pool_scales = mla_views(blocks, rank, scales)
-    quant = quant_mode(blocks, scales)
-    scales_kind = quant["SCALES"]
-    launches = [
-        Launch(
-            _mla_sparse_attention_kernel,
-            (total * head_blocks, 1, splits),
-            (
-                q_nope,
-                q_rope,
-                out,
-                part_out,
-                part_lse,
-                latent_cache,
-                rope_cache,
-                pool_scales,
-                a.cache_lengths,
-                lookup_table,
-                a.input_row_offsets,
-                key_positions,
-                batch,
-                total,
-                heads,
-                blocks.shape[0],
-                width,
-                table_stride,
-                page_size,
-                a.layer_idx,
-                num_keys,
-                q_nope.stride(0),
-                q_nope.stride(1),
-                q_rope.stride(0),
-                q_rope.stride(1),
-                out.stride(0),
-                out.stride(1),
-                *view_strides(latent_cache),
-                *view_strides(rope_cache),
-                *view_strides(pool_scales, scales_kind == 1),
-                splits,
-                float(a.softmax_scale),
-                q_nope if a.sinks is None else a.sinks,  # (not read without sinks)
-            ),
-            dict(
-                BLOCK_H=block_h,
-                BLOCK_N=block_n,
-                RANK=rank,
-                ROPE=rope,
-                ROPE_P=max(16, triton.next_power_of_2(max(rope, 1))),
-                GROUPS=granules(scales),
-                **quant,
-                HW_FP8=hw_fp8,
-                CAUSAL=bool(a.causal),
-                SINK=a.sinks is not None,
-                SPLIT=splits > 1,
-                WIDE_PAGE=wide_page(latent_cache, rope_cache, pool_scales if scales_kind == 1 else None),
-                UPCAST=interpret,
-                PRECISION="ieee" if interpret or fp32 else "tf32",
-                STEPS=search_steps(batch),
-                num_warps=num_warps,
-            ),
-        )
-    ]
-    if splits > 1:
-        launches.append(plan_mla_merge(part_out, part_lse, out, a.sinks))
-    return out, launches
+    grid = (total * head_blocks, 1, splits)
+    tiles = dict(BLOCK_H=block_h, BLOCK_N=block_n)
+    kernel = _mla_sparse_attention_kernel
+    return out, mla_launches(kernel, a, queries, grid, (key_positions,), (num_keys,), tiles, num_warps)
 
 
 def mla_sparse(a: MLAAttentionArgs) -> torch.Tensor:
