@@ -335,9 +335,17 @@ def _model_class(config: Any) -> Any:
 
 def on_attention_interface(config: Any) -> bool:
     """Whether the model class of `config.model_type` calls transformers' attention interface (its own
-    test, `_can_set_attn_implementation`); True where the class cannot be found (a custom model)."""
-    can_set = getattr(_model_class(config), "_can_set_attn_implementation", None)
-    return True if can_set is None else bool(can_set())
+    test, `_can_set_attn_implementation`, which reads the class's source: kept per model type); True
+    where the class cannot be found (a custom model)."""
+    model_type = getattr(config, "model_type", None)
+    known = _ON_INTERFACE.get(model_type)
+    if known is None:
+        can_set = getattr(_model_class(config), "_can_set_attn_implementation", None)
+        known = _ON_INTERFACE[model_type] = True if can_set is None else bool(can_set())
+    return known
+
+
+_ON_INTERFACE: dict[Any, bool] = {}
 
 
 def _transformers_version() -> str:
