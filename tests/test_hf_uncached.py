@@ -69,3 +69,16 @@ def test_a_model_off_the_attention_interface_is_refused_with_no_cache(family):
             _logits(model, "paged_kv", ids, mask)
     finally:
         matrix.set_attention(model, default)
+
+
+def test_a_tensor_paged_kv_does_not_apply_is_refused():
+    """T5's relative `position_bias` reaches the attention as a keyword; ignoring it would change the
+    outputs, so the first attention call refuses it naming `attn_implementation`."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    model = T5EncoderModel(T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)).eval()
+    ids = torch.randint(0, 100, (1, 7))
+    matrix.set_attention(model, "paged_kv")
+    with torch.no_grad(), pytest.raises(ValueError, match="attn_implementation: .*position_bias"):
+        model(input_ids=ids)

@@ -26,7 +26,13 @@ from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from . import hf_indexed, hf_mla, hf_uncached
 from .hf_layer import PendingKV, token_rows
-from .hf_support import attention_chunk_size, check_attention_call, indexed_layers, on_attention_interface
+from .hf_support import (
+    attention_chunk_size,
+    check_attention_call,
+    check_unapplied_kwargs,
+    indexed_layers,
+    on_attention_interface,
+)
 
 
 def paged_kv_mask(
@@ -125,6 +131,8 @@ def paged_kv_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
     indices = kwargs.pop("indices", None)  # a sparse-attention layer's top-k columns [batch, new, k]
+    sinks = kwargs.pop("s_aux", None)  # per-head sink logits (GPT-OSS, HY-V4)
+    check_unapplied_kwargs(module, kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise ValueError(
             f"attention_mask: a {attention_mask.dtype} 4-D mask; paged_kv takes the 2-D padding mask (or a 4-D "
@@ -135,7 +143,6 @@ def paged_kv_attention(
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
         causal = kwargs.get("is_causal")  # (as transformers' sdpa: the call's, else the module's)
-        sinks = kwargs.get("s_aux")
         return hf_uncached.attention(
             query, key, value, mask, scale,
             causal=getattr(module, "is_causal", True) if causal is None else causal,
@@ -152,7 +159,6 @@ def paged_kv_attention(
     batch, num_heads, new, _ = query.shape
     layer, cache = pending.layer, pending.layer.cache
     step_columns = (pending.latent if isinstance(pending, hf_mla.PendingLatent) else pending.key).shape[2]
-    sinks = kwargs.get("s_aux")  # per-head sink logits (GPT-OSS, HY-V4)
     sinks = None if sinks is None else sinks.detach().float()
     if overlay is not None:
         _check_overlaid_call(module, pending, sinks, softcap, new != step_columns)
