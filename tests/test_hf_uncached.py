@@ -21,7 +21,8 @@ CI_FAMILIES = (
     "Llama4 (text)",  # chunked layers, counted from each row's first real column
     "DeepSeek-V3 (MLA)",
 )
-NOT_ON_INTERFACE = ("Falcon", "MPT")  # their attention is their own: paged_kv would change only their masks
+NOT_ON_INTERFACE = ("Falcon", "MPT", "GPT-NeoX-Japanese")  # their attention is their own: paged_kv would change
+# only their masks
 
 
 def _families(names):
