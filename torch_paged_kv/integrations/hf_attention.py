@@ -8,12 +8,13 @@ dimension of a 4-D mask (Gemma4's K/V-sharing layers trimmed to `logits_to_keep`
 For a model with sparse-attention layers it is transformers' full causal mask (`sdpa_mask`) over the
 cache's columns, padded queries' rows all False: their indexer picks keys with it (`hf_indexed`).
 A mask function that adds to causality (with a window or chunks) what the kernels do not apply: an
-overlay (`or_mask_function`, `block_sequence_ids`: Gemma3's bidirectional image blocks, PaliGemma's
-bidirectional prefix, ...) gets transformers' full mask too, its columns moved to page positions
+overlay (`or_mask_function`, `block_sequence_ids`: Gemma3's bidirectional image blocks, a prefix
+LM's bidirectional prefix, ...) gets transformers' full mask too, its columns moved to page positions
 (`overlay_mask`), and the attention then reads the layer's K/V back from the pages and runs SDPA under
 that mask (`_overlaid_attention`): exact, at the cost of the default attention's gather, for the
 steps that carry an overlay (a VLM's prefill with images; its decode steps are causal).
-The attention reads the real query rows as those that see any column, in every form.
+The attention reads the real query rows as those that see any column, in every form. A layer with no
+cache (a forward with no past, a vision tower) attends over its inputs in `hf_uncached`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def paged_kv_mask(
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """`AttentionMaskInterface` entry: which of the `q_length` new tokens are real (`[batch, 1, new, 1]` bool;
-    for sparse-attention models `[batch, 1, new, kv_length]`, see the module docstring).
+    for sparse-attention models and overlays `[batch, 1, new, kv_length]`, see the module docstring).
 
     Contiguous: a compiled decode step guards on the mask's strides, and a slice of the growing 2D mask
     would change them every step (transformers < 5.18 passes the slice on as is).
@@ -79,10 +80,10 @@ _PLAIN_MASK_PARTS = (
 
 
 def overlaid(mask_function: Callable | None) -> bool:
-    """Whether `mask_function` lets a query see other keys than causality, with the window or chunks
-    the attention call passes, does: anything but `causal_mask_function`, alone or and-ed with
-    transformers' sliding-window or chunk overlays (an `or_masks`, a blockwise or prefix overlay, a
-    model's own function)."""
+    """Whether `mask_function` is more than the kernels apply (causality, with the window or chunks the
+    attention call passes): anything but `causal_mask_function`, alone or and-ed with transformers'
+    sliding-window or chunk overlays (an `or_masks`, a blockwise or prefix overlay, a model's own
+    function)."""
     if mask_function is None:
         return False
     name = getattr(mask_function, "__qualname__", "")
@@ -125,8 +126,8 @@ def paged_kv_attention(
 
     `query` is `[batch, heads, new, head_dim]`; returns `[batch, new, heads, head_dim]` (MLA:
     `v_head_dim`). Padded query positions get zeros. Queries may be only the last positions of the
-    step (a K/V-sharing layer fed `logits_to_keep` positions): they attend as those positions. Without
-    a `PagedCache` (no cache at all), plain masked SDPA over the inputs.
+    step (a K/V-sharing layer fed `logits_to_keep` positions): they attend as those positions. With no
+    cache at all: `hf_uncached.attention` over the inputs.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
