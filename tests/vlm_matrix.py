@@ -1,0 +1,474 @@
+"""The vision-language matrix: `PagedCache` on VLMs fed an image, in both attention columns.
+
+The text-model matrix (tests/transformers_matrix.py) for image-conditioned generation: each family is a
+tiny random `...ForConditionalGeneration` built in code (no downloads), fp32 on CPU, whose prompts hold
+a synthetic image that goes through the vision tower into the text model. Each cell is (family, column,
+mode): `generate` over a `PagedCache` under the model's default attention ("default") or under
+`attn_implementation="paged_kv"`, against the same `generate` over transformers' `DynamicCache` (under
+the default attention, resp. `eager`), judged as there (`transformers_matrix.compare`: the same tokens,
+every logit within `LOGIT_TOLERANCE`; or a declared refusal: a `ValueError` naming a config field before
+anything is stored).
+
+Modes: `greedy` (one prompt with an image), `batch` (two left-padded prompts with an image each, other
+text lengths), `text` (two left-padded prompts without an image, to the VLM class), `beam` (two prompts
+with images, 2 beams). Each family is also checked to see its image (`image_reaches`: the logits after
+the image change with the pixels), else every cell of it fails.
+
+    python tests/vlm_matrix.py [--family NAME ...] [--mode MODE ...] [--column COLUMN ...]
+    python tests/vlm_matrix.py --markdown   # the docs table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers_matrix as matrix
+from transformers_matrix import EXACT, PAD, CellResult, Generated, Outcome, compare, refusal, set_attention
+
+COLUMNS = matrix.COLUMNS
+MODES = ("greedy", "batch", "text", "beam")
+VOCAB = 256
+TEXT_IDS = 240
+"""Prompt text ids are drawn from [3, TEXT_IDS); ids from TEXT_IDS up are the families' special tokens
+(image, begin/end of image), which generation never emits (`suppress_tokens`)."""
+IMAGE, BOI, EOI, IMAGE_2 = 255, 254, 253, 252
+IMAGE_EFFECT = 1e-3
+"""Smallest change of the last position's logits (relative to the largest) when the pixels change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Images:
+    """How a family's prompts hold images: `block`, the tokens one image takes in the prompt, and
+    `pixels(rows, generator)`, the processor's tensors for `rows` images (one per row), given to
+    `generate` as keyword arguments. `extra(input_ids)`: further inputs read off the ids (token types)."""
+
+    block: tuple[int, ...]
+    pixels: Callable[[int, torch.Generator], dict[str, torch.Tensor]]
+    extra: Callable[[torch.Tensor], dict[str, torch.Tensor]] = lambda ids: {}
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionFamily:
+    """A VLM family as a tiny random model (`config` and `model` name transformers classes; `kwargs`
+    are given to the config), its images, and what each column must give."""
+
+    name: str
+    config: str
+    model: str
+    kwargs: dict[str, Any]
+    images: Images
+    default: Outcome = EXACT
+    paged_kv: Outcome = EXACT
+    notes: str = ""
+
+    def expected(self, column: str) -> Outcome:
+        return getattr(self, column)
+
+    def available(self) -> bool:
+        import transformers
+
+        return hasattr(transformers, self.config) and hasattr(transformers, self.model)
+
+    def build(self) -> torch.nn.Module:
+        """The model, seeded; weight matrices transformers initialises to zeros (Gemma3's image projection)
+        drawn at random too, so that the image reaches the text."""
+        import transformers
+
+        config = getattr(transformers, self.config)(**self.kwargs)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = getattr(transformers, self.model)(config).float().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim >= 2 and not p.any():
+                    p.normal_(0.0, 0.2)
+        return model
+
+
+# -- tiny configs ----------------------------------------------------------------------------------
+TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    tie_word_embeddings=False,
+)
+GEMMA = dict(TEXT, initializer_range=0.5)  # (Gemma's scaled embeddings: smaller weights repeat the last token)
+SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+
+
+def _normal(*shape: int) -> Callable[[int, torch.Generator], torch.Tensor]:
+    return lambda rows, g: torch.randn(rows, *shape, generator=g)
+
+
+def square_images(size: int) -> Callable[[int, torch.Generator], dict[str, torch.Tensor]]:
+    """`pixel_values` `[rows, 3, size, size]`."""
+    return lambda rows, g: {"pixel_values": torch.randn(rows, 3, size, size, generator=g)}
+
+
+def image_token_types(ids: torch.Tensor, name: str = "token_type_ids") -> dict[str, torch.Tensor]:
+    """1 at image tokens, else 0 (Gemma3's `token_type_ids`, Qwen-VL's `mm_token_type_ids`)."""
+    return {name: (ids == IMAGE).long()}
+
+
+def qwen_patches(patch: int, grid: tuple[int, int], temporal: int = 2):
+    """Qwen-VL's processor output for one image per row of `grid` patches of `patch` pixels (the flattened
+    patches `[rows * h * w, 3 * temporal * patch**2]` and `image_grid_thw`)."""
+    h, w = grid
+
+    def pixels(rows: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+        return {
+            "pixel_values": torch.randn(rows * h * w, 3 * temporal * patch * patch, generator=g),
+            "image_grid_thw": torch.tensor([[1, h, w]] * rows),
+        }
+
+    return pixels
+
+
+QWEN_VISION = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2, spatial_merge_size=2)
+QWEN_IDS = dict(image_token_id=IMAGE, vision_start_token_id=BOI, vision_end_token_id=EOI, video_token_id=IMAGE_2)
+QWEN_TYPES = lambda ids: image_token_types(ids, "mm_token_type_ids")
+QWEN_IMAGES = Images((BOI,) + (IMAGE,) * 4 + (EOI,), qwen_patches(2, (4, 4)), QWEN_TYPES)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16)
+SIGLIP.update(patch_size=4)
+CLIP = dict(SIGLIP, image_size=8)
+OVERLAY = "bidirectional image blocks (`token_type_ids`: a mask overlay)"
+MROPE = "M-RoPE: 3-D positions of the image tokens, `rope_deltas` from the cache's length"
+
+FAMILIES: tuple[VisionFamily, ...] = (
+    VisionFamily(
+        "Gemma3",
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        dict(
+            text_config=dict(GEMMA, **SLIDING),
+            vision_config=dict(SIGLIP, num_hidden_layers=1),
+            mm_tokens_per_image=4,
+            image_token_index=IMAGE,
+            boi_token_index=BOI,
+            eoi_token_index=EOI,
+            initializer_range=0.5,
+            tie_word_embeddings=False,
+        ),
+        Images((BOI,) + (IMAGE,) * 4 + (EOI,), square_images(16), image_token_types),
+        notes=OVERLAY + ", sliding-window layers (window 8, crossed)",
+    ),
+    VisionFamily(
+        "LLaVA",
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        dict(text_config=dict(TEXT, model_type="llama"), vision_config=CLIP, image_token_index=IMAGE),
+        Images((IMAGE,) * 4, square_images(8)),
+        notes="CLIP tower, features of its second-to-last layer",
+    ),
+    VisionFamily(
+        "Qwen2-VL",
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
+            vision_config=QWEN_VISION,
+            **QWEN_IDS,
+        ),
+        QWEN_IMAGES,
+        notes=MROPE,
+    ),
+    VisionFamily(
+        "PaliGemma",
+        "PaliGemmaConfig",
+        "PaliGemmaForConditionalGeneration",
+        dict(
+            text_config=dict(GEMMA, model_type="gemma"),
+            vision_config=dict(SIGLIP, image_size=8),
+            image_token_index=IMAGE,
+            projection_dim=64,
+            hidden_size=64,
+            vocab_size=VOCAB,
+            tie_word_embeddings=False,
+        ),
+        Images((IMAGE,) * 4, square_images(8), lambda ids: {"token_type_ids": torch.zeros_like(ids)}),
+        notes="prefix-LM: the whole prompt attends bidirectionally (`token_type_ids` 0: a mask overlay)",
+    ),
+    VisionFamily(
+        "Qwen2.5-VL",
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
+            vision_config=dict(
+                QWEN_VISION,
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                out_hidden_size=64,
+                window_size=8,
+                fullatt_block_indexes=[1],
+            ),
+            **QWEN_IDS,
+        ),
+        Images((BOI,) + (IMAGE,) * 8 + (EOI,), qwen_patches(2, (4, 8)), QWEN_TYPES),
+        notes=MROPE + "; windowed vision attention",
+    ),
+    VisionFamily(
+        "Qwen3-VL",
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        dict(
+            text_config=dict(
+                TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True)
+            ),
+            vision_config=dict(
+                QWEN_VISION,
+                depth=2,
+                hidden_size=32,
+                intermediate_size=64,
+                out_hidden_size=64,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0],
+            ),
+            **QWEN_IDS,
+        ),
+        QWEN_IMAGES,
+        notes=MROPE + " (interleaved); deepstack features added to the first layers' hidden states",
+    ),
+    VisionFamily(
+        "Mistral3 (Pixtral)",
+        "Mistral3Config",
+        "Mistral3ForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, model_type="mistral"),
+            vision_config=dict(SIGLIP, head_dim=16, model_type="pixtral"),
+            image_token_index=IMAGE,
+        ),
+        Images(
+            (IMAGE,) * 4,
+            lambda rows, g: {
+                "pixel_values": torch.randn(rows, 3, 16, 16, generator=g),
+                "image_sizes": torch.tensor([[16, 16]] * rows),
+            },
+        ),
+        notes="Pixtral tower (2-D rope, block-diagonal mask over images), patches merged 2x2",
+    ),
+    VisionFamily(
+        "InternVL",
+        "InternVLConfig",
+        "InternVLForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, model_type="qwen2"),
+            vision_config=dict(SIGLIP, image_size=8, patch_size=2, num_hidden_layers=1),
+            image_token_id=IMAGE,
+            image_seq_length=4,
+        ),
+        Images((IMAGE,) * 4, square_images(8)),
+        notes="InternViT tower, pixel shuffle 0.5",
+    ),
+    VisionFamily(
+        "Aya-Vision",
+        "AyaVisionConfig",
+        "AyaVisionForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, **SLIDING, model_type="cohere2"),
+            vision_config=dict(SIGLIP, model_type="siglip_vision_model"),
+            image_token_index=IMAGE,
+        ),
+        Images((IMAGE,) * 4, square_images(16)),
+        notes="SigLIP tower, pixel shuffle 2; Cohere2 text model with sliding-window layers (window 8, crossed)",
+    ),
+)
+
+
+# -- modes -----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class VisionMode:
+    """Prompts: per row, text tokens before and after its image (left-padded to one width); new tokens."""
+
+    rows: tuple[tuple[int, int], ...]
+    new_tokens: int
+    image: bool = True
+    beams: int = 1
+
+
+MODE_SPECS: dict[str, VisionMode] = {
+    "greedy": VisionMode(((2, 5),), 10),
+    "batch": VisionMode(((1, 3), (4, 6)), 10),
+    "text": VisionMode(((5, 0), (9, 0)), 10, image=False),
+    "beam": VisionMode(((2, 3), (3, 2)), 8, beams=2),
+}
+
+
+def prompts(family: VisionFamily, mode: VisionMode, pixel_seed: int = 0) -> dict[str, torch.Tensor]:
+    """`generate`'s inputs: left-padded ids (text ids random, the image block between a row's two texts),
+    their mask, the images' tensors (drawn from `pixel_seed`) and the family's extra inputs."""
+    g = torch.Generator().manual_seed(sum(a * 7 + b for a, b in mode.rows) + len(mode.rows))
+    block = list(family.images.block) if mode.image else []
+    rows = [
+        torch.randint(3, TEXT_IDS, (before,), generator=g).tolist()
+        + block
+        + torch.randint(3, TEXT_IDS, (after,), generator=g).tolist()
+        for before, after in mode.rows
+    ]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    inputs = dict(input_ids=ids, attention_mask=mask, **family.images.extra(ids))
+    if mode.image:
+        inputs.update(family.images.pixels(len(rows), torch.Generator().manual_seed(1000 + pixel_seed)))
+    return inputs
+
+
+def max_cache_len(family: VisionFamily, mode: VisionMode) -> int:
+    return prompts(family, mode)["input_ids"].shape[1] + mode.new_tokens
+
+
+def generate(model: torch.nn.Module, cache: Any, inputs: dict[str, torch.Tensor], mode: VisionMode) -> Generated:
+    """Greedy (or `mode.beams`-beam) `generate` of `mode.new_tokens` over `cache`: tokens and raw logits."""
+    from torch_paged_kv.integrations.transformers import cache_kwarg
+
+    kwargs = dict(do_sample=False, pad_token_id=PAD, max_new_tokens=mode.new_tokens, min_new_tokens=mode.new_tokens)
+    kwargs.update(return_dict_in_generate=True, output_logits=True, num_beams=mode.beams)
+    kwargs.update(suppress_tokens=list(range(TEXT_IDS, VOCAB)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(**inputs, **{cache_kwarg(model): cache}, **kwargs)
+    return Generated(out.sequences, torch.stack(out.logits, 1))
+
+
+# -- cells -----------------------------------------------------------------------------------------
+_models: dict[str, tuple[torch.nn.Module, str]] = {}
+_references: dict[tuple[str, str, str], Generated] = {}  # (family, mode, attention) -> DynamicCache's
+_image_checks: dict[str, str | None] = {}  # family -> None (the image reaches the text) or what is wrong
+
+
+def model_of(family: VisionFamily) -> tuple[torch.nn.Module, str]:
+    """The family's tiny model (built once per process) and its default attention implementation."""
+    if family.name not in _models:
+        model = family.build()
+        _models[family.name] = (model, model.config._attn_implementation)
+    return _models[family.name]
+
+
+def image_reaches(family: VisionFamily) -> str | None:
+    """None if the logits at the last position of the greedy prompt change with the pixels (by more than
+    `IMAGE_EFFECT` of the largest), else what is wrong: the image does not reach the text model."""
+    if family.name not in _image_checks:
+        model, default_attn = model_of(family)
+        set_attention(model, default_attn)
+        mode = MODE_SPECS["greedy"]
+        logits = []
+        for seed in (0, 1):
+            inputs = prompts(family, mode, pixel_seed=seed)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                logits.append(model(**inputs).logits[:, -1])
+        change = (logits[0] - logits[1]).abs().max().item() / logits[0].abs().max().item()
+        _image_checks[family.name] = None if change > IMAGE_EFFECT else f"image ignored (logits change {change:.1e})"
+    return _image_checks[family.name]
+
+
+def run_cell(family: VisionFamily, column: str, mode_name: str) -> CellResult:
+    """One cell: what happened, as `str(outcome)` or a description of the failure."""
+    mode = MODE_SPECS[mode_name]
+    start = time.perf_counter()
+    expected = family.expected(column)
+    model, default_attn = model_of(family)
+    if (wrong := image_reaches(family)) is not None:
+        return CellResult(family.name, column, mode_name, expected, wrong, 0.0)
+    inputs = prompts(family, mode)
+    reference_attn = default_attn if column == "default" else "eager"
+    key = (family.name, mode_name, reference_attn)
+    if key not in _references:
+        from transformers import DynamicCache
+
+        try:
+            set_attention(model, reference_attn)
+            _references[key] = generate(model, DynamicCache(config=model.config), inputs, mode)
+        except Exception as e:  # the reference itself fails: the family's config or inputs are wrong
+            return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
+        finally:
+            set_attention(model, default_attn)
+    caches: list[Any] = []
+    try:
+        got = compare([run_paged(family, model, column, mode, inputs, caches)], [_references[key]])
+    except ValueError as e:
+        got = refusal(e, caches)
+    except Exception as e:
+        got = f"{type(e).__name__}: {e}"[:300]
+    return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
+
+
+def run_paged(family, model, column: str, mode: VisionMode, inputs, caches: list) -> Generated:
+    """The mode's `generate` over a new `PagedCache` (appended to `caches`) under the column's attention;
+    the model's attention implementation restored afterwards."""
+    from torch_paged_kv.integrations.transformers import PagedCache
+
+    default_attn = model.config._attn_implementation
+    rows = len(mode.rows) * mode.beams
+    try:
+        set_attention(model, default_attn if column == "default" else "paged_kv")
+        caches.append(PagedCache(model.config, rows, max_cache_len(family, mode), page_size=4))
+        return generate(model, caches[-1], inputs, mode)
+    finally:
+        set_attention(model, default_attn)
+
+
+def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[VisionFamily, str, str]]:
+    chosen = [f for f in FAMILIES if families is None or f.name in families]
+    return [(f, c, m) for f in chosen for c in columns for m in modes]
+
+
+# -- the docs table --------------------------------------------------------------------------------
+def markdown_table() -> str:
+    """The "Vision-language models" table of docs/transformers.md, from the declarations above."""
+    lines = [
+        "| family | transformers model | default attention + `PagedCache` | `paged_kv` + `PagedCache` | notes |",
+        "|---|---|---|---|---|",
+    ]
+    for f in FAMILIES:
+        cells = [matrix._table_cell(f.expected(c)) for c in COLUMNS]
+        lines.append(f"| {f.name} | `{f.model}` | {cells[0]} | {cells[1]} | {f.notes} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", action="append", help="family name (repeatable); default: all")
+    parser.add_argument("--mode", action="append", choices=MODES)
+    parser.add_argument("--column", action="append", choices=COLUMNS)
+    parser.add_argument("--markdown", action="store_true", help="print the docs table and exit")
+    args = parser.parse_args()
+    if args.markdown:
+        print(markdown_table(), end="")
+        return 0
+    import torch_paged_kv.integrations.transformers  # noqa: F401  (registers paged_kv)
+
+    torch.set_num_threads(1)
+    cells = [(f, c, m) for f, c, m in all_cells(args.family, args.column or COLUMNS, args.mode or MODES)]
+    cells = [cell for cell in cells if cell[0].available()]
+    failures = 0
+    for family, column, mode in cells:
+        result = run_cell(family, column, mode)
+        failures += not result.ok
+        flag = "ok  " if result.ok else "FAIL"
+        print(f"{flag} {family.name:20} {column:8} {mode:7} {result.got} ({result.seconds:.1f}s)", flush=True)
+    print(f"{len(cells) - failures} of {len(cells)} cells as declared")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
