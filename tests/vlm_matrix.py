@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import transformers_matrix as matrix
-from transformers_matrix import EXACT, PAD, CellResult, Generated, Outcome, compare, refusal, set_attention
+from transformers_matrix import EXACT, PAD, CellResult, Generated, Outcome, Refused, compare, refusal, set_attention
 
 COLUMNS = matrix.COLUMNS
 MODES = ("greedy", "batch", "text", "beam")
@@ -203,7 +203,9 @@ FAMILIES: tuple[VisionFamily, ...] = (
             tie_word_embeddings=False,
         ),
         Images((IMAGE,) * 4, square_images(8), lambda ids: {"token_type_ids": torch.zeros_like(ids)}),
-        notes="prefix-LM: the whole prompt attends bidirectionally (`token_type_ids` 0: a mask overlay)",
+        paged_kv=Refused("config.use_bidirectional_attention"),
+        notes="prefix-LM: the whole prompt attends bidirectionally (`token_type_ids` 0: a mask overlay; its config "
+        "sets the text model's `use_bidirectional_attention`, which `paged_kv` refuses)",
     ),
     VisionFamily(
         "Qwen2.5-VL",
@@ -289,6 +291,86 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((IMAGE,) * 4, square_images(16)),
         notes="SigLIP tower, pixel shuffle 2; Cohere2 text model with sliding-window layers (window 8, crossed)",
+    ),
+    VisionFamily(
+        "LLaVA-NeXT",
+        "LlavaNextConfig",
+        "LlavaNextForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, model_type="llama"),
+            vision_config=CLIP,
+            image_token_index=IMAGE,
+            image_grid_pinpoints=[[8, 16]],
+        ),
+        Images(
+            (IMAGE,) * 14,
+            lambda rows, g: {
+                "pixel_values": torch.randn(rows, 3, 3, 8, 8, generator=g),
+                "image_sizes": torch.tensor([[8, 16]] * rows),
+            },
+        ),
+        notes="any-resolution tiles: a base image and two tiles, with a newline embedding per row of features",
+    ),
+    VisionFamily(
+        "Idefics3",
+        "Idefics3Config",
+        "Idefics3ForConditionalGeneration",
+        dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
+        Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
+        notes="SigLIP tower, pixel shuffle 2",
+    ),
+    VisionFamily(
+        "SmolVLM",
+        "SmolVLMConfig",
+        "SmolVLMForConditionalGeneration",
+        dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
+        Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
+        notes="Idefics3's architecture",
+    ),
+    VisionFamily(
+        "GLM4V",
+        "Glm4vConfig",
+        "Glm4vForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3])),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                patch_size=2,
+                image_size=8,
+                out_hidden_size=64,
+            ),
+            image_token_id=IMAGE,
+            image_start_token_id=BOI,
+            image_end_token_id=EOI,
+            video_token_id=IMAGE_2,
+            video_start_token_id=IMAGE_2 - 1,
+            video_end_token_id=IMAGE_2 - 2,
+        ),
+        QWEN_IMAGES,
+        notes=MROPE,
+    ),
+    VisionFamily(
+        "LFM2-VL",
+        "Lfm2VlConfig",
+        "Lfm2VlForConditionalGeneration",
+        dict(
+            text_config=dict(TEXT, model_type="lfm2", num_hidden_layers=4, full_attn_idxs=[1, 3], conv_L_cache=3),
+            vision_config=dict(SIGLIP, model_type="siglip2_vision_model", num_patches=16),
+            image_token_id=IMAGE,
+            projector_hidden_size=64,
+        ),
+        Images(
+            (IMAGE,) * 4,
+            lambda rows, g: {
+                "pixel_values": torch.randn(rows, 16, 3 * 4 * 4, generator=g),
+                "spatial_shapes": torch.tensor([[4, 4]] * rows),
+                "pixel_attention_mask": torch.ones(rows, 16, dtype=torch.long),
+            },
+        ),
+        notes="SigLIP2 (NaFlex) tower; hybrid text model: short-convolution layers' states beside the pages",
     ),
 )
 
