@@ -33,7 +33,7 @@ import transformers_matrix as matrix
 from transformers_matrix import EXACT, PAD, CellResult, Generated, Outcome, Refused, compare, refusal, set_attention
 
 COLUMNS = matrix.COLUMNS
-MODES = ("greedy", "batch", "text", "beam")
+MODES = ("greedy", "batch", "text", "beam", "continue")
 VOCAB = 256
 TEXT_IDS = 240
 """Prompt text ids are drawn from [3, TEXT_IDS); ids from TEXT_IDS up are the families' special tokens
@@ -485,6 +485,7 @@ class VisionMode:
     new_tokens: int
     image: bool = True
     beams: int = 1
+    continue_tokens: int = 0  # a second generate of this many tokens from the first one's output and cache
 
 
 MODE_SPECS: dict[str, VisionMode] = {
@@ -492,6 +493,7 @@ MODE_SPECS: dict[str, VisionMode] = {
     "batch": VisionMode(((1, 3), (4, 6)), 10),
     "text": VisionMode(((5, 0), (9, 0)), 10, image=False),
     "beam": VisionMode(((2, 3), (3, 2)), 8, beams=2),
+    "continue": VisionMode(((3, 2), (1, 5)), 6, continue_tokens=6),
 }
 
 
@@ -516,15 +518,36 @@ def prompts(family: VisionFamily, mode: VisionMode, pixel_seed: int = 0) -> dict
 
 
 def max_cache_len(family: VisionFamily, mode: VisionMode) -> int:
-    return prompts(family, mode)["input_ids"].shape[1] + mode.new_tokens
+    return prompts(family, mode)["input_ids"].shape[1] + mode.new_tokens + mode.continue_tokens
 
 
-def generate(model: torch.nn.Module, cache: Any, inputs: dict[str, torch.Tensor], mode: VisionMode) -> Generated:
-    """Greedy (or `mode.beams`-beam) `generate` of `mode.new_tokens` over `cache`: tokens and raw logits."""
+def run(family: VisionFamily, model: torch.nn.Module, cache: Any, mode: VisionMode) -> list[Generated]:
+    """The mode's `generate` call over `cache`; with `continue_tokens`, a second one from the first one's
+    tokens (the generated ones real, text in the family's token types; no pixels: the image is cached)."""
+    inputs = prompts(family, mode)
+    out = [generate(model, cache, inputs, mode.new_tokens, mode.beams)]
+    if mode.continue_tokens:
+        tokens = out[0].tokens
+        width = inputs["input_ids"].shape[1]
+        more = dict(
+            input_ids=tokens,
+            attention_mask=torch.cat([inputs["attention_mask"], torch.ones_like(tokens[:, width:])], 1),
+        )
+        types = family.images.extra(tokens)
+        for name, value in types.items():  # the prompt's token types, the generated tokens' as text (0)
+            more[name] = torch.cat([inputs[name], torch.zeros_like(value[:, width:])], 1)
+        out.append(generate(model, cache, more, mode.continue_tokens, 1))
+    return out
+
+
+def generate(
+    model: torch.nn.Module, cache: Any, inputs: dict[str, torch.Tensor], new_tokens: int, beams: int
+) -> Generated:
+    """Greedy (or `beams`-beam) `generate` of `new_tokens` over `cache`: tokens and raw logits."""
     from torch_paged_kv.integrations.transformers import cache_kwarg
 
-    kwargs = dict(do_sample=False, pad_token_id=PAD, max_new_tokens=mode.new_tokens, min_new_tokens=mode.new_tokens)
-    kwargs.update(return_dict_in_generate=True, output_logits=True, num_beams=mode.beams)
+    kwargs = dict(do_sample=False, pad_token_id=PAD, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    kwargs.update(return_dict_in_generate=True, output_logits=True, num_beams=beams)
     kwargs.update(suppress_tokens=list(range(TEXT_IDS, VOCAB)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -540,7 +563,7 @@ def unmasked(logits: torch.Tensor) -> torch.Tensor:
 
 # -- cells -----------------------------------------------------------------------------------------
 _models: dict[str, tuple[torch.nn.Module, str]] = {}
-_references: dict[tuple[str, str, str], Generated] = {}  # (family, mode, attention) -> DynamicCache's
+_references: dict[tuple[str, str, str], list[Generated]] = {}  # (family, mode, attention) -> DynamicCache's
 _image_checks: dict[str, str | None] = {}  # family -> None (the image reaches the text) or what is wrong
 
 
@@ -585,7 +608,6 @@ def run_cell(family: VisionFamily, column: str, mode_name: str) -> CellResult:
         return CellResult(family.name, column, mode_name, expected, f"build failed: {e!r}"[:300], 0.0)
     if (wrong := image_reaches(family)) is not None:
         return CellResult(family.name, column, mode_name, expected, wrong, 0.0)
-    inputs = prompts(family, mode)
     reference_attn = default_attn if column == "default" else "eager"
     key = (family.name, mode_name, reference_attn)
     if key not in _references:
@@ -593,14 +615,14 @@ def run_cell(family: VisionFamily, column: str, mode_name: str) -> CellResult:
 
         try:
             set_attention(model, reference_attn)
-            _references[key] = generate(model, DynamicCache(config=model.config), inputs, mode)
+            _references[key] = run(family, model, DynamicCache(config=model.config), mode)
         except Exception as e:  # the reference itself fails: the family's config or inputs are wrong
             return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
         finally:
             set_attention(model, default_attn)
     caches: list[Any] = []
     try:
-        got = compare([run_paged(family, model, column, mode, inputs, caches)], [_references[key]])
+        got = compare(run_paged(family, model, column, mode, caches), _references[key])
     except ValueError as e:
         got = refusal(e, caches)
     except Exception as e:
@@ -608,9 +630,9 @@ def run_cell(family: VisionFamily, column: str, mode_name: str) -> CellResult:
     return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
 
 
-def run_paged(family, model, column: str, mode: VisionMode, inputs, caches: list) -> Generated:
-    """The mode's `generate` over a new `PagedCache` (appended to `caches`) under the column's attention;
-    the model's attention implementation restored afterwards."""
+def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> list[Generated]:
+    """The mode's `generate` call(s) over a new `PagedCache` (appended to `caches`) under the column's
+    attention; the model's attention implementation restored afterwards."""
     from torch_paged_kv.integrations.transformers import PagedCache
 
     default_attn = model.config._attn_implementation
@@ -618,7 +640,7 @@ def run_paged(family, model, column: str, mode: VisionMode, inputs, caches: list
     try:
         set_attention(model, default_attn if column == "default" else "paged_kv")
         caches.append(PagedCache(model.config, rows, max_cache_len(family, mode), page_size=4))
-        return generate(model, caches[-1], inputs, mode)
+        return run(family, model, caches[-1], mode)
     finally:
         set_attention(model, default_attn)
 
