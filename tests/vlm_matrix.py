@@ -57,7 +57,8 @@ class Images:
 @dataclasses.dataclass(frozen=True)
 class VisionFamily:
     """A VLM family as a tiny random model (`config` and `model` name transformers classes; `kwargs`
-    are given to the config), its images, and what each column must give."""
+    are given to the config), its images, and what each column must give. `defect`: what goes wrong in
+    the `paged_kv` column's modes with an image, a known defect (its cells fail until it is fixed)."""
 
     name: str
     config: str
@@ -67,6 +68,7 @@ class VisionFamily:
     default: Outcome = EXACT
     paged_kv: Outcome = EXACT
     notes: str = ""
+    defect: str = ""  # a known defect of the paged_kv column in the modes with an image: what goes wrong
 
     def expected(self, column: str) -> Outcome:
         return getattr(self, column)
@@ -159,6 +161,8 @@ QWEN_IMAGES = Images((BOI,) + (IMAGE,) * 4 + (EOI,), qwen_patches(2, (4, 4)), QW
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16)
 SIGLIP.update(patch_size=4)
 CLIP = dict(SIGLIP, image_size=8)
+TOWER_CAUSAL = "vision tower attended causally (a `paged_kv` call without a cache)"
+OVERLAY_DROPPED = "mask overlay dropped"
 OVERLAY = "bidirectional image blocks (`token_type_ids`: a mask overlay)"
 MROPE = "M-RoPE: 3-D positions of the image tokens, `rope_deltas` from the cache's length"
 
@@ -179,6 +183,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 4 + (EOI,), square_images(16), image_token_types),
         notes=OVERLAY + ", sliding-window layers (window 8, crossed)",
+        defect=TOWER_CAUSAL + "; " + OVERLAY_DROPPED,
     ),
     VisionFamily(
         "LLaVA",
@@ -187,6 +192,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=CLIP, image_token_index=IMAGE),
         Images((IMAGE,) * 4, square_images(8)),
         notes="CLIP tower, features of its second-to-last layer",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Qwen2-VL",
@@ -199,6 +205,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         QWEN_IMAGES,
         notes=MROPE,
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "PaliGemma",
@@ -237,6 +244,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 8 + (EOI,), qwen_patches(2, (4, 8)), QWEN_TYPES),
         notes=MROPE + "; windowed vision attention",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Qwen3-VL",
@@ -259,6 +267,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         QWEN_IMAGES,
         notes=MROPE + " (interleaved); deepstack features added to the first layers' hidden states",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Mistral3 (Pixtral)",
@@ -277,6 +286,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="Pixtral tower (2-D rope, block-diagonal mask over images), patches merged 2x2",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "InternVL",
@@ -290,6 +300,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((IMAGE,) * 4, square_images(8)),
         notes="InternViT tower, pixel shuffle 0.5",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Aya-Vision",
@@ -302,6 +313,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((IMAGE,) * 4, square_images(16)),
         notes="SigLIP tower, pixel shuffle 2; Cohere2 text model with sliding-window layers (window 8, crossed)",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "LLaVA-NeXT",
@@ -321,6 +333,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="any-resolution tiles: a base image and two tiles, with a newline embedding per row of features",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Idefics3",
@@ -329,6 +342,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
         Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
         notes="SigLIP tower, pixel shuffle 2",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "SmolVLM",
@@ -337,6 +351,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
         Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
         notes="Idefics3's architecture",
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "GLM4V",
@@ -362,6 +377,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         QWEN_IMAGES,
         notes=MROPE,
+        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "LFM2-VL",
@@ -382,6 +398,8 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="SigLIP2 (NaFlex) tower; hybrid text model: short-convolution layers' states beside the pages",
+        defect="the vision tower's bidirectional mask from `paged_kv_mask` is per query row: SigLIP2's pooling head "
+        "fails on it (RuntimeError in transformers)",
     ),
     VisionFamily(
         "Gemma4",
@@ -420,6 +438,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         notes='bidirectional image blocks (`use_bidirectional_attention="vision"`: a mask overlay), K/V-sharing '
         "layers, sliding-window layers (window 8, crossed)",
+        defect=TOWER_CAUSAL + "; " + OVERLAY_DROPPED,
     ),
     VisionFamily(
         "Molmo2",
@@ -448,6 +467,8 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 4 + (EOI,), molmo_crops, lambda ids: image_token_types(ids, "mm_token_type_ids")),
         notes="bidirectional image tokens (`mm_token_type_ids`: a mask overlay); attention-pooled patches",
+        defect="the adapter's attention pooling (1 query over 4 patches, no cache) refused by `paged_kv` (ValueError "
+        "naming no config field); " + OVERLAY_DROPPED,
     ),
     VisionFamily(
         "Chameleon",
@@ -645,6 +666,11 @@ def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> lis
         set_attention(model, default_attn)
 
 
+def has_defect(family: VisionFamily, column: str, mode: str) -> bool:
+    """Whether the cell is one of the family's known defect (the `paged_kv` column, a mode with an image)."""
+    return bool(family.defect) and column == "paged_kv" and MODE_SPECS[mode].image
+
+
 def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[VisionFamily, str, str]]:
     chosen = [f for f in FAMILIES if families is None or f.name in families]
     return [(f, c, m) for f in chosen for c in columns for m in modes]
@@ -659,6 +685,8 @@ def markdown_table() -> str:
     ]
     for f in FAMILIES:
         cells = [matrix._table_cell(f.expected(c)) for c in COLUMNS]
+        if f.defect:
+            cells[1] = f"**defect** with an image: {f.defect}; {cells[1]} without"
         lines.append(f"| {f.name} | `{f.model}` | {cells[0]} | {cells[1]} | {f.notes} |")
     return "\n".join(lines) + "\n"
 
@@ -683,7 +711,8 @@ def main() -> int:
         result = run_cell(family, column, mode)
         failures += not result.ok
         flag = "ok  " if result.ok else "FAIL"
-        print(f"{flag} {family.name:20} {column:8} {mode:7} {result.got} ({result.seconds:.1f}s)", flush=True)
+        known = f" [known defect: {family.defect}]" if not result.ok and has_defect(family, column, mode) else ""
+        print(f"{flag} {family.name:20} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s){known}", flush=True)
     print(f"{len(cells) - failures} of {len(cells)} cells as declared")
     return 1 if failures else 0
 
