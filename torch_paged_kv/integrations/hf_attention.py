@@ -7,7 +7,13 @@ mask over the query rows, broadcast over heads and keys), so model code that sli
 dimension of a 4-D mask (Gemma4's K/V-sharing layers trimmed to `logits_to_keep`) slices it too.
 For a model with sparse-attention layers it is transformers' full causal mask (`sdpa_mask`) over the
 cache's columns, padded queries' rows all False: their indexer picks keys with it (`hf_indexed`).
-The attention reads the real query rows as those that see any column, in either form.
+A mask function that adds to causality (with a window or chunks) what the kernels do not apply: an
+overlay (`or_mask_function`, `block_sequence_ids`: Gemma3's bidirectional image blocks, PaliGemma's
+bidirectional prefix, ...) gets transformers' full mask too, its columns moved to page positions
+(`overlay_mask`), and the attention then reads the layer's K/V back from the pages and runs SDPA under
+that mask (`_overlaid_attention`): exact, at the cost of the default attention's gather, for the
+steps that carry an overlay (a VLM's prefill with images; its decode steps are causal).
+The attention reads the real query rows as those that see any column, in every form.
 """
 
 from __future__ import annotations
@@ -40,13 +46,53 @@ def paged_kv_mask(
     would change them every step (transformers < 5.18 passes the slice on as is).
     """
     real = None if attention_mask is None else attention_mask[:, -q_length:].bool().contiguous()[:, None, :, None]
-    if not indexed_layers(kwargs.get("config")):
+    indexed = bool(indexed_layers(kwargs.get("config")))
+    if not indexed and not overlaid(mask_function):
         return real
     kwargs["allow_is_causal_skip"] = False  # (the indexer needs the causal mask at every step)
     mask_function = mask_function or causal_mask_function
     full = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     assert full is not None  # (no skip allowed)
-    return full if real is None else full & real
+    full = full if real is None else full & real
+    return full if indexed else overlay_mask(full, attention_mask)
+
+
+_PLAIN_MASK_PARTS = (
+    "causal_mask_function",
+    "sliding_window_overlay.<locals>.inner_mask",
+    "chunked_overlay.<locals>.inner_mask",
+)
+
+
+def overlaid(mask_function: Callable | None) -> bool:
+    """Whether `mask_function` lets a query see other keys than causality, with the window or chunks
+    the attention call passes, does: anything but `causal_mask_function`, alone or and-ed with
+    transformers' sliding-window or chunk overlays (an `or_masks`, a blockwise or prefix overlay, a
+    model's own function)."""
+    if mask_function is None:
+        return False
+    name = getattr(mask_function, "__qualname__", "")
+    if name == "causal_mask_function":
+        return False
+    if name != "and_masks.<locals>.and_mask":
+        return True
+    parts = [cell.cell_contents for cell in mask_function.__closure__ or ()]
+    parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,))]
+    names = [getattr(f, "__qualname__", "") for f in parts]
+    return "causal_mask_function" not in names or any(n not in _PLAIN_MASK_PARTS for n in names)
+
+
+def overlay_mask(full: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """`full` (`[batch, 1, new, columns]` bool over transformers' columns, padding included) over page
+    positions instead: a row's real columns (`attention_mask`, 2-D, columns so far) in order, as the
+    pages hold its tokens; the rest False."""
+    if attention_mask is None:
+        return full
+    columns = full.shape[-1]
+    real = attention_mask.bool()[:, :columns]
+    real = torch.nn.functional.pad(real, (0, columns - real.shape[-1]))  # unwritten columns: not real
+    order = torch.sort(real.to(torch.int8), dim=-1, descending=True, stable=True).indices  # real columns first
+    return full.gather(-1, order[:, None, None, :].expand_as(full))
 
 
 def paged_kv_attention(
@@ -71,10 +117,20 @@ def paged_kv_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
     indices = kwargs.pop("indices", None)  # a sparse-attention layer's top-k columns [batch, new, k]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise ValueError(
+            f"attention_mask: a {attention_mask.dtype} 4-D mask; paged_kv takes the 2-D padding mask (or a 4-D "
+            "bool mask of the keys each query sees)"
+        )
     mask = None if attention_mask is None else attention_mask[:, 0].any(-1)  # [batch, new]: real query rows
+    overlay = _overlay(module, attention_mask)
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
-        return _uncached_attention(query, key, value, mask, scale, indices), None
+        if overlay is not None:
+            overlay = _columns_of_positions(overlay, mask)
+        causal = kwargs.get("is_causal")  # (as transformers' sdpa: the call's, else the module's)
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        return _uncached_attention(query, key, value, mask, scale, indices, overlay, causal), None
     if indices is not None and not isinstance(pending, hf_mla.PendingLatent):
         raise ValueError(
             "config.layer_types: a sparse-attention layer over per-head K/V (not an MLA latent); paged_kv applies "
@@ -84,6 +140,16 @@ def paged_kv_attention(
     batch, num_heads, new, _ = query.shape
     layer, cache = pending.layer, pending.layer.cache
     step_columns = (pending.latent if isinstance(pending, hf_mla.PendingLatent) else pending.key).shape[2]
+    sinks = kwargs.get("s_aux")  # per-head sink logits (GPT-OSS, HY-V4)
+    sinks = None if sinks is None else sinks.detach().float()
+    if overlay is not None:
+        _check_overlaid_call(module, pending, sinks, softcap, new != step_columns)
+        if overlay.shape[-1] > cache.max_cache_len:
+            raise ValueError(
+                f"attention_mask: {overlay.shape[-1]} key columns, more than the cache's max_cache_len="
+                f"{cache.max_cache_len}"
+            )
+        overlay = torch.nn.functional.pad(overlay, (0, cache.max_cache_len - overlay.shape[-1]))  # unwritten
     q = token_rows(query)
     ragged = mask is not None and step_columns > 1  # a multi-token step with padding: real tokens only
     real = mask.reshape(-1).nonzero().squeeze(1) if mask is not None and ragged else None
@@ -96,8 +162,6 @@ def paged_kv_attention(
     plan = cache.layer_plan(layer_idx, batch, new, counts)
     if new != step_columns:  # only the step's last `new` positions ask (K/V stored by the layer shared)
         plan = cache.trailing_plan(batch, counts(), layer.pool_layer)
-    sinks = kwargs.get("s_aux")  # per-head sink logits (GPT-OSS, HY-V4)
-    sinks = None if sinks is None else sinks.detach().float()
     if isinstance(pending, hf_mla.PendingLatent):
         positions = None
         if indices is not None:
@@ -109,14 +173,89 @@ def paged_kv_attention(
         if layer_idx == layer.layer_idx:  # the layer owning these K/V stores them; a sharing layer only reads
             k, v = token_rows(pending.key), token_rows(pending.value)
             plan.store_kv(k if real is None else k[real], v if real is None else v[real], layer.pool_layer)
-        out = plan.flash_attention(
-            q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0, sinks,
-            attention_chunk_size(module),
-        )  # fmt: skip
+        if overlay is None:
+            out = plan.flash_attention(
+                q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0, sinks,
+                attention_chunk_size(module),
+            )  # fmt: skip
+        else:
+            out = _overlaid_attention(cache.gather(plan, layer.pool_layer, query.dtype), query, overlay, mask, scale)
+            out = out if real is None else out[real]
     cache.layer_done(layer_idx, batch)
     if real is not None:
         out = q.new_zeros(batch * new, num_heads, out.shape[-1]).index_copy_(0, real, out)
     return out.view(batch, new, num_heads, out.shape[-1]), None
+
+
+def _overlay(module: torch.nn.Module, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's mask over page positions when `paged_kv_mask` made one for an overlay (see the module
+    docstring), else None (the mask is `[batch, 1, new, 1]`, or a sparse-attention model's columns)."""
+    if attention_mask is None or attention_mask.shape[-1] == 1 or indexed_layers(getattr(module, "config", None)):
+        return None
+    return attention_mask
+
+
+def _check_overlaid_call(
+    module: torch.nn.Module, pending: Any, sinks: torch.Tensor | None, softcap: float | None, trailing: bool
+) -> None:
+    """Refuse, before anything is stored, an overlay mask on a layer whose attention SDPA does not apply."""
+    what = (
+        "an MLA layer" if isinstance(pending, hf_mla.PendingLatent)
+        else "attention sinks" if sinks is not None
+        else "softcapped scores" if softcap
+        else "chunked attention" if attention_chunk_size(module) > 0
+        else "queries trimmed to the last positions" if trailing
+        else None
+    )  # fmt: skip
+    if what is not None:
+        raise ValueError(
+            f"attn_implementation: paged_kv applies a mask overlay (bidirectional image or prefix blocks) "
+            f"only to plain K/V layers, not to {what} (layer {getattr(module, 'layer_idx', '?')}); use "
+            "attn_implementation='sdpa' or 'eager' with PagedCache for this model"
+        )
+
+
+def _overlaid_attention(
+    kv: tuple[torch.Tensor, torch.Tensor],
+    query: torch.Tensor,
+    allowed: torch.Tensor,
+    real_rows: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA of `query` (`[batch, heads, new, head_dim]`) over the layer's K/V read back from the pages
+    (`kv`: `[batch, positions, kv_heads, head_dim]` each) under `allowed` (`[batch, 1, new, positions]`
+    bool, page positions); padded query rows (`real_rows` False) give zeros. Returns `[batch * new,
+    heads, head_dim]`."""
+    keys, values = (t.transpose(1, 2) for t in kv)
+    out = _sdpa(query, keys, values, allowed, real_rows, scale)
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor,
+    real_rows: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Masked SDPA, `[batch, new, heads, head_dim]`; a query row that sees no key (padding) gives zeros."""
+    seen = allowed.any(-1, keepdim=True)  # [batch, 1, new, 1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed | ~seen, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    keep = seen if real_rows is None else seen & real_rows[:, None, :, None]
+    return (out * keep).transpose(1, 2).contiguous()
+
+
+def _columns_of_positions(positions: torch.Tensor, real_rows: torch.Tensor | None) -> torch.Tensor:
+    """A step with no past: the overlay mask over page positions (`[batch, 1, new, new]`) over the
+    step's columns instead (a row's real columns are its real query rows)."""
+    if real_rows is None:
+        return positions
+    position = (real_rows.cumsum(-1) - 1).clamp_(min=0)  # [batch, new]: each real column's page position
+    columns = positions.gather(-1, position[:, None, None, :].expand_as(positions))
+    return columns & real_rows[:, None, None, :]
 
 
 def _new_tokens(attention_mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
@@ -133,16 +272,22 @@ def _uncached_attention(
     attention_mask: torch.Tensor | None,
     scale: float,
     indices: torch.Tensor | None,
+    overlay: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """Causal SDPA over the given keys, hiding padded keys (and with `indices`, `[batch, new, k]`, every
-    key a query's row does not list); only for a forward with no past."""
+    """SDPA over the given keys, causal unless `causal` is False (a vision tower's layers), or under
+    `overlay` (`[batch, 1, new, new]` bool), hiding padded keys (and with `indices`, `[batch, new, k]`,
+    every key a query's row does not list); only for a forward with no past."""
     new, kv_len = query.shape[2], key.shape[2]
     if kv_len != new:
         raise ValueError(
             "attn_implementation='paged_kv' needs a PagedCache as the model's cache "
             "(cache=PagedCache(...), or past_key_values= before transformers 5.24) to attend over past keys"
         )
-    allowed = torch.ones(new, new, dtype=torch.bool, device=query.device).tril()[None, None]
+    if overlay is not None:
+        return _sdpa(query, key, value, overlay, attention_mask, scale)
+    allowed = torch.ones(new, new, dtype=torch.bool, device=query.device)
+    allowed = (allowed.tril() if causal else allowed)[None, None]
     if attention_mask is not None:
         allowed = allowed & attention_mask[:, None, None, :]
     if indices is not None:
