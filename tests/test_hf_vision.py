@@ -20,7 +20,7 @@ import vlm_matrix as vm
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_START, TABLE_END = "<!-- vision-models: start -->\n", "<!-- vision-models: end -->"
-OVERLAYS = ("Gemma3", "PaliGemma", "Gemma4", "Molmo2")
+OVERLAYS = ("Gemma3", "PaliGemma", "Gemma4", "Gemma4 (K/V sharing)", "Molmo2")
 CI_FAMILIES = (*OVERLAYS, "Qwen2-VL", "LLaVA")
 CELLS = vm.all_cells(CI_FAMILIES, modes=("greedy", "batch")) + vm.all_cells(("Qwen2-VL",), modes=("continue",))
 
@@ -106,10 +106,10 @@ def test_mrope_positions_change_the_logits():
     assert change.abs().max() > 0.1
 
 
-@pytest.mark.parametrize("name", ["LLaVA", "Qwen2-VL"])
+@pytest.mark.parametrize("name", ["LLaVA", "Qwen2-VL", "Gemma3", "Mistral3 (Pixtral)", "Idefics3", "Molmo2"])
 def test_paged_kv_for_the_text_model_only_is_exact(name):
-    """The documented workaround: `paged_kv` for the text model, `sdpa` for the vision tower; a padded batch
-    with images gives eager DynamicCache's tokens and logits."""
+    """The documented workaround of the known defects: `paged_kv` for the text model, `sdpa` for the vision
+    tower; a padded batch with images gives eager DynamicCache's tokens and logits."""
     from transformers import DynamicCache
 
     import torch_paged_kv.integrations.transformers as paged

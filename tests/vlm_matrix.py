@@ -58,7 +58,8 @@ class Images:
 class VisionFamily:
     """A VLM family as a tiny random model (`config` and `model` name transformers classes; `kwargs`
     are given to the config), its images, and what each column must give. `defect`: what goes wrong in
-    the `paged_kv` column's modes with an image, a known defect (its cells fail until it is fixed)."""
+    the `paged_kv` column (in `defect_modes`; by default the modes with an image), a known defect: its
+    cells fail until it is fixed."""
 
     name: str
     config: str
@@ -68,7 +69,8 @@ class VisionFamily:
     default: Outcome = EXACT
     paged_kv: Outcome = EXACT
     notes: str = ""
-    defect: str = ""  # a known defect of the paged_kv column in the modes with an image: what goes wrong
+    defect: str = ""  # a known defect of the paged_kv column: what goes wrong
+    defect_modes: tuple[str, ...] | None = None  # the modes it shows in (None: those with an image)
 
     def expected(self, column: str) -> Outcome:
         return getattr(self, column)
@@ -161,10 +163,54 @@ QWEN_IMAGES = Images((BOI,) + (IMAGE,) * 4 + (EOI,), qwen_patches(2, (4, 4)), QW
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16)
 SIGLIP.update(patch_size=4)
 CLIP = dict(SIGLIP, image_size=8)
-TOWER_CAUSAL = "vision tower attended causally (a `paged_kv` call without a cache)"
-OVERLAY_DROPPED = "mask overlay dropped"
+SKIPPED_MASK = (
+    "AssertionError in `paged_kv_mask`: the vision tower's bidirectional mask, which transformers may skip "
+    "(`allow_is_bidirectional_skip`), comes back None"
+)
+SHARED_OVERLAY = (
+    "the overlay refused at the K/V-sharing layers (trimmed queries) after the layers before them stored the "
+    "step (ValueError naming `attn_implementation`)"
+)
+ADAPTER_REFUSED = (
+    "its adapter's attention pooling (1 query over 4 patches, no cache) refused (ValueError naming no config field)"
+)
 OVERLAY = "bidirectional image blocks (`token_type_ids`: a mask overlay)"
 MROPE = "M-RoPE: 3-D positions of the image tokens, `rope_deltas` from the cache's length"
+
+GEMMA4 = dict(
+    text_config=dict(
+        GEMMA,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_hidden_layers=4,
+        sliding_window=8,
+        global_head_dim=16,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        use_bidirectional_attention="vision",
+    ),
+    vision_config=dict(SIGLIP, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2),
+    image_token_id=IMAGE,
+    boi_token_id=BOI,
+    eoi_token_id=EOI,
+    video_token_id=IMAGE_2,
+    audio_token_id=IMAGE_2 - 1,
+    boa_token_id=IMAGE_2 - 2,
+    eoa_token_index=IMAGE_2 - 3,
+    initializer_range=0.5,
+    tie_word_embeddings=False,
+)
+GEMMA4_IMAGES = Images(
+    (BOI,) + (IMAGE,) * 4 + (EOI,),
+    lambda rows, g: {
+        "pixel_values": torch.randn(rows, 16, 3 * 4 * 4, generator=g),
+        "image_position_ids": torch.tensor([[[x, y] for y in range(4) for x in range(4)]] * rows),
+    },
+    lambda ids: image_token_types(ids, "mm_token_type_ids"),
+)
+GEMMA4_NOTE = (
+    'bidirectional image blocks (`use_bidirectional_attention="vision"`: a mask overlay), sliding-window layers '
+    "(window 8, crossed)"
+)
 
 FAMILIES: tuple[VisionFamily, ...] = (
     VisionFamily(
@@ -183,7 +229,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 4 + (EOI,), square_images(16), image_token_types),
         notes=OVERLAY + ", sliding-window layers (window 8, crossed)",
-        defect=TOWER_CAUSAL + "; " + OVERLAY_DROPPED,
     ),
     VisionFamily(
         "LLaVA",
@@ -192,7 +237,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=CLIP, image_token_index=IMAGE),
         Images((IMAGE,) * 4, square_images(8)),
         notes="CLIP tower, features of its second-to-last layer",
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Qwen2-VL",
@@ -205,7 +249,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         QWEN_IMAGES,
         notes=MROPE,
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "PaliGemma",
@@ -244,7 +287,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 8 + (EOI,), qwen_patches(2, (4, 8)), QWEN_TYPES),
         notes=MROPE + "; windowed vision attention",
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Qwen3-VL",
@@ -267,7 +309,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         QWEN_IMAGES,
         notes=MROPE + " (interleaved); deepstack features added to the first layers' hidden states",
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Mistral3 (Pixtral)",
@@ -286,7 +327,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="Pixtral tower (2-D rope, block-diagonal mask over images), patches merged 2x2",
-        defect=TOWER_CAUSAL,
+        defect="the vision tower's float 4-D block mask refused (ValueError naming `attention_mask`)",
     ),
     VisionFamily(
         "InternVL",
@@ -300,7 +341,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((IMAGE,) * 4, square_images(8)),
         notes="InternViT tower, pixel shuffle 0.5",
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Aya-Vision",
@@ -313,7 +353,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((IMAGE,) * 4, square_images(16)),
         notes="SigLIP tower, pixel shuffle 2; Cohere2 text model with sliding-window layers (window 8, crossed)",
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "LLaVA-NeXT",
@@ -333,7 +372,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="any-resolution tiles: a base image and two tiles, with a newline embedding per row of features",
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "Idefics3",
@@ -342,7 +380,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
         Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
         notes="SigLIP tower, pixel shuffle 2",
-        defect=TOWER_CAUSAL,
+        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "SmolVLM",
@@ -351,7 +389,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
         Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
         notes="Idefics3's architecture",
-        defect=TOWER_CAUSAL,
+        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "GLM4V",
@@ -377,7 +415,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         QWEN_IMAGES,
         notes=MROPE,
-        defect=TOWER_CAUSAL,
     ),
     VisionFamily(
         "LFM2-VL",
@@ -398,47 +435,26 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="SigLIP2 (NaFlex) tower; hybrid text model: short-convolution layers' states beside the pages",
-        defect="the vision tower's bidirectional mask from `paged_kv_mask` is per query row: SigLIP2's pooling head "
-        "fails on it (RuntimeError in transformers)",
+        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "Gemma4",
         "Gemma4Config",
         "Gemma4ForConditionalGeneration",
-        dict(
-            text_config=dict(
-                GEMMA,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                num_hidden_layers=4,
-                num_kv_shared_layers=2,
-                sliding_window=8,
-                global_head_dim=16,
-                vocab_size_per_layer_input=VOCAB,
-                hidden_size_per_layer_input=8,
-                use_bidirectional_attention="vision",
-            ),
-            vision_config=dict(SIGLIP, num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2),
-            image_token_id=IMAGE,
-            boi_token_id=BOI,
-            eoi_token_id=EOI,
-            video_token_id=IMAGE_2,
-            audio_token_id=IMAGE_2 - 1,
-            boa_token_id=IMAGE_2 - 2,
-            eoa_token_index=IMAGE_2 - 3,
-            initializer_range=0.5,
-            tie_word_embeddings=False,
-        ),
-        Images(
-            (BOI,) + (IMAGE,) * 4 + (EOI,),
-            lambda rows, g: {
-                "pixel_values": torch.randn(rows, 16, 3 * 4 * 4, generator=g),
-                "image_position_ids": torch.tensor([[[x, y] for y in range(4) for x in range(4)]] * rows),
-            },
-            lambda ids: image_token_types(ids, "mm_token_type_ids"),
-        ),
-        notes='bidirectional image blocks (`use_bidirectional_attention="vision"`: a mask overlay), K/V-sharing '
-        "layers, sliding-window layers (window 8, crossed)",
-        defect=TOWER_CAUSAL + "; " + OVERLAY_DROPPED,
+        GEMMA4,
+        GEMMA4_IMAGES,
+        notes=GEMMA4_NOTE,
+        defect=SKIPPED_MASK,
+    ),
+    VisionFamily(
+        "Gemma4 (K/V sharing)",
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        dict(GEMMA4, text_config=dict(GEMMA4["text_config"], num_kv_shared_layers=2)),
+        GEMMA4_IMAGES,
+        notes=GEMMA4_NOTE + "; its last 2 layers reuse K/V (as Gemma4 E2B / E4B)",
+        defect=SHARED_OVERLAY + "; with an image: " + SKIPPED_MASK,
+        defect_modes=MODES,
     ),
     VisionFamily(
         "Molmo2",
@@ -467,8 +483,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 4 + (EOI,), molmo_crops, lambda ids: image_token_types(ids, "mm_token_type_ids")),
         notes="bidirectional image tokens (`mm_token_type_ids`: a mask overlay); attention-pooled patches",
-        defect="the adapter's attention pooling (1 query over 4 patches, no cache) refused by `paged_kv` (ValueError "
-        "naming no config field); " + OVERLAY_DROPPED,
+        defect=SKIPPED_MASK + "; " + ADAPTER_REFUSED,
     ),
     VisionFamily(
         "Chameleon",
@@ -667,8 +682,9 @@ def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> lis
 
 
 def has_defect(family: VisionFamily, column: str, mode: str) -> bool:
-    """Whether the cell is one of the family's known defect (the `paged_kv` column, a mode with an image)."""
-    return bool(family.defect) and column == "paged_kv" and MODE_SPECS[mode].image
+    """Whether the cell shows the family's known defect (the `paged_kv` column, one of `defect_modes`)."""
+    modes = family.defect_modes or [m for m in MODES if MODE_SPECS[m].image]
+    return bool(family.defect) and column == "paged_kv" and mode in modes
 
 
 def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[VisionFamily, str, str]]:
@@ -686,7 +702,7 @@ def markdown_table() -> str:
     for f in FAMILIES:
         cells = [matrix._table_cell(f.expected(c)) for c in COLUMNS]
         if f.defect:
-            cells[1] = f"**defect** with an image: {f.defect}; {cells[1]} without"
+            cells[1] = f"**defect**: {f.defect}" + ("" if f.defect_modes else f"; {cells[1]} without an image")
         lines.append(f"| {f.name} | `{f.model}` | {cells[0]} | {cells[1]} | {f.notes} |")
     return "\n".join(lines) + "\n"
 
