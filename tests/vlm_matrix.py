@@ -71,6 +71,7 @@ class VisionFamily:
     notes: str = ""
     defect: str = ""  # a known defect of the paged_kv column: what goes wrong
     defect_modes: tuple[str, ...] | None = None  # the modes it shows in (None: those with an image)
+    reference: str = "DynamicCache"  # the oracle: transformers' "DynamicCache", or "StaticCache" (see its notes)
 
     def expected(self, column: str) -> Outcome:
         return getattr(self, column)
@@ -594,6 +595,29 @@ FAMILIES: tuple[VisionFamily, ...] = (
         Images((IMAGE,) * 4, square_images(8)),
         notes="VQ-VAE image tokens (codes embedded as vocabulary entries); logits of image codes masked by the model",
     ),
+    VisionFamily(
+        "Gemma4-Unified",
+        "Gemma4UnifiedConfig",
+        "Gemma4UnifiedForConditionalGeneration",
+        dict(
+            {k: v for k, v in GEMMA4.items() if k != "vision_config"},
+            vision_config=dict(
+                patch_size=2, pooling_kernel_size=2, mm_embed_dim=64, mm_posemb_size=16, output_proj_dims=64
+            ),
+        ),
+        Images(
+            (BOI,) + (IMAGE,) * 4 + (EOI,),
+            lambda rows, g: {
+                "pixel_values": torch.randn(rows, 4, 3 * 4 * 4, generator=g),
+                "image_position_ids": torch.tensor([[[x, y] for y in range(2) for x in range(2)]] * rows),
+            },
+            lambda ids: image_token_types(ids, "mm_token_type_ids"),
+        ),
+        notes=GEMMA4_NOTE + "; patches embedded without a vision transformer; oracle: transformers' `StaticCache` "
+        "(transformers 5.24's `generate` gives a compileable cache the overlay on sliding-window layers only, its "
+        "`create_masks_for_generate`, where the model's forward with `DynamicCache` puts it on every layer)",
+        reference="StaticCache",
+    ),
 )
 
 
@@ -732,11 +756,9 @@ def run_cell(family: VisionFamily, column: str, mode_name: str) -> CellResult:
     reference_attn = default_attn if column == "default" else "eager"
     key = (family.name, mode_name, reference_attn)
     if key not in _references:
-        from transformers import DynamicCache
-
         try:
             set_attention(model, reference_attn)
-            _references[key] = run(family, model, DynamicCache(config=model.config), mode)
+            _references[key] = run(family, model, reference_cache(family, model, mode), mode)
         except Exception as e:  # the reference itself fails: the family's config or inputs are wrong
             return CellResult(family.name, column, mode_name, expected, f"reference failed: {e!r}"[:300], 0.0)
         finally:
@@ -749,6 +771,15 @@ def run_cell(family: VisionFamily, column: str, mode_name: str) -> CellResult:
     except Exception as e:
         got = f"{type(e).__name__}: {e}"[:300]
     return CellResult(family.name, column, mode_name, expected, got, time.perf_counter() - start)
+
+
+def reference_cache(family: VisionFamily, model: torch.nn.Module, mode: VisionMode) -> Any:
+    """A fresh cache of the family's `reference` kind (a StaticCache as long as the cell's PagedCache)."""
+    from transformers import DynamicCache, StaticCache
+
+    if family.reference == "StaticCache":
+        return StaticCache(config=model.config, max_cache_len=max_cache_len(family, mode))
+    return DynamicCache(config=model.config)
 
 
 def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> list[Generated]:
