@@ -45,13 +45,18 @@ IMAGE_EFFECT = 1e-3
 
 @dataclasses.dataclass(frozen=True)
 class Images:
-    """How a family's prompts hold images: `block`, the tokens one image takes in the prompt, and
-    `pixels(rows, generator)`, the processor's tensors for `rows` images (one per row), given to
-    `generate` as keyword arguments. `extra(input_ids)`: further inputs read off the ids (token types)."""
+    """How a family's prompts hold images: `block`, the tokens one image takes in the prompt (`odd_block`:
+    in odd rows, where their image has another size), and `pixels(rows, generator)`, the processor's
+    tensors for `rows` images (one per row), given to `generate` as keyword arguments. `extra(input_ids)`:
+    further inputs read off the ids (token types)."""
 
     block: tuple[int, ...]
     pixels: Callable[[int, torch.Generator], dict[str, torch.Tensor]]
     extra: Callable[[torch.Tensor], dict[str, torch.Tensor]] = lambda ids: {}
+    odd_block: tuple[int, ...] | None = None
+
+    def row_block(self, row: int) -> tuple[int, ...]:
+        return self.odd_block if row % 2 and self.odd_block is not None else self.block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,16 +137,14 @@ def image_token_types(ids: torch.Tensor, name: str = "token_type_ids") -> dict[s
     return {name: (ids == IMAGE).long()}
 
 
-def qwen_patches(patch: int, grid: tuple[int, int], temporal: int = 2):
-    """Qwen-VL's processor output for one image per row of `grid` patches of `patch` pixels (the flattened
-    patches `[rows * h * w, 3 * temporal * patch**2]` and `image_grid_thw`)."""
-    h, w = grid
+def qwen_patches(patch: int, grids: tuple[tuple[int, int], ...], temporal: int = 2):
+    """Qwen-VL's processor output for one image per row, row i's of `grids[i % len(grids)]` patches of
+    `patch` pixels: the flattened patches `[sum of h * w, 3 * temporal * patch**2]` and `image_grid_thw`."""
 
     def pixels(rows: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-        return {
-            "pixel_values": torch.randn(rows * h * w, 3 * temporal * patch * patch, generator=g),
-            "image_grid_thw": torch.tensor([[1, h, w]] * rows),
-        }
+        thw = torch.tensor([[1, *grids[i % len(grids)]] for i in range(rows)])
+        patches = int(thw.prod(-1).sum())
+        return {"pixel_values": torch.randn(patches, 3 * temporal * patch * patch, generator=g), "image_grid_thw": thw}
 
     return pixels
 
@@ -160,7 +163,9 @@ def molmo_crops(rows: int, g: torch.Generator) -> dict[str, torch.Tensor]:
 QWEN_VISION = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, patch_size=2, spatial_merge_size=2)
 QWEN_IDS = dict(image_token_id=IMAGE, vision_start_token_id=BOI, vision_end_token_id=EOI, video_token_id=IMAGE_2)
 QWEN_TYPES = lambda ids: image_token_types(ids, "mm_token_type_ids")
-QWEN_IMAGES = Images((BOI,) + (IMAGE,) * 4 + (EOI,), qwen_patches(2, (4, 4)), QWEN_TYPES)
+QWEN_IMAGES = Images(  # images of 4 and 8 tokens (2 x 2 and 2 x 4 merged patches): other rope_deltas per row
+    (BOI,) + (IMAGE,) * 4 + (EOI,), qwen_patches(2, ((4, 4), (4, 8))), QWEN_TYPES, (BOI,) + (IMAGE,) * 8 + (EOI,)
+)
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16)
 SIGLIP.update(patch_size=4)
 CLIP = dict(SIGLIP, image_size=8)
@@ -176,7 +181,7 @@ ADAPTER_REFUSED = (
     "its adapter's attention pooling (1 query over 4 patches, no cache) refused (ValueError naming no config field)"
 )
 OVERLAY = "bidirectional image blocks (`token_type_ids`: a mask overlay)"
-MROPE = "M-RoPE: 3-D positions of the image tokens, `rope_deltas` from the cache's length"
+MROPE = "M-RoPE: 3-D positions of the image tokens (images of 4 and 8 tokens in a batch: rope_deltas per row)"
 
 GEMMA4 = dict(
     text_config=dict(
@@ -286,7 +291,12 @@ FAMILIES: tuple[VisionFamily, ...] = (
             ),
             **QWEN_IDS,
         ),
-        Images((BOI,) + (IMAGE,) * 8 + (EOI,), qwen_patches(2, (4, 8)), QWEN_TYPES),
+        Images(
+            (BOI,) + (IMAGE,) * 8 + (EOI,),
+            qwen_patches(2, ((4, 8), (4, 4))),
+            QWEN_TYPES,
+            (BOI,) + (IMAGE,) * 4 + (EOI,),
+        ),
         notes=MROPE + "; windowed vision attention",
     ),
     VisionFamily(
@@ -646,12 +656,11 @@ def prompts(family: VisionFamily, mode: VisionMode, pixel_seed: int = 0) -> dict
     """`generate`'s inputs: left-padded ids (text ids random, the image block between a row's two texts),
     their mask, the images' tensors (drawn from `pixel_seed`) and the family's extra inputs."""
     g = torch.Generator().manual_seed(sum(a * 7 + b for a, b in mode.rows) + len(mode.rows))
-    block = list(family.images.block) if mode.image else []
     rows = [
         torch.randint(3, TEXT_IDS, (before,), generator=g).tolist()
-        + block
+        + (list(family.images.row_block(i)) if mode.image else [])
         + torch.randint(3, TEXT_IDS, (after,), generator=g).tolist()
-        for before, after in mode.rows
+        for i, (before, after) in enumerate(mode.rows)
     ]
     width = max(len(r) for r in rows)
     ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
