@@ -41,6 +41,15 @@ def test_overlaid_tells_plain_causal_masks_from_overlays():
     assert all(hf_attention.overlaid(f) for f in overlays)
 
 
+def test_a_mask_transformers_would_skip_is_still_made():
+    """A bidirectional mask with no padding (BART's decoder asks one for its encoder) is all True, which
+    transformers may skip (None); an overlay needs it made."""
+    mask = hf_attention.paged_kv_mask(
+        2, 3, 3, mask_function=bidirectional_mask_function, attention_mask=None, allow_is_bidirectional_skip=True
+    )
+    assert mask is not None and mask.shape == (2, 1, 3, 3) and bool(mask.all())
+
+
 def test_overlay_mask_moves_columns_to_page_positions():
     """Page position p of a row is its p-th real column (padding is never stored)."""
     g = torch.Generator().manual_seed(0)

@@ -169,10 +169,6 @@ QWEN_IMAGES = Images(  # images of 4 and 8 tokens (2 x 2 and 2 x 4 merged patche
 SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16)
 SIGLIP.update(patch_size=4)
 CLIP = dict(SIGLIP, image_size=8)
-SKIPPED_MASK = (
-    "AssertionError in `paged_kv_mask`: the vision tower's bidirectional mask, which transformers may skip "
-    "(`allow_is_bidirectional_skip`), comes back None"
-)
 SHARED_OVERLAY = (
     "the overlay refused at the K/V-sharing layers (trimmed queries) after the layers before them stored the "
     "step (ValueError naming `attn_implementation`)"
@@ -476,7 +472,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
         Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
         notes="SigLIP tower, pixel shuffle 2",
-        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "SmolVLM",
@@ -485,7 +480,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(text_config=dict(TEXT, model_type="llama"), vision_config=SIGLIP, image_token_id=IMAGE),
         Images((IMAGE,) * 4, lambda rows, g: {"pixel_values": torch.randn(rows, 1, 3, 16, 16, generator=g)}),
         notes="Idefics3's architecture",
-        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "GLM4V",
@@ -531,7 +525,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="SigLIP2 (NaFlex) tower; hybrid text model: short-convolution layers' states beside the pages",
-        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "Gemma4",
@@ -540,7 +533,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         GEMMA4,
         GEMMA4_IMAGES,
         notes=GEMMA4_NOTE,
-        defect=SKIPPED_MASK,
     ),
     VisionFamily(
         "Gemma4 (K/V sharing)",
@@ -549,7 +541,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         dict(GEMMA4, text_config=dict(GEMMA4["text_config"], num_kv_shared_layers=2)),
         GEMMA4_IMAGES,
         notes=GEMMA4_NOTE + "; its last 2 layers reuse K/V (as Gemma4 E2B / E4B)",
-        defect=SHARED_OVERLAY + "; with an image: " + SKIPPED_MASK,
+        defect=SHARED_OVERLAY,
         defect_modes=MODES,
     ),
     VisionFamily(
@@ -579,7 +571,7 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 4 + (EOI,), molmo_crops, lambda ids: image_token_types(ids, "mm_token_type_ids")),
         notes="bidirectional image tokens (`mm_token_type_ids`: a mask overlay); attention-pooled patches",
-        defect=SKIPPED_MASK + "; " + ADAPTER_REFUSED,
+        defect=ADAPTER_REFUSED,
     ),
     VisionFamily(
         "Chameleon",

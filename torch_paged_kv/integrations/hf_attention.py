@@ -49,7 +49,8 @@ def paged_kv_mask(
     indexed = bool(indexed_layers(kwargs.get("config")))
     if not indexed and not overlaid(mask_function):
         return real
-    kwargs["allow_is_causal_skip"] = False  # (the indexer needs the causal mask at every step)
+    kwargs["allow_is_causal_skip"] = False  # (the indexer needs the causal mask at every step; an overlay
+    kwargs["allow_is_bidirectional_skip"] = False  # is applied from the mask itself)
     mask_function = mask_function or causal_mask_function
     full = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     assert full is not None  # (no skip allowed)
