@@ -24,9 +24,15 @@ from typing import Any
 import torch
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from . import hf_indexed, hf_mla
+from . import hf_indexed, hf_mla, hf_uncached
 from .hf_layer import PendingKV, token_rows
-from .hf_support import attention_chunk_size, check_attention_call, indexed_layers
+from .hf_support import (
+    attention_chunk_size,
+    check_attention_call,
+    check_unapplied_kwargs,
+    indexed_layers,
+    on_attention_interface,
+)
 
 
 def paged_kv_mask(
@@ -45,8 +51,15 @@ def paged_kv_mask(
     Contiguous: a compiled decode step guards on the mask's strides, and a slice of the growing 2D mask
     would change them every step (transformers < 5.18 passes the slice on as is).
     """
+    config = kwargs.get("config")
+    if config is not None and not torch.compiler.is_compiling() and not on_attention_interface(config):
+        raise ValueError(
+            f"config.model_type: {config.model_type!r} models do not call transformers' attention interface, "
+            "so attn_implementation='paged_kv' would change their masks but not their attention; use the model's "
+            "default attention"
+        )
     real = None if attention_mask is None else attention_mask[:, -q_length:].bool().contiguous()[:, None, :, None]
-    indexed = bool(indexed_layers(kwargs.get("config")))
+    indexed = bool(indexed_layers(config))
     if not indexed and not overlaid(mask_function):
         return real
     kwargs["allow_is_causal_skip"] = False  # (the indexer needs the causal mask at every step; an overlay
@@ -118,6 +131,8 @@ def paged_kv_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     pending = kwargs.pop(hf_mla.PENDING_KWARG, None) or key  # an MLA layer's latents come as a keyword
     indices = kwargs.pop("indices", None)  # a sparse-attention layer's top-k columns [batch, new, k]
+    sinks = kwargs.pop("s_aux", None)  # per-head sink logits (GPT-OSS, HY-V4)
+    check_unapplied_kwargs(module, kwargs)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise ValueError(
             f"attention_mask: a {attention_mask.dtype} 4-D mask; paged_kv takes the 2-D padding mask (or a 4-D "
@@ -127,11 +142,14 @@ def paged_kv_attention(
     overlay = _overlay(module, attention_mask)
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
-        if overlay is not None:
-            overlay = _columns_of_positions(overlay, mask)
         causal = kwargs.get("is_causal")  # (as transformers' sdpa: the call's, else the module's)
-        causal = getattr(module, "is_causal", True) if causal is None else causal
-        return _uncached_attention(query, key, value, mask, scale, indices, overlay, causal), None
+        return hf_uncached.attention(
+            query, key, value, mask, scale,
+            causal=getattr(module, "is_causal", True) if causal is None else causal,
+            sliding_window=sliding_window, chunk=attention_chunk_size(module), softcap=softcap,
+            sinks=None if sinks is None else sinks.detach(), indices=indices,
+            overlay=None if overlay is None else hf_uncached.columns_of_positions(overlay, mask),
+        ), None  # fmt: skip
     if indices is not None and not isinstance(pending, hf_mla.PendingLatent):
         raise ValueError(
             "config.layer_types: a sparse-attention layer over per-head K/V (not an MLA latent); paged_kv applies "
@@ -141,7 +159,6 @@ def paged_kv_attention(
     batch, num_heads, new, _ = query.shape
     layer, cache = pending.layer, pending.layer.cache
     step_columns = (pending.latent if isinstance(pending, hf_mla.PendingLatent) else pending.key).shape[2]
-    sinks = kwargs.get("s_aux")  # per-head sink logits (GPT-OSS, HY-V4)
     sinks = None if sinks is None else sinks.detach().float()
     if overlay is not None:
         _check_overlaid_call(module, pending, sinks, softcap, new != step_columns)
@@ -228,35 +245,8 @@ def _overlaid_attention(
     bool, page positions); padded query rows (`real_rows` False) give zeros. Returns `[batch * new,
     heads, head_dim]`."""
     keys, values = (t.transpose(1, 2) for t in kv)
-    out = _sdpa(query, keys, values, allowed, real_rows, scale)
+    out = hf_uncached.sdpa(query, keys, values, allowed, real_rows, scale)
     return out.reshape(-1, *out.shape[2:])
-
-
-def _sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    allowed: torch.Tensor,
-    real_rows: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """Masked SDPA, `[batch, new, heads, head_dim]`; a query row that sees no key (padding) gives zeros."""
-    seen = allowed.any(-1, keepdim=True)  # [batch, 1, new, 1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed | ~seen, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    )
-    keep = seen if real_rows is None else seen & real_rows[:, None, :, None]
-    return (out * keep).transpose(1, 2).contiguous()
-
-
-def _columns_of_positions(positions: torch.Tensor, real_rows: torch.Tensor | None) -> torch.Tensor:
-    """A step with no past: the overlay mask over page positions (`[batch, 1, new, new]`) over the
-    step's columns instead (a row's real columns are its real query rows)."""
-    if real_rows is None:
-        return positions
-    position = (real_rows.cumsum(-1) - 1).clamp_(min=0)  # [batch, new]: each real column's page position
-    columns = positions.gather(-1, position[:, None, None, :].expand_as(positions))
-    return columns & real_rows[:, None, None, :]
 
 
 def _new_tokens(attention_mask: torch.Tensor | None, batch: int, new: int, device: torch.device) -> torch.Tensor:
@@ -264,37 +254,3 @@ def _new_tokens(attention_mask: torch.Tensor | None, batch: int, new: int, devic
     if attention_mask is not None:
         return attention_mask.sum(1, dtype=torch.int32)
     return torch.full((batch,), new, dtype=torch.int32, device=device)
-
-
-def _uncached_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scale: float,
-    indices: torch.Tensor | None,
-    overlay: torch.Tensor | None = None,
-    causal: bool = True,
-) -> torch.Tensor:
-    """SDPA over the given keys, causal unless `causal` is False (a vision tower's layers), or under
-    `overlay` (`[batch, 1, new, new]` bool), hiding padded keys (and with `indices`, `[batch, new, k]`,
-    every key a query's row does not list); only for a forward with no past."""
-    new, kv_len = query.shape[2], key.shape[2]
-    if kv_len != new:
-        raise ValueError(
-            "attn_implementation='paged_kv' needs a PagedCache as the model's cache "
-            "(cache=PagedCache(...), or past_key_values= before transformers 5.24) to attend over past keys"
-        )
-    if overlay is not None:
-        return _sdpa(query, key, value, overlay, attention_mask, scale)
-    allowed = torch.ones(new, new, dtype=torch.bool, device=query.device)
-    allowed = (allowed.tril() if causal else allowed)[None, None]
-    if attention_mask is not None:
-        allowed = allowed & attention_mask[:, None, None, :]
-    if indices is not None:
-        listed = torch.zeros(*indices.shape[:2], kv_len, dtype=torch.bool, device=query.device)
-        allowed = allowed & listed.scatter_(-1, indices.long(), True)[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    )
-    return out.transpose(1, 2).contiguous()

@@ -17,6 +17,8 @@ import dataclasses
 import inspect
 from typing import Any
 
+from torch import Tensor
+
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' layer types whose cache is plain K/V per token (what a pool layer holds)."""
 NO_CACHE_LAYER_TYPES = ("dummy", "moe", "mlp")
@@ -335,9 +337,17 @@ def _model_class(config: Any) -> Any:
 
 def on_attention_interface(config: Any) -> bool:
     """Whether the model class of `config.model_type` calls transformers' attention interface (its own
-    test, `_can_set_attn_implementation`); True where the class cannot be found (a custom model)."""
-    can_set = getattr(_model_class(config), "_can_set_attn_implementation", None)
-    return True if can_set is None else bool(can_set())
+    test, `_can_set_attn_implementation`, which reads the class's source: kept per model type); True
+    where the class cannot be found (a custom model)."""
+    model_type = getattr(config, "model_type", None)
+    known = _ON_INTERFACE.get(model_type)
+    if known is None:
+        can_set = getattr(_model_class(config), "_can_set_attn_implementation", None)
+        known = _ON_INTERFACE[model_type] = True if can_set is None else bool(can_set())
+    return known
+
+
+_ON_INTERFACE: dict[Any, bool] = {}
 
 
 def _transformers_version() -> str:
@@ -385,10 +395,27 @@ def check_attention_call(module: Any, kwargs: dict[str, Any]) -> None:
     that `paged_kv` would not apply (for models whose config does not say it)."""
     config = getattr(module, "config", None)
     model_type = getattr(config, "model_type", None)
-    if getattr(module, "is_causal", True) is False:
+    if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
         raise ValueError(
             f"config.model_type: {model_type!r} layer {getattr(module, 'layer_idx', '?')} attends non-causally "
             "(is_causal=False); paged_kv attends causally only"
+        )
+
+
+IGNORED_TENSOR_KWARGS = frozenset(("position_ids", "cache_position", "cu_seq_lens_q", "cu_seq_lens_k"))
+"""Tensors a model may pass the attention that `paged_kv` need not read: positions (the pages hold
+them), and the packed-sequence bounds of FlashAttention (the mask carries the packing)."""
+
+
+def check_unapplied_kwargs(module: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse, before anything is stored, a tensor the model passes the attention that `paged_kv` does
+    not apply (T5's `position_bias`, a layer's own `sinks` or block indices): ignoring it would change
+    the outputs."""
+    unapplied = [k for k, v in kwargs.items() if isinstance(v, Tensor) and k not in IGNORED_TENSOR_KWARGS]
+    if unapplied:
+        raise ValueError(
+            f"attn_implementation: {type(module).__name__} passes the attention {unapplied}, which paged_kv does "
+            "not apply; use the model's default attention"
         )
 
 
