@@ -16,6 +16,7 @@ from transformers.masking_utils import (
     chunked_causal_mask_function,
     or_masks,
     packed_sequence_mask_function,
+    sdpa_mask,
     sliding_window_causal_mask_function,
     sliding_window_overlay,
 )
@@ -41,13 +42,15 @@ def test_overlaid_tells_plain_causal_masks_from_overlays():
     assert all(hf_attention.overlaid(f) for f in overlays)
 
 
-def test_a_mask_transformers_would_skip_is_still_made():
-    """A bidirectional mask with no padding (BART's decoder asks one for its encoder) is all True, which
-    transformers may skip (None); an overlay needs it made."""
-    mask = hf_attention.paged_kv_mask(
-        2, 3, 3, mask_function=bidirectional_mask_function, attention_mask=None, allow_is_bidirectional_skip=True
-    )
-    assert mask is not None and mask.shape == (2, 1, 3, 3) and bool(mask.all())
+def test_a_mask_with_no_causal_part_is_transformers_own():
+    """A bidirectional mask (a vision tower's, an encoder's, BART's decoder asks one for its encoder) is
+    for a layer with no cache, which runs transformers' SDPA: it gets sdpa's own mask, over its columns."""
+    padding = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    for attention_mask in (padding, None):
+        args = (2, 4, 4, 0, 0, bidirectional_mask_function, attention_mask)
+        got = hf_attention.paged_kv_mask(*args, allow_is_bidirectional_skip=True)
+        expected = sdpa_mask(*args, allow_is_bidirectional_skip=True)
+        assert (got is None and expected is None) or torch.equal(got, expected)
 
 
 def test_overlay_mask_moves_columns_to_page_positions():

@@ -7,9 +7,8 @@ mode): `generate` over a `PagedCache` under the model's default attention ("defa
 `attn_implementation="paged_kv"`, against the same `generate` over transformers' `DynamicCache` (under
 the default attention, resp. `eager`; `StaticCache` where a family says why), judged as there
 (`transformers_matrix.compare`: the same tokens, every logit within `LOGIT_TOLERANCE`; or a declared
-refusal: a `ValueError` naming a config field before anything is stored). A family may declare a known
-defect of its `paged_kv` column (`VisionFamily.defect`): those cells still fail, and the script exits
-non-zero, until it is fixed.
+refusal: a `ValueError` naming a config field before anything is stored). Any other outcome fails,
+and the script exits non-zero.
 
 Modes: `greedy` (one prompt with an image), `batch` (two left-padded prompts with an image each, other
 text lengths), `text` (two left-padded prompts without an image, to the VLM class), `beam` (two prompts
@@ -65,9 +64,7 @@ class Images:
 @dataclasses.dataclass(frozen=True)
 class VisionFamily:
     """A VLM family as a tiny random model (`config` and `model` name transformers classes; `kwargs`
-    are given to the config), its images, and what each column must give. `defect`: what goes wrong in
-    the `paged_kv` column (in `defect_modes`; by default the modes with an image), a known defect: its
-    cells fail until it is fixed."""
+    are given to the config), its images, and what each column must give."""
 
     name: str
     config: str
@@ -77,8 +74,6 @@ class VisionFamily:
     default: Outcome = EXACT
     paged_kv: Outcome = EXACT
     notes: str = ""
-    defect: str = ""  # a known defect of the paged_kv column: what goes wrong
-    defect_modes: tuple[str, ...] | None = None  # the modes it shows in (None: those with an image)
     reference: str = "DynamicCache"  # the oracle: transformers' "DynamicCache", or "StaticCache" (see its notes)
 
     def expected(self, column: str) -> Outcome:
@@ -169,13 +164,6 @@ SIGLIP = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4
 )
 CLIP = dict(SIGLIP, image_size=8)
-SHARED_OVERLAY = (
-    "the overlay refused at the K/V-sharing layers (trimmed queries) after the layers before them stored the "
-    "step (ValueError naming `attn_implementation`)"
-)
-ADAPTER_REFUSED = (
-    "its adapter's attention pooling (1 query over 4 patches, no cache) refused (ValueError naming no config field)"
-)
 OVERLAY = "bidirectional image blocks (`token_type_ids`: a mask overlay)"
 MROPE = "M-RoPE: 3-D positions of the image tokens (images of 4 and 8 tokens in a batch: rope_deltas per row)"
 
@@ -419,7 +407,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
             },
         ),
         notes="Pixtral tower (2-D rope, block-diagonal mask over images), patches merged 2x2",
-        defect="the vision tower's float 4-D block mask refused (ValueError naming `attention_mask`)",
     ),
     VisionFamily(
         "InternVL",
@@ -540,9 +527,9 @@ FAMILIES: tuple[VisionFamily, ...] = (
         "Gemma4ForConditionalGeneration",
         dict(GEMMA4, text_config=dict(GEMMA4["text_config"], num_kv_shared_layers=2)),
         GEMMA4_IMAGES,
-        notes=GEMMA4_NOTE + "; its last 2 layers reuse K/V (as Gemma4 E2B / E4B)",
-        defect=SHARED_OVERLAY,
-        defect_modes=MODES,
+        paged_kv=Refused("attn_implementation"),
+        notes=GEMMA4_NOTE + "; its last 2 layers reuse K/V (as Gemma4 E2B / E4B): under `paged_kv` an overlay "
+        "with K/V-sharing layers is refused at the first layer",
     ),
     VisionFamily(
         "Molmo2",
@@ -571,7 +558,6 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images((BOI,) + (IMAGE,) * 4 + (EOI,), molmo_crops, lambda ids: image_token_types(ids, "mm_token_type_ids")),
         notes="bidirectional image tokens (`mm_token_type_ids`: a mask overlay); attention-pooled patches",
-        defect=ADAPTER_REFUSED,
     ),
     VisionFamily(
         "Chameleon",
@@ -798,12 +784,6 @@ def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> lis
         set_attention(model, default_attn)
 
 
-def has_defect(family: VisionFamily, column: str, mode: str) -> bool:
-    """Whether the cell shows the family's known defect (the `paged_kv` column, one of `defect_modes`)."""
-    modes = family.defect_modes or [m for m in MODES if MODE_SPECS[m].image]
-    return bool(family.defect) and column == "paged_kv" and mode in modes
-
-
 def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[VisionFamily, str, str]]:
     chosen = [f for f in FAMILIES if families is None or f.name in families]
     return [(f, c, m) for f in chosen for c in columns for m in modes]
@@ -818,8 +798,6 @@ def markdown_table() -> str:
     ]
     for f in FAMILIES:
         cells = [matrix._table_cell(f.expected(c)) for c in COLUMNS]
-        if f.defect:
-            cells[1] = f"**defect**: {f.defect}" + ("" if f.defect_modes else f"; {cells[1]} without an image")
         lines.append(f"| {f.name} | `{f.model}` | {cells[0]} | {cells[1]} | {f.notes} |")
     return "\n".join(lines) + "\n"
 
@@ -844,8 +822,7 @@ def main() -> int:
         result = run_cell(family, column, mode)
         failures += not result.ok
         flag = "ok  " if result.ok else "FAIL"
-        known = f" [known defect: {family.defect}]" if not result.ok and has_defect(family, column, mode) else ""
-        print(f"{flag} {family.name:20} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s){known}", flush=True)
+        print(f"{flag} {family.name:20} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s)", flush=True)
     print(f"{len(cells) - failures} of {len(cells)} cells as declared")
     return 1 if failures else 0
 

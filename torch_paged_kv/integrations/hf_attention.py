@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
 from . import hf_indexed, hf_mla, hf_uncached
@@ -59,6 +60,16 @@ def paged_kv_mask(
             "so attn_implementation='paged_kv' would change their masks but not their attention; use the model's "
             "default attention"
         )
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if bidirectional and bidirectional != "vision":
+        raise ValueError(
+            f"config.use_bidirectional_attention: {bidirectional!r} makes the attention non-causal; paged_kv "
+            "attends causally only"
+        )
+    if mask_function is not None and "causal_mask_function" not in mask_parts(mask_function):
+        # a mask with no causal part: a vision tower's, an encoder's, a cross-attention's (no cache, over
+        # the call's own keys): transformers' own, for `hf_uncached`
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
     real = None if attention_mask is None else attention_mask[:, -q_length:].bool().contiguous()[:, None, :, None]
     indexed = bool(indexed_layers(config))
     if not indexed and not overlaid(mask_function):
@@ -91,10 +102,18 @@ def overlaid(mask_function: Callable | None) -> bool:
         return False
     if name != "and_masks.<locals>.and_mask":
         return True
-    parts = [cell.cell_contents for cell in mask_function.__closure__ or ()]
-    parts = [f for p in parts for f in (p if isinstance(p, tuple) else (p,))]
-    names = [getattr(f, "__qualname__", "") for f in parts]
+    names = mask_parts(mask_function)
     return "causal_mask_function" not in names or any(n not in _PLAIN_MASK_PARTS for n in names)
+
+
+def mask_parts(mask_function: Callable) -> list[str]:
+    """The qualified names of the functions transformers' `and_masks` / `or_masks` combined into
+    `mask_function` (itself where it combines none)."""
+    name = getattr(mask_function, "__qualname__", "")
+    if name not in ("and_masks.<locals>.and_mask", "or_masks.<locals>.or_mask"):
+        return [name]
+    parts = [cell.cell_contents for cell in mask_function.__closure__ or ()]
+    return [n for p in parts for f in (p if isinstance(p, tuple) else (p,)) for n in mask_parts(f)]
 
 
 def overlay_mask(full: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -134,6 +153,12 @@ def paged_kv_attention(
     indices = kwargs.pop("indices", None)  # a sparse-attention layer's top-k columns [batch, new, k]
     sinks = kwargs.pop("s_aux", None)  # per-head sink logits (GPT-OSS, HY-V4)
     check_unapplied_kwargs(module, kwargs)
+    causal = kwargs.pop("is_causal", None)  # (as transformers' sdpa: the call's, else the module's)
+    causal = getattr(module, "is_causal", True) if causal is None else causal
+    if not causal and not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
+        # no cache, not causal (a vision tower, an adapter's pooling): sdpa under the model's own mask
+        assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, 0.0, scale, is_causal=False)
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         raise ValueError(
             f"attention_mask: a {attention_mask.dtype} 4-D mask; paged_kv takes the 2-D padding mask (or a 4-D "
@@ -143,10 +168,8 @@ def paged_kv_attention(
     overlay = _overlay(module, attention_mask)
     if not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)  # update returned no PendingKV
-        causal = kwargs.get("is_causal")  # (as transformers' sdpa: the call's, else the module's)
         return hf_uncached.attention(
             query, key, value, mask, scale,
-            causal=getattr(module, "is_causal", True) if causal is None else causal,
             sliding_window=sliding_window, chunk=attention_chunk_size(module), softcap=softcap,
             sinks=None if sinks is None else sinks.detach(), indices=indices,
             overlay=None if overlay is None else hf_uncached.columns_of_positions(overlay, mask),
@@ -156,13 +179,13 @@ def paged_kv_attention(
             "config.layer_types: a sparse-attention layer over per-head K/V (not an MLA latent); paged_kv applies "
             "top-k keys to MLA layers only"
         )
-    check_attention_call(module, kwargs)
+    check_attention_call(module, {**kwargs, "is_causal": causal})
     batch, num_heads, new, _ = query.shape
     layer, cache = pending.layer, pending.layer.cache
     step_columns = (pending.latent if isinstance(pending, hf_mla.PendingLatent) else pending.key).shape[2]
     sinks = None if sinks is None else sinks.detach().float()
     if overlay is not None:
-        _check_overlaid_call(module, pending, sinks, softcap, new != step_columns)
+        _check_overlaid_call(module, pending, sinks, softcap, bool(cache.shared_layers))
         if overlay.shape[-1] > cache.max_cache_len:
             raise ValueError(
                 f"attention_mask: {overlay.shape[-1]} key columns, more than the cache's max_cache_len="
@@ -215,15 +238,17 @@ def _overlay(module: torch.nn.Module, attention_mask: torch.Tensor | None) -> to
 
 
 def _check_overlaid_call(
-    module: torch.nn.Module, pending: Any, sinks: torch.Tensor | None, softcap: float | None, trailing: bool
+    module: torch.nn.Module, pending: Any, sinks: torch.Tensor | None, softcap: float | None, sharing: bool
 ) -> None:
-    """Refuse, before anything is stored, an overlay mask on a layer whose attention SDPA does not apply."""
+    """Refuse, before anything is stored, an overlay mask on a layer whose attention SDPA does not apply
+    (`sharing`: a model with K/V-sharing layers, fed only the last positions at its prefill: refused at
+    its first layer, before anything is stored)."""
     what = (
         "an MLA layer" if isinstance(pending, hf_mla.PendingLatent)
         else "attention sinks" if sinks is not None
         else "softcapped scores" if softcap
         else "chunked attention" if attention_chunk_size(module) > 0
-        else "queries trimmed to the last positions" if trailing
+        else "K/V-sharing layers" if sharing
         else None
     )  # fmt: skip
     if what is not None:

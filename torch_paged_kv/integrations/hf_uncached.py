@@ -1,10 +1,10 @@
-"""The `paged_kv` attention of a layer with no cache: a forward with no past (`use_cache=False`, a
-scoring pass), a vision tower, an encoder. The keys are the call's own inputs, padding included, so
-the rules are transformers' own, over those columns: causal unless the module (or the call's
-`is_causal`) says not; the call's sliding window, the layer's chunks (counted from a row's first real
-column, as transformers' chunked mask does), padding, a sparse layer's top-k columns, or a mask overlay
-in place of all of these; softcapped scores and sink logits as transformers' eager attention applies
-them. A query row that sees no key (padding) gives zeros."""
+"""The `paged_kv` attention of a causal layer with no cache: a forward with no past (`use_cache=False`,
+a scoring pass). The keys are the call's own inputs, padding included, so the rules are transformers'
+own, over those columns: causality, the call's sliding window, the layer's chunks (counted from a
+row's first real column, as transformers' chunked mask does), padding, a sparse layer's top-k columns,
+or a mask overlay in place of all of these; softcapped scores and sink logits as transformers' eager
+attention applies them. A query row that sees no key (padding) gives zeros. (A non-causal layer with
+no cache, a vision tower's, takes transformers' own SDPA: `hf_attention`.)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ def attention(
     real: torch.Tensor | None,
     scale: float,
     *,
-    causal: bool = True,
     sliding_window: int | None = None,
     chunk: int = -1,
     softcap: float | None = None,
@@ -35,22 +34,20 @@ def attention(
             "attn_implementation='paged_kv' needs a PagedCache as the model's cache "
             "(cache=PagedCache(...), or past_key_values= before transformers 5.24) to attend over past keys"
         )
-    allowed = overlay if overlay is not None else _allowed(new, real, causal, sliding_window, chunk, query.device)
+    allowed = overlay if overlay is not None else _allowed(new, real, sliding_window, chunk, query.device)
     if indices is not None:
         listed = torch.zeros(*indices.shape[:2], new, dtype=torch.bool, device=query.device)
         allowed = allowed & listed.scatter_(-1, indices.long(), True)[:, None]
     return sdpa(query, key, value, allowed, real, scale, softcap, sinks)
 
 
-def _allowed(
-    new: int, real: torch.Tensor | None, causal: bool, window: int | None, chunk: int, device: torch.device
-) -> torch.Tensor:
+def _allowed(new: int, real: torch.Tensor | None, window: int | None, chunk: int, device: torch.device) -> torch.Tensor:
     """Which column each query row sees, `[batch or 1, 1, new, new]` bool."""
     q = torch.arange(new, device=device)[:, None]
     k = torch.arange(new, device=device)[None, :]
-    allowed = k <= q if causal else torch.ones(new, new, dtype=torch.bool, device=device)
+    allowed = k <= q
     if window:
-        allowed = allowed & (k > q - window if causal else (q - k).abs() < window)
+        allowed = allowed & (k > q - window)
     allowed = allowed[None, None]
     if chunk > 0:
         first = torch.zeros(1, dtype=torch.long, device=device) if real is None else (real.cumsum(-1) == 0).sum(-1)
