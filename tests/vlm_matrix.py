@@ -45,6 +45,10 @@ IMAGE_EFFECT = 1e-3
 """Smallest change of the last position's logits (relative to the largest) when the pixels change."""
 
 
+SINCE = "5.23"
+"""The oldest transformers the families' outcomes are declared (and checked) for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Images:
     """How a family's prompts hold images: `block`, the tokens one image takes in the prompt (`odd_block`:
