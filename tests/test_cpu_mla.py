@@ -151,6 +151,15 @@ def test_dense_attention_matches_fp64_and_the_reference(kind, page_size):
     _check(b, causal=page_size != 16)
 
 
+@pytest.mark.parametrize("kind", ["bf16", "e4m3-per-token", "e5m2-per-token", "e4m3-static"])
+def test_bf16_dot_product_scores(kind):
+    """bf16 queries over bf16 rows or FP8 latents of one scale per token (rank a multiple of 32: the
+    codes' bf16 values, the scale on the score, where the CPU has AVX512-BF16), prefill and decode."""
+    b = _batch(kind, [45, 0], [1, 6], 16, heads=6, rank=64, rope=8, seed=len(kind))
+    assert b.q_nope.dtype == torch.bfloat16
+    _check(b, sinks=torch.randn(6))
+
+
 @pytest.mark.parametrize("heads, rank, rope", [(70, 64, 16), (3, 20, 6), (16, 48, 0)])
 def test_head_blocks_and_widths(heads, rank, rope):
     """Over 64 heads (head blocks per token), few heads with odd widths, no rope."""
@@ -202,7 +211,7 @@ def test_split_key_ranges_and_threads(monkeypatch, threads, sparse):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        b = _batch("e4m3-per-token", [130, 77, 0], [1, 1, 4], 16, seed=threads + 2 * sparse)
+        b = _batch("e4m3-per-token", [130, 77, 0], [1, 1, 4], 16, rank=64, seed=threads + 2 * sparse)
         sinks = torch.randn(b.q_nope.shape[1])
         positions = _key_positions(b, 90, True, seed=threads) if sparse else None
         _check(b, key_positions=positions, sinks=sinks)

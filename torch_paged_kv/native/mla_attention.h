@@ -43,6 +43,11 @@ struct MlaCall {  // one call's arguments, as the items read them
   float scale;
   // a pool row (its element offset slot * width) as fp32 into dst[0, Dp): latent, zeros to Rp, rope, zeros
   void (*stage)(const MlaCall&, const char* row, int64_t slot, float* dst);
+  // bf16 dot-product scores (mla_dot): rows of Db bf16 values, the latent's padded to Rb; a pool row as
+  // such values (FP8: the codes', exact) into dst, and *scale the latent's scale (1 for a bf16 pool)
+  bool dot;
+  int64_t Rb, Db;
+  void (*stage_dot)(const MlaCall&, const char* row, int64_t slot, uint16_t* dst, float* scale);
 
   // The key limit [0, hi) of new token t of sequence b.
   int64_t key_end(int64_t b, int64_t t) const {
@@ -75,6 +80,67 @@ void stage_row(const MlaCall& c, const char* row, int64_t slot, float* dst) {
   std::fill(dst + c.rank, dst + c.Rp, 0.0f);
   std::fill(dst + c.Rp + c.rope, dst + c.Dp, 0.0f);
 }
+
+#if defined(__AVX512BF16__)
+// Scores as bf16 dot products (vdpbf16ps: 32 exact products per instruction, summed in fp32): bf16
+// queries over a bf16 pool, or over FP8 latents of one scale per token or a static one, whose codes
+// are exact in bf16 and whose scale multiplies the latent's part of each score. Half the multiply-adds
+// of the fp32 tiles for Q K^T; P V stays fp32 on the fp32 block.
+constexpr int64_t DOT = 2 * W;  // bf16 values per vector
+
+template <int KIND>
+void stage_dot(const MlaCall& c, const char* row, int64_t slot, uint16_t* dst, float* scale) {
+  const uint16_t* rope;
+  if constexpr (is_fp8<KIND>()) {
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(row);
+    fp8_to_bf16<fp8_format<KIND>()>(codes, c.rank, dst);  // (rank a multiple of DOT)
+    *scale = c.in->scale_groups ? c.in->scales[slot] : c.in->scales[0];
+    rope = reinterpret_cast<const uint16_t*>(codes + c.rank);
+  } else {
+    std::memcpy(dst, row, c.rank * 2);
+    *scale = 1.0f;
+    rope = reinterpret_cast<const uint16_t*>(row) + c.rank;
+  }
+  std::fill(dst + c.rank, dst + c.Rb, uint16_t{0});
+  std::memcpy(dst + c.Rb, rope, c.rope * 2);
+  std::fill(dst + c.Rb + c.rope, dst + c.Db, uint16_t{0});
+}
+
+// S[r][n] = scale * (ks[n] * Q[r][0, Rb) . K[n][0, Rb) + Q[r][Rb, Db) . K[n][Rb, Db)) for R rows and N
+// keys of bf16 values (rows Db apart; ks null: 1).
+template <int R, int N>
+inline void mla_scores_dot(const uint16_t* Q, const uint16_t* K, int64_t Rb, int64_t Db, const float* ks, float scale,
+                           float* S) {
+  __m512 acc[R * N];
+  UNROLLED for (int i = 0; i < R * N; ++i) acc[i] = _mm512_setzero_ps();
+  auto span = [&](int64_t d0, int64_t d1) {
+    for (int64_t d = d0; d < d1; d += DOT) {
+      __m512bh k[N];
+      UNROLLED for (int n = 0; n < N; ++n) k[n] = (__m512bh)_mm512_loadu_si512(K + n * Db + d);
+      UNROLLED for (int r = 0; r < R; ++r) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(Q + r * Db + d);
+        UNROLLED for (int n = 0; n < N; ++n) acc[r * N + n] = _mm512_dpbf16_ps(acc[r * N + n], q, k[n]);
+      }
+    }
+  };
+  span(0, Rb);
+  if (ks != nullptr) {
+    UNROLLED for (int r = 0; r < R; ++r) {
+      UNROLLED for (int n = 0; n < N; ++n) acc[r * N + n] = _mm512_mul_ps(acc[r * N + n], _mm512_set1_ps(ks[n]));
+    }
+  }
+  span(Rb, Db);
+  if constexpr (R * N % 8 == 0) {
+    for (int i = 0; i < R * N; i += 8) {
+      float sums[8];
+      hsum8(reinterpret_cast<const vf*>(acc + i), sums);
+      for (int j = 0; j < 8; ++j) S[(i + j) / N * MLA_LDS + (i + j) % N] = sums[j] * scale;
+    }
+  } else {
+    for (int i = 0; i < R * N; ++i) S[i / N * MLA_LDS + i % N] = _mm512_reduce_add_ps(acc[i]) * scale;
+  }
+}
+#endif
 
 // S[r][n] = Q[r] . K[n] for R rows and N keys (rows Dp floats apart), accumulated along the row.
 template <int R, int N>
@@ -132,8 +198,9 @@ void mla_values_rows(int64_t rows, const float* S, const float* V, int64_t Dp, i
 }
 
 struct MlaScratch {
-  Floats q, o, s, k, m, l;
+  Floats q, o, s, k, m, l, ks;
   std::vector<int64_t> hi, positions;
+  std::vector<uint16_t, LineAligned<uint16_t>> qb, kb;  // mla_dot: the queries and keys as bf16 values
 };
 thread_local MlaScratch tls_mla;
 
@@ -150,6 +217,11 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
   sc.m.resize(rows);
   sc.l.resize(rows);
   sc.hi.resize(rows);
+  if (c.dot) {
+    if (static_cast<int64_t>(sc.qb.size()) < rows * c.Db) sc.qb.resize(rows * c.Db);
+    if (static_cast<int64_t>(sc.kb.size()) < MLA_KEYS * c.Db) sc.kb.resize(MLA_KEYS * c.Db);
+    sc.ks.resize(MLA_KEYS);
+  }
   float *Q = sc.q.data(), *O = sc.o.data(), *S = sc.s.data(), *K = sc.k.data(), *M = sc.m.data(), *L = sc.l.data();
   const int64_t row0 = a.offsets[it.b] + it.t0;  // the item's first query row
   for (int64_t r = 0; r < rows; ++r) {
@@ -157,7 +229,15 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
     float* q = Q + r * Dp;
     const int64_t at = q_row * a.q_nope_stride_row + head * a.q_nope_stride_head;
     const int64_t at_rope = q_row * a.q_rope_stride_row + head * a.q_rope_stride_head;
-    switch (a.dtype) {
+    if (c.dot) {  // the bf16 values as they are (unscaled), zero padded
+      uint16_t* qb = sc.qb.data() + r * c.Db;
+      std::memcpy(qb, static_cast<const uint16_t*>(a.q_nope) + at, c.rank * 2);
+      std::fill(qb + c.rank, qb + c.Rb, uint16_t{0});
+      std::memcpy(qb + c.Rb, static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope * 2);
+      std::fill(qb + c.Rb + c.rope, qb + c.Db, uint16_t{0});
+    }
+    switch (c.dot ? -1 : a.dtype) {
+      case -1: break;
       case F32:
         widen<F32>(static_cast<const float*>(a.q_nope) + at, c.rank, q);
         widen<F32>(static_cast<const float*>(a.q_rope) + at_rope, c.rope, q + Rp);
@@ -171,9 +251,11 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
         widen<F16>(static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope, q + Rp);
         break;
     }
-    std::fill(q + c.rank, q + Rp, 0.0f);
-    std::fill(q + Rp + c.rope, q + Dp, 0.0f);
-    for (int64_t d = 0; d < Dp; d += W) store_f32(q + d, load_f32(q + d) * splat(c.scale));
+    if (!c.dot) {
+      std::fill(q + c.rank, q + Rp, 0.0f);
+      std::fill(q + Rp + c.rope, q + Dp, 0.0f);
+      for (int64_t d = 0; d < Dp; d += W) store_f32(q + d, load_f32(q + d) * splat(c.scale));
+    }
     std::fill(O + r * Rp, O + (r + 1) * Rp, 0.0f);
     M[r] = -std::numeric_limits<float>::infinity();
     L[r] = 0.0f;
@@ -199,11 +281,34 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
     const int n_pad = static_cast<int>(round_up(n, MLA_SCORE_KEYS));
     for (int j = 0; j < n; ++j) {
       const int64_t slot = c.slot(it.b, sparse ? positions[j0 + j] : it.k0 + j0 + j);
-      c.stage(c, base + slot * c.width * c.itemsize, slot, K + j * Dp);
+      const char* row = base + slot * c.width * c.itemsize;
+      c.stage(c, row, slot, K + j * Dp);
+      if (c.dot) c.stage_dot(c, row, slot, sc.kb.data() + j * c.Db, sc.ks.data() + j);
     }
     std::fill(K + n * Dp, K + n_pad * Dp, 0.0f);
+    if (c.dot) {
+      std::fill(sc.kb.data() + n * c.Db, sc.kb.data() + n_pad * c.Db, uint16_t{0});
+      std::fill(sc.ks.data() + n, sc.ks.data() + n_pad, 0.0f);
+    }
     // scores
-    for (int64_t r = 0; r < rows; r += 4) {
+#if defined(__AVX512BF16__)
+    for (int64_t r = 0; c.dot && r < rows; r += 4) {
+      const int rt = static_cast<int>(std::min<int64_t>(4, rows - r));
+      for (int j = 0; j < n_pad; j += MLA_SCORE_KEYS) {
+        float* s = S + r * MLA_LDS + j;
+        const uint16_t* q = sc.qb.data() + r * c.Db;
+        const uint16_t* k = sc.kb.data() + j * c.Db;
+        const float* ks = a.fp8 ? sc.ks.data() + j : nullptr;
+        switch (rt) {
+          case 4: mla_scores_dot<4, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
+          case 3: mla_scores_dot<3, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
+          case 2: mla_scores_dot<2, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
+          default: mla_scores_dot<1, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
+        }
+      }
+    }
+#endif
+    for (int64_t r = 0; !c.dot && r < rows; r += 4) {
       const int rt = static_cast<int>(std::min<int64_t>(4, rows - r));
       for (int j = 0; j < n_pad; j += MLA_SCORE_KEYS) {
         float* s = S + r * MLA_LDS + j;
@@ -329,6 +434,22 @@ void run_mla_attention(const PkvMlaAttentionArgs& a) {
   c.gran = a.scale_groups ? a.rank / a.scale_groups : a.rank;
   c.scale = static_cast<float>(a.scale);
   c.stage = nullptr;
+  c.dot = false;
+  c.Rb = round_up(a.rank, 2 * W);
+  c.Db = c.Rb + round_up(a.rope_dim, 2 * W);
+  c.stage_dot = nullptr;
+#if defined(__AVX512BF16__)
+  if (a.dtype == BF16 && !a.fp8) {
+    c.dot = true;
+    c.stage_dot = stage_dot<BF16>;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)  // (fp8_to_bf16's byte tables)
+  if (a.dtype == BF16 && a.fp8 && a.scale_groups <= 1 && a.rank % DOT == 0) {
+    c.dot = true;
+    c.stage_dot = a.fp8 == E4M3FN ? stage_dot<FP8_E4M3FN> : stage_dot<FP8_E5M2>;
+  }
+#endif
   const int64_t H = a.q_heads;
   const bool sparse = a.key_positions != nullptr;
   // Items of about MLA_ROWS rows: every head of a few tokens, or (many heads) blocks of heads of one token.
