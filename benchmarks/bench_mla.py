@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Callable
 
 import torch
 from harness import check_close, forced_backend, median_us, report, round_robin_ms
@@ -109,11 +110,15 @@ def accuracy_rows(tokens: int, heads: int, device: torch.device) -> list[dict]:
     return rows
 
 
-def matmul_gflops(repeats: int = 10) -> float:
-    """fp32 GFLOP/s of a 2048^3 matmul on this CPU at torch's thread count: the FMA rate a
-    compute-bound kernel is judged against."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / median_us(lambda: torch.mm(a, b), "cpu", repeats) / 1e3
+MATMUL = (1024, 1024, 512)  # m, k, n of the fp32 matmul timed beside each case on CPU
+
+
+def _matmul_call() -> tuple[Callable[[], object], float]:
+    """An fp32 matmul (MKL/oneDNN: near this CPU's FMA peak at torch's thread count) and its flops: the
+    rate a compute-bound kernel is judged against, timed in the same rounds as the kernels."""
+    m, k, n = MATMUL
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return lambda: torch.mm(a, b), 2.0 * m * k * n
 
 
 def _decode_cache(dtype, batch: int, context: int, latent, rope, gen: torch.Generator, device: torch.device):
@@ -145,10 +150,14 @@ def decode_rows(
         cases.append((f"bf16, sparse top {sparse[1]} of {sparse[0]}", torch.bfloat16, sparse[0], sparse[1]))
     q_nope = torch.randn(batch, heads, RANK, generator=gen).bfloat16().to(device)
     q_rope = torch.randn(batch, heads, ROPE, generator=gen).bfloat16().to(device)
-    rows, outputs = [], {}
+    rows, outputs, contents = [], {}, {}
     for name, dtype, keys, top_k in cases:
-        latent = torch.randn(batch * keys, RANK, generator=gen).bfloat16().to(device)
-        rope = torch.randn(batch * keys, ROPE, generator=gen).bfloat16().to(device)
+        if keys not in contents:  # (the same rows in each layout of a context)
+            contents[keys] = (
+                torch.randn(batch * keys, RANK, generator=gen).bfloat16().to(device),
+                torch.randn(batch * keys, ROPE, generator=gen).bfloat16().to(device),
+            )
+        latent, rope = contents[keys]
         params, c, plan = _decode_cache(dtype, batch, keys, latent, rope, gen, device)
         positions = None
         if top_k is not None:
@@ -168,17 +177,22 @@ def decode_rows(
                     plan.mla_attention(q_nope, q_rope, 0, 192**-0.5, key_positions=positions)
 
             calls[backend] = call
+        matmul_rate = None
         if device.type == "cpu":
+            calls["matmul"], matmul_flops = _matmul_call()
             ms = {b: statistics.median(t) for b, t in round_robin_ms(calls, repeats=15).items()}
+            matmul_rate = matmul_flops / ms.pop("matmul") / 1e6
         else:
             ms = {b: median_us(fn, device) / 1e3 for b, fn in calls.items()}
         row_bytes = params.head_dim * c.blocks.element_size() + 4 * params.scales_per_head
         nbytes = batch * read * row_bytes + 2 * q_nope.numel() * 2 + q_rope.numel() * 2
         flops = batch * read * heads * 2 * (2 * RANK + ROPE)
         for backend in backends:
+            rate = flops / ms[backend] / 1e6
             rows.append(dict(cache=name, heads=heads, backend=backend, ms=ms[backend], MB_read=nbytes / 1e6,
-                             GFLOP=flops / 1e9, GFLOP_per_s=flops / ms[backend] / 1e6,
-                             vs_reference=ms["reference"] / ms[backend] if "reference" in ms else None))  # fmt: skip
+                             GFLOP=flops / 1e9, GFLOP_per_s=rate,
+                             vs_reference=ms["reference"] / ms[backend] if "reference" in ms else None,
+                             of_matmul_rate=rate / matmul_rate if matmul_rate else None))  # fmt: skip
     last = backends[-1]
     bf16 = outputs["bf16", last].double()
     rows[2 * len(backends) - 1]["max_abs_err_vs_bf16"] = (
@@ -224,10 +238,6 @@ def main() -> None:
         ]
         setup = dict(batch=args.batch, context=args.context, page_size=64, kv_lora_rank=RANK, rope_dim=ROPE,
                      threads=torch.get_num_threads())  # fmt: skip
-        if device.type == "cpu":
-            setup["matmul_GFLOP_per_s"] = matmul_gflops()
-            for row in rows:
-                row["of_matmul_rate"] = row["GFLOP_per_s"] / setup["matmul_GFLOP_per_s"]
         print(report("mla_decode", rows, setup))
 
 
