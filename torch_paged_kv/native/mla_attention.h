@@ -37,7 +37,7 @@ struct MlaItem {
 
 struct MlaCall {  // one call's arguments, as the items read them
   const PkvMlaAttentionArgs* in;
-  int64_t rank, rope, Rp, Dp;  // row widths: latent, rope, both padded to W (Dp = Rp + rope padded)
+  int64_t rank, rope, Rp, Dp;  // row widths: latent, rope, the latent padded to whole P V tiles, Rp + rope padded to W
   int64_t width, itemsize;     // of a pool row, in elements of blocks
   int64_t gran;                // FP8: latent elements per scale
   float scale;
@@ -109,7 +109,7 @@ void stage_dot(const MlaCall& c, const char* row, int64_t slot, uint16_t* dst, f
 // S[r][n] = scale * (ks[n] * Q[r][0, Rb) . K[n][0, Rb) + Q[r][Rb, Db) . K[n][Rb, Db)) for R rows and N
 // keys of bf16 values (rows Db apart; ks null: 1).
 template <int R, int N>
-inline void mla_scores_dot(const uint16_t* Q, const uint16_t* K, int64_t Rb, int64_t Db, const float* ks, float scale,
+__attribute__((noinline)) void mla_scores_dot(const uint16_t* Q, const uint16_t* K, int64_t Rb, int64_t Db, const float* ks, float scale,
                            float* S) {
   __m512 acc[R * N];
   UNROLLED for (int i = 0; i < R * N; ++i) acc[i] = _mm512_setzero_ps();
@@ -144,7 +144,7 @@ inline void mla_scores_dot(const uint16_t* Q, const uint16_t* K, int64_t Rb, int
 
 // S[r][n] = Q[r] . K[n] for R rows and N keys (rows Dp floats apart), accumulated along the row.
 template <int R, int N>
-inline void mla_scores(const float* Q, const float* K, int64_t Dp, float* S) {
+__attribute__((noinline)) void mla_scores(const float* Q, const float* K, int64_t Dp, float* S) {
   vf acc[R * N] = {};
   for (int64_t d = 0; d < Dp; d += W) {
     vf k[N];
@@ -167,7 +167,7 @@ inline void mla_scores(const float* Q, const float* K, int64_t Dp, float* S) {
 
 // O[r][0, C W) += sum over keys j < n of P[r][j] V[j][0, C W), for R rows (O rows ldO apart, V rows Dp).
 template <int R, int C>
-inline void mla_values(const float* P, const float* V, int64_t Dp, int n, float* O, int64_t ldO) {
+__attribute__((noinline)) void mla_values(const float* P, const float* V, int64_t Dp, int n, float* O, int64_t ldO) {
   vf acc[R * C];
   UNROLLED for (int r = 0; r < R; ++r) {
     UNROLLED for (int c = 0; c < C; ++c) acc[r * C + c] = load_f32(O + r * ldO + c * W);
@@ -185,8 +185,9 @@ inline void mla_values(const float* P, const float* V, int64_t Dp, int n, float*
   }
 }
 
-template <int C>
-void mla_values_rows(int64_t rows, const float* S, const float* V, int64_t Dp, int n, float* O, int64_t ldO) {
+// mla_values over every row of an item, MLA_VALUE_VECS latent vectors at a time.
+inline void mla_values_rows(int64_t rows, const float* S, const float* V, int64_t Dp, int n, float* O, int64_t ldO) {
+  constexpr int C = MLA_VALUE_VECS;
   int64_t r = 0;
   for (; r + 4 <= rows; r += 4) mla_values<4, C>(S + r * MLA_LDS, V, Dp, n, O + r * ldO, ldO);
   switch (rows - r) {
@@ -352,11 +353,7 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
       }
     }
     // O += P V, the value being each key's latent
-    int64_t d = 0;
-    for (; d + MLA_VALUE_VECS * W <= Rp; d += MLA_VALUE_VECS * W) {
-      mla_values_rows<MLA_VALUE_VECS>(rows, S, K + d, Dp, n, O + d, Rp);
-    }
-    for (; d < Rp; d += W) mla_values_rows<1>(rows, S, K + d, Dp, n, O + d, Rp);
+    for (int64_t d = 0; d < Rp; d += MLA_VALUE_VECS * W) mla_values_rows(rows, S, K + d, Dp, n, O + d, Rp);
   }
   if (it.part >= 0) {  // a split: the unnormalised rows, their max and sum
     float* dst = partials + it.part * part_stride;
@@ -427,7 +424,7 @@ void run_mla_attention(const PkvMlaAttentionArgs& a) {
   c.in = &a;
   c.rank = a.rank;
   c.rope = a.rope_dim;
-  c.Rp = round_up(a.rank, W);
+  c.Rp = round_up(a.rank, MLA_VALUE_VECS * W);  // (whole P V tiles)
   c.Dp = c.Rp + round_up(a.rope_dim, W);
   c.width = a.head_dim;
   c.itemsize = a.fp8 ? 1 : a.dtype == F32 ? 4 : 2;  // (a plain pool has the queries' dtype)

@@ -12,7 +12,7 @@ namespace {
 // Rows of an FP8 pool: the latent quantized by the reference's rule bit for bit (quantize_row:
 // `scale_groups` scales per token, or the static scale), then the rope's bf16 bytes as they are.
 template <int SRC, int FORMAT>
-void store_latent_fp8(const PkvStoreLatentArgs& a, int64_t row, int64_t slot, uint8_t* dst) {
+__attribute__((noinline)) void store_latent_fp8(const PkvStoreLatentArgs& a, int64_t row, int64_t slot, uint8_t* dst) {
   thread_local std::vector<float> x;
   x.resize(a.rank);
   widen<SRC>(static_cast<const typename Storage<SRC>::T*>(a.latent) + row * a.latent_stride_row, a.rank, x.data());
