@@ -1,5 +1,5 @@
 // The `cpu` backend's kernels: paged attention that reads K/V in place from the pages, store_kv,
-// gather_kv and copy_pages.
+// gather_kv and copy_pages, and the MLA latent ops store_latent and mla_attention (mla_*.h).
 //
 // Built on first use by build.py with the system C++ compiler (-O3 -march=native, OpenMP when the
 // compiler has it) into a shared library cached on disk, and called through ctypes: no torch
