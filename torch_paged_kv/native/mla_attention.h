@@ -234,22 +234,22 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
       uint16_t* qb = sc.qb.data() + r * c.Db;
       std::memcpy(qb, static_cast<const uint16_t*>(a.q_nope) + at, c.rank * 2);
       std::fill(qb + c.rank, qb + c.Rb, uint16_t{0});
-      std::memcpy(qb + c.Rb, static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope * 2);
+      if (c.rope) std::memcpy(qb + c.Rb, static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope * 2);
       std::fill(qb + c.Rb + c.rope, qb + c.Db, uint16_t{0});
     }
     switch (c.dot ? -1 : a.dtype) {
       case -1: break;
       case F32:
         widen<F32>(static_cast<const float*>(a.q_nope) + at, c.rank, q);
-        widen<F32>(static_cast<const float*>(a.q_rope) + at_rope, c.rope, q + Rp);
+        if (c.rope) widen<F32>(static_cast<const float*>(a.q_rope) + at_rope, c.rope, q + Rp);
         break;
       case BF16:
         widen<BF16>(static_cast<const uint16_t*>(a.q_nope) + at, c.rank, q);
-        widen<BF16>(static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope, q + Rp);
+        if (c.rope) widen<BF16>(static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope, q + Rp);
         break;
       default:
         widen<F16>(static_cast<const uint16_t*>(a.q_nope) + at, c.rank, q);
-        widen<F16>(static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope, q + Rp);
+        if (c.rope) widen<F16>(static_cast<const uint16_t*>(a.q_rope) + at_rope, c.rope, q + Rp);
         break;
     }
     if (!c.dot) {
@@ -293,14 +293,14 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
     }
     // scores
 #if defined(__AVX512BF16__)
-    for (int64_t r = 0; c.dot && r < rows; r += 4) {
-      const int rt = static_cast<int>(std::min<int64_t>(4, rows - r));
-      for (int j = 0; j < n_pad; j += MLA_SCORE_KEYS) {
+    // (keys outer: a tile's keys stay in L1 while every row group reads them)
+    for (int j = 0; c.dot && j < n_pad; j += MLA_SCORE_KEYS) {
+      const uint16_t* k = sc.kb.data() + j * c.Db;
+      const float* ks = a.fp8 ? sc.ks.data() + j : nullptr;
+      for (int64_t r = 0; r < rows; r += 4) {
         float* s = S + r * MLA_LDS + j;
         const uint16_t* q = sc.qb.data() + r * c.Db;
-        const uint16_t* k = sc.kb.data() + j * c.Db;
-        const float* ks = a.fp8 ? sc.ks.data() + j : nullptr;
-        switch (rt) {
+        switch (std::min<int64_t>(4, rows - r)) {
           case 4: mla_scores_dot<4, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
           case 3: mla_scores_dot<3, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
           case 2: mla_scores_dot<2, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
@@ -309,12 +309,11 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
       }
     }
 #endif
-    for (int64_t r = 0; !c.dot && r < rows; r += 4) {
-      const int rt = static_cast<int>(std::min<int64_t>(4, rows - r));
-      for (int j = 0; j < n_pad; j += MLA_SCORE_KEYS) {
+    for (int j = 0; !c.dot && j < n_pad; j += MLA_SCORE_KEYS) {
+      for (int64_t r = 0; r < rows; r += 4) {
         float* s = S + r * MLA_LDS + j;
         const float* q = Q + r * Dp;
-        switch (rt) {
+        switch (std::min<int64_t>(4, rows - r)) {
           case 4: mla_scores<4, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
           case 3: mla_scores<3, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
           case 2: mla_scores<2, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
