@@ -130,14 +130,11 @@ __attribute__((noinline)) void mla_scores_dot(const uint16_t* Q, const uint16_t*
     }
   }
   span(Rb, Db);
-  if constexpr (R * N % 8 == 0) {
-    for (int i = 0; i < R * N; i += 8) {
-      float sums[8];
-      hsum8(reinterpret_cast<const vf*>(acc + i), sums);
-      for (int j = 0; j < 8; ++j) S[(i + j) / N * MLA_LDS + (i + j) % N] = sums[j] * scale;
-    }
-  } else {
-    for (int i = 0; i < R * N; ++i) S[i / N * MLA_LDS + i % N] = _mm512_reduce_add_ps(acc[i]) * scale;
+  static_assert(R * N % 8 == 0, "the sums go 8 at a time");
+  for (int i = 0; i < R * N; i += 8) {
+    float sums[8];
+    hsum8(reinterpret_cast<const vf*>(acc + i), sums);
+    for (int j = 0; j < 8; ++j) S[(i + j) / N * MLA_LDS + (i + j) % N] = sums[j] * scale;
   }
 }
 #endif
@@ -154,14 +151,11 @@ __attribute__((noinline)) void mla_scores(const float* Q, const float* K, int64_
       UNROLLED for (int n = 0; n < N; ++n) acc[r * N + n] += q * k[n];
     }
   }
-  if constexpr (R * N % 8 == 0) {
-    for (int i = 0; i < R * N; i += 8) {
-      float sums[8];
-      hsum8(acc + i, sums);
-      for (int j = 0; j < 8; ++j) S[(i + j) / N * MLA_LDS + (i + j) % N] = sums[j];
-    }
-  } else {
-    for (int i = 0; i < R * N; ++i) S[i / N * MLA_LDS + i % N] = hsum(acc[i]);
+  static_assert(R * N % 8 == 0, "the sums go 8 at a time");
+  for (int i = 0; i < R * N; i += 8) {
+    float sums[8];
+    hsum8(acc + i, sums);
+    for (int j = 0; j < 8; ++j) S[(i + j) / N * MLA_LDS + (i + j) % N] = sums[j];
   }
 }
 
@@ -185,17 +179,9 @@ __attribute__((noinline)) void mla_values(const float* P, const float* V, int64_
   }
 }
 
-// mla_values over every row of an item, MLA_VALUE_VECS latent vectors at a time.
+// mla_values over an item's rows (a multiple of 4), MLA_VALUE_VECS latent vectors at a time.
 inline void mla_values_rows(int64_t rows, const float* S, const float* V, int64_t Dp, int n, float* O, int64_t ldO) {
-  constexpr int C = MLA_VALUE_VECS;
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) mla_values<4, C>(S + r * MLA_LDS, V, Dp, n, O + r * ldO, ldO);
-  switch (rows - r) {
-    case 3: mla_values<3, C>(S + r * MLA_LDS, V, Dp, n, O + r * ldO, ldO); break;
-    case 2: mla_values<2, C>(S + r * MLA_LDS, V, Dp, n, O + r * ldO, ldO); break;
-    case 1: mla_values<1, C>(S + r * MLA_LDS, V, Dp, n, O + r * ldO, ldO); break;
-    default: break;
-  }
+  for (int64_t r = 0; r < rows; r += 4) mla_values<4, MLA_VALUE_VECS>(S + r * MLA_LDS, V, Dp, n, O + r * ldO, ldO);
 }
 
 struct MlaScratch {
@@ -210,20 +196,24 @@ thread_local MlaScratch tls_mla;
 void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part_stride) {
   const PkvMlaAttentionArgs& a = *c.in;
   const int64_t rows = static_cast<int64_t>(it.nt) * it.nh, Dp = c.Dp, Rp = c.Rp;
+  const int64_t tiled = round_up(rows, 4);  // the tiles' rows: the queries of rows past `rows` are zeros
   MlaScratch& sc = tls_mla;
-  if (static_cast<int64_t>(sc.q.size()) < rows * Dp) sc.q.resize(rows * Dp);
-  if (static_cast<int64_t>(sc.o.size()) < rows * Rp) sc.o.resize(rows * Rp);
-  if (static_cast<int64_t>(sc.s.size()) < rows * MLA_LDS) sc.s.resize(rows * MLA_LDS);
+  if (static_cast<int64_t>(sc.q.size()) < tiled * Dp) sc.q.resize(tiled * Dp);
+  if (static_cast<int64_t>(sc.o.size()) < tiled * Rp) sc.o.resize(tiled * Rp);
+  if (static_cast<int64_t>(sc.s.size()) < tiled * MLA_LDS) sc.s.resize(tiled * MLA_LDS);
   if (static_cast<int64_t>(sc.k.size()) < MLA_KEYS * Dp) sc.k.resize(MLA_KEYS * Dp);
   sc.m.resize(rows);
   sc.l.resize(rows);
   sc.hi.resize(rows);
   if (c.dot) {
-    if (static_cast<int64_t>(sc.qb.size()) < rows * c.Db) sc.qb.resize(rows * c.Db);
+    if (static_cast<int64_t>(sc.qb.size()) < tiled * c.Db) sc.qb.resize(tiled * c.Db);
+    std::fill(sc.qb.data() + rows * c.Db, sc.qb.data() + tiled * c.Db, uint16_t{0});
     if (static_cast<int64_t>(sc.kb.size()) < MLA_KEYS * c.Db) sc.kb.resize(MLA_KEYS * c.Db);
     sc.ks.resize(MLA_KEYS);
   }
   float *Q = sc.q.data(), *O = sc.o.data(), *S = sc.s.data(), *K = sc.k.data(), *M = sc.m.data(), *L = sc.l.data();
+  std::fill(Q + rows * Dp, Q + tiled * Dp, 0.0f);
+  std::fill(O + rows * Rp, O + tiled * Rp, 0.0f);
   const int64_t row0 = a.offsets[it.b] + it.t0;  // the item's first query row
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t q_row = row0 + r / it.nh, head = it.h0 + r % it.nh;
@@ -297,29 +287,13 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
     for (int j = 0; c.dot && j < n_pad; j += MLA_SCORE_KEYS) {
       const uint16_t* k = sc.kb.data() + j * c.Db;
       const float* ks = a.fp8 ? sc.ks.data() + j : nullptr;
-      for (int64_t r = 0; r < rows; r += 4) {
-        float* s = S + r * MLA_LDS + j;
-        const uint16_t* q = sc.qb.data() + r * c.Db;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 4: mla_scores_dot<4, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
-          case 3: mla_scores_dot<3, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
-          case 2: mla_scores_dot<2, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
-          default: mla_scores_dot<1, MLA_SCORE_KEYS>(q, k, c.Rb, c.Db, ks, c.scale, s); break;
-        }
+      for (int64_t r = 0; r < tiled; r += 4) {
+        mla_scores_dot<4, MLA_SCORE_KEYS>(sc.qb.data() + r * c.Db, k, c.Rb, c.Db, ks, c.scale, S + r * MLA_LDS + j);
       }
     }
 #endif
     for (int j = 0; !c.dot && j < n_pad; j += MLA_SCORE_KEYS) {
-      for (int64_t r = 0; r < rows; r += 4) {
-        float* s = S + r * MLA_LDS + j;
-        const float* q = Q + r * Dp;
-        switch (std::min<int64_t>(4, rows - r)) {
-          case 4: mla_scores<4, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
-          case 3: mla_scores<3, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
-          case 2: mla_scores<2, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
-          default: mla_scores<1, MLA_SCORE_KEYS>(q, K + j * Dp, Dp, s); break;
-        }
-      }
+      for (int64_t r = 0; r < tiled; r += 4) mla_scores<4, MLA_SCORE_KEYS>(Q + r * Dp, K + j * Dp, Dp, S + r * MLA_LDS + j);
     }
     // mask, online softmax
     const int nv = static_cast<int>(round_up(n, W));
@@ -352,7 +326,7 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
       }
     }
     // O += P V, the value being each key's latent
-    for (int64_t d = 0; d < Rp; d += MLA_VALUE_VECS * W) mla_values_rows(rows, S, K + d, Dp, n, O + d, Rp);
+    for (int64_t d = 0; d < Rp; d += MLA_VALUE_VECS * W) mla_values_rows(tiled, S, K + d, Dp, n, O + d, Rp);
   }
   if (it.part >= 0) {  // a split: the unnormalised rows, their max and sum
     float* dst = partials + it.part * part_stride;
