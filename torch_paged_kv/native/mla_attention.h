@@ -8,9 +8,11 @@
 // block of MLA_KEYS keys the rows are converted once to fp32 (FP8 latent: code value times its
 // scale, the reference's product; rope from bf16) into a staged block, then scores = Q K^T (rows x
 // keys tiles accumulated along the row, fp32), mask, online softmax, O += P V (rows x latent-column
-// tiles): small GEMMs whose M is the item's rows. Key ranges are split over items when there are
-// too few items for the threads (decode), each part's unnormalised rows merged by the thread that
-// finishes a task's last part (as flash_attention does).
+// tiles): small GEMMs whose M is the item's rows (padded to whole 4-row tiles). With AVX512-BF16,
+// bf16 queries over bf16 rows or FP8 latents of one scale per token take the scores as bf16 dot
+// products instead (mla_scores_dot: the rows also staged as bf16 values). Key ranges are split over
+// items when there are too few items for the threads (decode), each part's unnormalised rows merged
+// by the thread that finishes a task's last part (as flash_attention does).
 #pragma once
 
 #include <algorithm>
@@ -43,7 +45,7 @@ struct MlaCall {  // one call's arguments, as the items read them
   float scale;
   // a pool row (its element offset slot * width) as fp32 into dst[0, Dp): latent, zeros to Rp, rope, zeros
   void (*stage)(const MlaCall&, const char* row, int64_t slot, float* dst);
-  // bf16 dot-product scores (mla_dot): rows of Db bf16 values, the latent's padded to Rb; a pool row as
+  // bf16 dot-product scores (mla_scores_dot): rows of Db bf16 values, the latent's padded to Rb; a pool row as
   // such values (FP8: the codes', exact) into dst, and *scale the latent's scale (1 for a bf16 pool)
   bool dot;
   int64_t Rb, Db;
@@ -109,8 +111,8 @@ void stage_dot(const MlaCall& c, const char* row, int64_t slot, uint16_t* dst, f
 // S[r][n] = scale * (ks[n] * Q[r][0, Rb) . K[n][0, Rb) + Q[r][Rb, Db) . K[n][Rb, Db)) for R rows and N
 // keys of bf16 values (rows Db apart; ks null: 1).
 template <int R, int N>
-__attribute__((noinline)) void mla_scores_dot(const uint16_t* Q, const uint16_t* K, int64_t Rb, int64_t Db, const float* ks, float scale,
-                           float* S) {
+__attribute__((noinline)) void mla_scores_dot(const uint16_t* Q, const uint16_t* K, int64_t Rb, int64_t Db,
+                                               const float* ks, float scale, float* S) {
   __m512 acc[R * N];
   UNROLLED for (int i = 0; i < R * N; ++i) acc[i] = _mm512_setzero_ps();
   auto span = [&](int64_t d0, int64_t d1) {
@@ -293,7 +295,9 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
     }
 #endif
     for (int j = 0; !c.dot && j < n_pad; j += MLA_SCORE_KEYS) {
-      for (int64_t r = 0; r < tiled; r += 4) mla_scores<4, MLA_SCORE_KEYS>(Q + r * Dp, K + j * Dp, Dp, S + r * MLA_LDS + j);
+      for (int64_t r = 0; r < tiled; r += 4) {
+        mla_scores<4, MLA_SCORE_KEYS>(Q + r * Dp, K + j * Dp, Dp, S + r * MLA_LDS + j);
+      }
     }
     // mask, online softmax
     const int nv = static_cast<int>(round_up(n, W));
@@ -367,7 +371,9 @@ void mla_merge(const MlaCall& c, const MlaItem& span, int64_t first, int64_t par
       if (ls == 0.0f) continue;
       const float w = std::exp(src[rows * Rp + r] - m);
       l += ls * w;
-      for (int64_t d = 0; d < Rp; d += W) store_f32(acc.data() + d, load_f32(acc.data() + d) + load_f32(src + r * Rp + d) * splat(w));
+      for (int64_t d = 0; d < Rp; d += W) {
+        store_f32(acc.data() + d, load_f32(acc.data() + d) + load_f32(src + r * Rp + d) * splat(w));
+      }
     }
     const int64_t head = span.h0 + r % span.nh;
     if (a.sinks != nullptr) l += std::exp(a.sinks[head] - m);
@@ -452,7 +458,9 @@ void run_mla_attention(const PkvMlaAttentionArgs& a) {
   for (const MlaItem& sp : spans) {
     const int64_t keys = sp.k1 - sp.k0;
     int64_t splits = 1;
-    if (n_spans < want && keys >= 2 * min_split) splits = std::min<int64_t>((want + n_spans - 1) / n_spans, keys / min_split);
+    if (n_spans < want && keys >= 2 * min_split) {
+      splits = std::min<int64_t>((want + n_spans - 1) / n_spans, keys / min_split);
+    }
     if (splits <= 1) {
       items.push_back(sp);
       continue;

@@ -19,7 +19,9 @@ __attribute__((noinline)) void store_latent_fp8(const PkvStoreLatentArgs& a, int
   const int64_t groups = a.scale_groups;
   quantize_row<FORMAT>(x.data(), a.rank, groups ? a.rank / groups : a.rank, groups, groups ? 0.0f : a.scales[0],
                        groups ? a.scales + slot * groups : nullptr, dst);
-  if (a.rope_dim) std::memcpy(dst + a.rank, static_cast<const uint16_t*>(a.rope) + row * a.rope_stride_row, a.rope_dim * 2);
+  if (a.rope_dim) {  // (an empty rope tensor may have no data pointer)
+    std::memcpy(dst + a.rank, static_cast<const uint16_t*>(a.rope) + row * a.rope_stride_row, a.rope_dim * 2);
+  }
 }
 
 // Every new row into its slot (position cache_lengths[b] + t of its sequence); rows whose page is
