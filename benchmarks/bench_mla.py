@@ -1,7 +1,8 @@
 """MLA latent caches: memory per token against an MHA cache of the same model, the accuracy of FP8
 rope-aware rows against a bf16 latent cache, and decode time and bytes moved per token.
 
-    PYTHONPATH=. python benchmarks/bench_mla.py [--device cpu] [--batch 4] [--context 2048] [--heads 16]
+    PYTHONPATH=. python benchmarks/bench_mla.py [--device cpu] [--batch 4] [--context 2048] [--heads 16,128]
+        [--backends reference,cpu] [--sparse 4096,256]
 
 Memory: bytes per token, all layers, of DeepSeek-V2 (60 layers, 128 heads, qk_nope 128, rope 64,
 v 128, kv_lora_rank 512) stored as decompressed per-head K and V (an MHA cache) or as one MLA row.
@@ -16,9 +17,11 @@ row, checked against each other; bytes = every cached row (and scale) once, plus
 from __future__ import annotations
 
 import argparse
+import statistics
+from collections.abc import Callable
 
 import torch
-from harness import check_close, median_us, report
+from harness import check_close, forced_backend, median_us, report, round_robin_ms
 
 import torch_paged_kv as pk
 from torch_paged_kv.ops import reference_mla
@@ -107,35 +110,94 @@ def accuracy_rows(tokens: int, heads: int, device: torch.device) -> list[dict]:
     return rows
 
 
-def decode_rows(device: torch.device, batch: int, context: int, heads: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(1)
+MATMUL = (1024, 1024, 512)  # m, k, n of the fp32 matmul timed beside each case on CPU
+
+
+def _matmul_call() -> tuple[Callable[[], object], float]:
+    """An fp32 matmul (MKL/oneDNN: near this CPU's FMA peak at torch's thread count) and its flops: the
+    rate a compute-bound kernel is judged against, timed in the same rounds as the kernels."""
+    m, k, n = MATMUL
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return lambda: torch.mm(a, b), 2.0 * m * k * n
+
+
+def _decode_cache(dtype, batch: int, context: int, latent, rope, gen: torch.Generator, device: torch.device):
+    """A one-layer MLA cache of page 64 holding `latent`/`rope` as `batch` sequences of `context`
+    rows on shuffled pages, and its decode-step plan (each sequence's last row the new one)."""
     pages = batch * (-(-context // 64))
     table = (torch.randperm(pages, generator=gen) + 1).view(batch, -1).int()
-    latent = torch.randn(batch * context, RANK, generator=gen).bfloat16().to(device)
-    rope = torch.randn(batch * context, ROPE, generator=gen).bfloat16().to(device)
+    params = pk.KVCacheParams.mla(dtype, 1, 64, RANK, ROPE)
+    c = pk.PagedKVCacheCollection(params, num_pages=pages, max_batch_size=batch, max_seq_len=context, device=device)
+    c.lookup_table[:, : pages // batch] = table
+    plan = pk.StepPlan.of(c, c.step_tensors(batch))
+    c.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32) * context)
+    plan.store_latent(latent, rope, 0)
+    c.cache_lengths.fill_(context - 1)
+    c.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32))
+    return params, c, plan
+
+
+def decode_rows(
+    device: torch.device, batch: int, context: int, heads: int, backends: list[str], sparse: tuple[int, int] | None
+) -> list[dict]:
+    """Decode rows of each cache layout (and, with `sparse` = (context, k), of bf16 sparse decode over
+    the top k listed of that many keys), each backend checked against the reference and timed in
+    turn with the others (CPU: `round_robin_ms`, interleaved, medians). flops: both products, each
+    query head against each key it reads (2 (rank + rope) + 2 rank per key and head)."""
+    gen = torch.Generator().manual_seed(1)
+    cases = [("bf16", torch.bfloat16, context, None), ("e4m3 per token, rope bf16", torch.float8_e4m3fn, context, None)]
+    if sparse is not None:
+        cases.append((f"bf16, sparse top {sparse[1]} of {sparse[0]}", torch.bfloat16, sparse[0], sparse[1]))
     q_nope = torch.randn(batch, heads, RANK, generator=gen).bfloat16().to(device)
     q_rope = torch.randn(batch, heads, ROPE, generator=gen).bfloat16().to(device)
-    rows, outputs = [], {}
-    for name, dtype in [("bf16", torch.bfloat16), ("e4m3 per token, rope bf16", torch.float8_e4m3fn)]:
-        params = pk.KVCacheParams.mla(dtype, 1, 64, RANK, ROPE)
-        c = pk.PagedKVCacheCollection(params, num_pages=pages, max_batch_size=batch, max_seq_len=context, device=device)
-        c.lookup_table[:, : pages // batch] = table
-        plan = pk.StepPlan.of(c, c.step_tensors(batch))
-        c.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32) * context)
-        plan.store_latent(latent, rope, 0)
-        c.cache_lengths.fill_(context - 1)
-        c.input_row_offsets.copy_(torch.arange(batch + 1, dtype=torch.int32))
-        outputs[name] = plan.mla_attention(q_nope, q_rope, 0, 192**-0.5)
-        args = (q_nope, q_rope, c.blocks, *c.step_tensors(batch), 0, 192**-0.5, True, c.scales)
-        check_close(outputs[name], reference_mla.mla_attention(*args), f"mla_attention on {name} rows")
-        us = median_us(lambda plan=plan: plan.mla_attention(q_nope, q_rope, 0, 192**-0.5), device)
+    rows, outputs, contents = [], {}, {}
+    for name, dtype, keys, top_k in cases:
+        if keys not in contents:  # (the same rows in each layout of a context)
+            contents[keys] = (
+                torch.randn(batch * keys, RANK, generator=gen).bfloat16().to(device),
+                torch.randn(batch * keys, ROPE, generator=gen).bfloat16().to(device),
+            )
+        latent, rope = contents[keys]
+        params, c, plan = _decode_cache(dtype, batch, keys, latent, rope, gen, device)
+        positions = None
+        if top_k is not None:
+            positions = torch.stack([torch.randperm(keys, generator=gen)[:top_k] for _ in range(batch)]).int()
+            positions = positions.to(device)
+        read = keys if top_k is None else top_k
+        args = (q_nope, q_rope, c.blocks, *c.step_tensors(batch), 0, 192**-0.5, True, c.scales, positions)
+        expected = reference_mla.mla_attention(*args)
+        calls = {}
+        for backend in backends:
+            with forced_backend(backend):
+                outputs[name, backend] = plan.mla_attention(q_nope, q_rope, 0, 192**-0.5, key_positions=positions)
+            check_close(outputs[name, backend], expected, f"{backend} mla_attention on {name} rows")
+
+            def call(backend=backend, plan=plan, positions=positions):
+                with forced_backend(backend):
+                    plan.mla_attention(q_nope, q_rope, 0, 192**-0.5, key_positions=positions)
+
+            calls[backend] = call
+        matmul_rate = None
+        if device.type == "cpu":
+            calls["matmul"], matmul_flops = _matmul_call()
+            ms = {b: statistics.median(t) for b, t in round_robin_ms(calls, repeats=15).items()}
+            matmul_rate = matmul_flops / ms.pop("matmul") / 1e6
+        else:
+            ms = {b: median_us(fn, device) / 1e3 for b, fn in calls.items()}
         row_bytes = params.head_dim * c.blocks.element_size() + 4 * params.scales_per_head
-        nbytes = batch * context * row_bytes + 2 * q_nope.numel() * 2 + q_rope.numel() * 2
-        rows.append(dict(cache=name, backend=pk.backend_info(device, params)["mla_attention"], heads=heads, us=us,
-                         bytes_per_token=row_bytes, MB_read=nbytes / 1e6, GB_per_s=nbytes / us / 1e3))  # fmt: skip
-    bf16 = outputs["bf16"].double()
-    rows[-1]["max_abs_err_vs_bf16"] = (outputs["e4m3 per token, rope bf16"].double() - bf16).abs().max().item()
-    rows[-1]["time_vs_bf16"] = rows[-1]["us"] / rows[0]["us"]
+        nbytes = batch * read * row_bytes + 2 * q_nope.numel() * 2 + q_rope.numel() * 2
+        flops = batch * read * heads * 2 * (2 * RANK + ROPE)
+        for backend in backends:
+            rate = flops / ms[backend] / 1e6
+            rows.append(dict(cache=name, heads=heads, backend=backend, ms=ms[backend], MB_read=nbytes / 1e6,
+                             GFLOP=flops / 1e9, GFLOP_per_s=rate,
+                             vs_reference=ms["reference"] / ms[backend] if "reference" in ms else None,
+                             of_matmul_rate=rate / matmul_rate if matmul_rate else None))  # fmt: skip
+    last = backends[-1]
+    bf16 = outputs["bf16", last].double()
+    rows[2 * len(backends) - 1]["max_abs_err_vs_bf16"] = (
+        (outputs["e4m3 per token, rope bf16", last].double() - bf16).abs().max().item()
+    )
     return rows
 
 
@@ -147,6 +209,13 @@ def main() -> None:
     parser.add_argument(
         "--heads", default="16,128", help="query heads of the decode rows (DeepSeek: 128; 16 per GPU at TP 8)"
     )
+    parser.add_argument(
+        "--backends",
+        default=None,
+        help="backends timed against each other (interleaved on CPU); default "
+        "reference,cpu on CPU, reference,triton on CUDA",
+    )
+    parser.add_argument("--sparse", default="4096,256", help="context,k of the sparse decode row ('' for none)")
     parser.add_argument("--accuracy-tokens", type=int, default=2048)
     parser.add_argument("--accuracy-heads", type=int, default=16)
     args = parser.parse_args()
@@ -157,8 +226,18 @@ def main() -> None:
         setup = dict(tokens=args.accuracy_tokens, heads=args.accuracy_heads, kv_lora_rank=RANK, rope_dim=ROPE)
         print(report("mla_fp8_accuracy", accuracy_rows(args.accuracy_tokens, args.accuracy_heads, device), setup))
         print()
-        rows = [r for h in args.heads.split(",") for r in decode_rows(device, args.batch, args.context, int(h))]
-        setup = dict(batch=args.batch, context=args.context, page_size=64, kv_lora_rank=RANK, rope_dim=ROPE)
+        backends = (args.backends or ("reference,cpu" if device.type == "cpu" else "reference,triton")).split(",")
+        sparse = None
+        if args.sparse:
+            keys, k = (int(x) for x in args.sparse.split(","))
+            sparse = (keys, k)
+        rows = [
+            r
+            for h in args.heads.split(",")
+            for r in decode_rows(device, args.batch, args.context, int(h), backends, sparse)
+        ]
+        setup = dict(batch=args.batch, context=args.context, page_size=64, kv_lora_rank=RANK, rope_dim=ROPE,
+                     threads=torch.get_num_threads())  # fmt: skip
         print(report("mla_decode", rows, setup))
 
 

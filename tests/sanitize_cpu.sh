@@ -19,7 +19,7 @@
 # Then, with TORCH_PAGED_KV_BACKEND=cpu (no Triton interpreter cases, which run no native code, and no
 # opcheck cases, whose gathers to another dtype the forced cpu backend refuses):
 #   test_unchecked_bounds, test_cpu, test_cpu_args, test_cpu_threads, test_tree_attention,
-#   test_sinks_chunks, test_sliding_pages, test_splits, test_fp8, test_fp8_nan, test_step_plan,
+#   test_sinks_chunks, test_sliding_pages, test_splits, test_fp8, test_fp8_nan, test_step_plan, test_cpu_mla,
 #   fuzz/test_fuzz_ops (cpu) and fuzz/test_fuzz_cpu_unchecked at FUZZ_SCALE times their CI size;
 # and with the default backends (the cpu one where it covers the op): test_manager, test_checkpoint,
 # test_hostile_files, test_rewind, test_wire, test_hostile_transfer, fuzz/test_fuzz_files and
@@ -79,7 +79,7 @@ echo "== cpu backend forced"
 TORCH_PAGED_KV_BACKEND=cpu "${pytest[@]}" -k "not triton and not opcheck" \
   tests/test_unchecked_bounds.py tests/test_cpu.py tests/test_cpu_args.py tests/test_cpu_threads.py \
   tests/test_tree_attention.py tests/test_sinks_chunks.py tests/test_sliding_pages.py tests/test_splits.py \
-  tests/test_fp8.py tests/test_fp8_nan.py tests/test_step_plan.py \
+  tests/test_fp8.py tests/test_fp8_nan.py tests/test_step_plan.py tests/test_cpu_mla.py \
   --deselect tests/test_cpu.py::test_kernels_compile_for_other_x86_targets
 TORCH_PAGED_KV_BACKEND=cpu TORCH_PAGED_KV_FUZZ_SCALE="$scale" "${pytest[@]}" \
   "tests/fuzz/test_fuzz_ops.py::test_random_op_calls_stay_in_bounds_and_agree_with_the_reference[cpu]" \

@@ -62,6 +62,8 @@ CPU_RUNS = {
         "64",
         "--accuracy-heads",
         "2",
+        "--sparse",
+        "256,32",
     ],
     "bench_transfer.py": ["--size-mb", "8", "--chunk-mb", "4", "--repeats", "1", "--tp-steps", "5", "--tp-batch", "4"],
     "bench_hf.py": [

@@ -12,7 +12,14 @@ import torch
 from torch_paged_kv import ops
 from torch_paged_kv.native import build
 from torch_paged_kv.ops.cpu import args, kernels
-from torch_paged_kv.ops.records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
+from torch_paged_kv.ops.records import (
+    CopyPagesArgs,
+    FlashAttentionArgs,
+    GatherKVArgs,
+    MLAAttentionArgs,
+    StoreKVArgs,
+    StoreLatentArgs,
+)
 
 
 def test_the_library_reports_the_structs_args_py_declares():
@@ -192,6 +199,93 @@ def test_each_entry_gets_each_value_in_its_named_field(monkeypatch):
 
     assert got[5] == dict(
         **step, table_2d=1, total_rows=11, page_size=page_size, num_pages=pages, reads_all=1, max_kv_len=23
+    )
+
+
+def test_the_mla_entries_get_each_value_in_its_named_field(monkeypatch):
+    """store_latent and mla_attention, as above: distinct shapes, strides and options; an FP8 pool
+    (the store gets its rope as bf16)."""
+    pages, layers, page_size, rank, rope, layer, groups, batch = 13, 7, 6, 32, 8, 5, 4, 4
+    blocks = torch.zeros(pages, 1, layers, page_size, 1, rank + 2 * rope, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(pages, 1, layers, page_size, 1, groups)
+    cache_lengths = torch.tensor([3, 1, 4, 1], dtype=torch.int32)
+    table = _sliced(batch, 10, width=12, dtype=torch.int32)
+    offsets = torch.tensor([0, 1, 3, 6, 11], dtype=torch.int32)
+    latent = _sliced(11, rank, width=44, dtype=torch.bfloat16)
+    k_rope = _sliced(11, rope, width=9, dtype=torch.bfloat16)
+    q_nope = _sliced(11, 15, rank, width=36, dtype=torch.bfloat16)
+    q_rope = _sliced(11, 15, rope, width=10, dtype=torch.bfloat16)
+    positions = torch.zeros(11, 19, dtype=torch.int32)
+    sinks = torch.zeros(15)
+    recorder = _Recorder()
+    monkeypatch.setattr(kernels, "_lib", recorder)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(9)
+    try:
+        kernels.store_latent(StoreLatentArgs(latent, k_rope, blocks, cache_lengths, table, offsets, layer, scales))
+        call = (q_nope, q_rope, blocks, cache_lengths, table, offsets, layer, 0.125, False, scales, positions, sinks)
+        kernels.mla_attention(MLAAttentionArgs(*call))
+    finally:
+        torch.set_num_threads(threads)
+    pool = dict(
+        blocks=blocks.data_ptr(),
+        num_pages=pages,
+        num_layers=layers,
+        page_size=page_size,
+        kv_heads=1,
+        head_dim=rank + 2 * rope,
+        layer=layer,
+        fp8=1,
+        scales=scales.data_ptr(),
+        scale_groups=groups,
+    )
+    step = dict(
+        cache_lengths=cache_lengths.data_ptr(),
+        table=table.data_ptr(),
+        table_stride=12,
+        table_width=10,
+        offsets=offsets.data_ptr(),
+        batch=batch,
+    )
+    assert [name for name, _ in recorder.calls] == ["pkv_store_latent", "pkv_mla_attention"]
+    store, attention = (_fields(s) for _, s in recorder.calls)
+    assert store == dict(
+        src_dtype=kernels.DTYPE_CODES[torch.bfloat16],
+        latent=latent.data_ptr(),
+        latent_stride_row=44,
+        rope=k_rope.data_ptr(),
+        rope_stride_row=9,
+        rows=11,
+        rank=rank,
+        rope_dim=rope,
+        **pool,
+        **step,
+        threads=9,
+    )
+    assert attention.pop("out") != 0
+    assert attention == dict(
+        dtype=kernels.DTYPE_CODES[torch.bfloat16],
+        q_nope=q_nope.data_ptr(),
+        q_nope_stride_row=15 * 36,
+        q_nope_stride_head=36,
+        q_rope=q_rope.data_ptr(),
+        q_rope_stride_row=15 * 10,
+        q_rope_stride_head=10,
+        q_rows=11,
+        q_heads=15,
+        rank=rank,
+        rope_dim=rope,
+        **pool,
+        **step,
+        scale=0.125,
+        causal=0,
+        key_positions=positions.data_ptr(),
+        top_k=19,
+        sinks=sinks.data_ptr(),
+        min_split=kernels.MIN_SPLIT_KEYS,
+        want_items=kernels.WANT_ITEMS,
+        min_work=kernels.MIN_WORK_PER_THREAD,
+        threads=9,
     )
 
 

@@ -3,7 +3,7 @@ ones: the library is compiled `-march=native`, so without this a CPU with AVX-51
 ever test the bf16 dot-product path, one with AVX512-VBMI never the FP8 conversions without byte
 tables, and one with AVX-512 never the AVX2 path. Each case builds the
 library with `TORCH_PAGED_KV_CPU_FLAGS` in a fresh cache, checks that the build took the narrower
-path, and runs test_cpu.py (fp64 and reference comparisons) on it in a subprocess; the cases start
+path, and runs test_cpu.py and test_cpu_mla.py (fp64 and reference comparisons) on it in a subprocess; the cases start
 with the session, beside the slow set's other subprocesses (conftest.py's `background_runs`)."""
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ BUILD_ONLY = [
 ]
 
 
+TESTS = [str(HERE / "test_cpu.py"), str(HERE / "test_cpu_mla.py")]  # what each narrower build runs
 PROBE = (
     "from torch_paged_kv.ops.cpu import kernels; lib = kernels.load(); "
     "print(lib.pkv_vector_width(), lib.pkv_bf16_dot(), lib.pkv_fp8_byte_tables())"
@@ -51,14 +52,14 @@ Run = subprocess.CompletedProcess[str]
 
 
 def _build_and_test(flags: str, cache: pathlib.Path) -> tuple[Run, Run | None]:
-    """The library built with `flags` in `cache` (what it reports), then test_cpu.py on it (None if
-    the build failed)."""
+    """The library built with `flags` in `cache` (what it reports), then `TESTS` on it (None if the
+    build failed)."""
     env = {**os.environ, build.EXTRA_FLAGS_ENV: flags, "TORCH_PAGED_KV_CACHE_DIR": str(cache)}
     probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, check=False)
     if probe.returncode != 0:
         return probe, None
     tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(HERE / "test_cpu.py"), *BUILD_ONLY],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS, *BUILD_ONLY],
         capture_output=True,
         text=True,
         env=env,

@@ -239,7 +239,7 @@ MLA_WRONG = {
 }
 
 
-@pytest.mark.parametrize("mla_backend", ["reference", "triton"])  # (the cpu kernels have no MLA ops)
+@pytest.mark.parametrize("mla_backend", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("case", MLA_WRONG)
 def test_mla_unchecked_stays_in_bounds(force_backend, case, mla_backend):
     force_backend(mla_backend)

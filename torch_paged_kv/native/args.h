@@ -117,13 +117,60 @@
   X(int64_t, reads_all)       \
   X(int64_t, max_kv_len)
 
+// store_latent: new MLA rows, latent [rows, rank] and k_rope [rows, rope_dim] (unit element stride),
+// of dtype `src_dtype` (that of blocks, unless the pool is FP8: then k_rope is bf16), into their
+// slots (kv_heads 1, head_dim the row's width in elements of blocks).
+#define PKV_STORE_LATENT_FIELDS(X)  \
+  X(int64_t, src_dtype)             \
+  X(const void*, latent)            \
+  X(int64_t, latent_stride_row)     \
+  X(const void*, rope)              \
+  X(int64_t, rope_stride_row)       \
+  X(int64_t, rows)                  \
+  X(int64_t, rank)                  \
+  X(int64_t, rope_dim)              \
+  PKV_POOL_FIELDS(X, void*, float*) \
+  PKV_STEP_FIELDS(X)                \
+  X(int64_t, threads)
+
+// mla_attention: queries q_nope [q_rows, q_heads, rank] and q_rope [.., rope_dim] (unit element
+// stride) of dtype `dtype` into out ([q_rows, q_heads, rank], contiguous, same dtype); sparse
+// attention reads the `top_k` key positions per query row of key_positions (contiguous rows; null:
+// dense); sinks: one logit per query head, or null.
+#define PKV_MLA_ATTENTION_FIELDS(X)             \
+  X(int64_t, dtype)                             \
+  X(const void*, q_nope)                        \
+  X(int64_t, q_nope_stride_row)                 \
+  X(int64_t, q_nope_stride_head)                \
+  X(const void*, q_rope)                        \
+  X(int64_t, q_rope_stride_row)                 \
+  X(int64_t, q_rope_stride_head)                \
+  X(int64_t, q_rows)                            \
+  X(int64_t, q_heads)                           \
+  X(int64_t, rank)                              \
+  X(int64_t, rope_dim)                          \
+  X(void*, out)                                 \
+  PKV_POOL_FIELDS(X, const void*, const float*) \
+  PKV_STEP_FIELDS(X)                            \
+  X(double, scale)                              \
+  X(int64_t, causal)                            \
+  X(const int32_t*, key_positions)              \
+  X(int64_t, top_k)                             \
+  X(const float*, sinks)                        \
+  X(int64_t, min_split)                         \
+  X(int64_t, want_items)                        \
+  X(int64_t, min_work)                          \
+  X(int64_t, threads)
+
 // (struct name, the name kernels.py knows it by, its field list)
 #define PKV_ARG_STRUCTS(S)                                         \
   S(PkvStoreKvArgs, store_kv, PKV_STORE_KV_FIELDS)                 \
   S(PkvFlashAttentionArgs, flash_attention, PKV_FLASH_ATTENTION_FIELDS) \
   S(PkvGatherKvArgs, gather_kv, PKV_GATHER_KV_FIELDS)              \
   S(PkvCopyPagesArgs, copy_pages, PKV_COPY_PAGES_FIELDS)           \
-  S(PkvStepOkArgs, step_ok, PKV_STEP_OK_FIELDS)
+  S(PkvStepOkArgs, step_ok, PKV_STEP_OK_FIELDS)                    \
+  S(PkvStoreLatentArgs, store_latent, PKV_STORE_LATENT_FIELDS)     \
+  S(PkvMlaAttentionArgs, mla_attention, PKV_MLA_ATTENTION_FIELDS)
 
 #define PKV_DECLARE_FIELD(type, name) type name;
 #define PKV_DECLARE_STRUCT(Struct, key, FIELDS) \

@@ -56,7 +56,6 @@ void run_store_kv(const PkvStoreKvArgs& a) {
 template <int SRC, int FORMAT>
 void store_fp8(const PkvStoreKvArgs& a, int threads) {
   using T = typename Storage<SRC>::T;
-  constexpr float top = fp8_largest(FORMAT);
   const int64_t head_dim = a.head_dim, kv_heads = a.kv_heads, page_size = a.page_size, groups = a.scale_groups;
   const int64_t plane = a.num_layers * page_size * kv_heads * head_dim, gran = groups ? head_dim / groups : head_dim;
   const int32_t* offsets = a.offsets;
@@ -76,26 +75,10 @@ void store_fp8(const PkvStoreKvArgs& a, int threads) {
       const int64_t head_stride = p ? a.value_stride_head : a.key_stride_head;
       for (int64_t h = 0; h < kv_heads; ++h) {
         const T* head = src + h * head_stride;
-        int64_t d = 0;
-        for (; d + W <= head_dim; d += W) store_f32(x.data() + d, load<SRC>(head + d));
-        for (; d < head_dim; ++d) x[d] = load_scalar<SRC>(head + d);
+        widen<SRC>(head, head_dim, x.data());
         const int64_t at = (slot + h) * head_dim + p * plane;  // the row's first code
-        for (int64_t g0 = 0; g0 < head_dim; g0 += gran) {
-          float s;
-          if (groups) {
-            bool non_finite;
-            const float amax = abs_max(x.data() + g0, gran, &non_finite);
-            s = non_finite ? std::numeric_limits<float>::quiet_NaN() : amax / top;
-            scales[at / head_dim * groups + g0 / gran] = s;
-          } else {
-            s = scales[p];
-          }
-          if (groups && !(s > 0.0f)) {
-            std::memset(blocks + at + g0, 0, gran);
-          } else {
-            quantize<FORMAT>(x.data() + g0, gran, s, blocks + at + g0);
-          }
-        }
+        quantize_row<FORMAT>(x.data(), head_dim, gran, groups, groups ? 0.0f : scales[p],
+                             groups ? scales + at / head_dim * groups : nullptr, blocks + at);
       }
     }
   });

@@ -113,4 +113,29 @@ inline float abs_max(const float* x, int64_t n, bool* non_finite) {
   return amax;
 }
 
+// One row of n elements quantized by the reference's rule (ops/quant.py), bit for bit: per granule of
+// `gran` elements, scale = amax / the format's largest value in fp32 (NaN if an element is not
+// finite), stored at scales_out[granule], codes = x / scale clamped and rounded (all zero where the
+// scale is not > 0); with groups == 0 the one static scale `static_scale` instead (nothing stored
+// but codes, and no zero rule).
+template <int FORMAT>
+inline void quantize_row(const float* x, int64_t n, int64_t gran, int64_t groups, float static_scale,
+                         float* scales_out, uint8_t* dst) {
+  constexpr float top = fp8_largest(FORMAT);
+  for (int64_t g0 = 0; g0 < n; g0 += gran) {
+    float s = static_scale;
+    if (groups) {
+      bool non_finite;
+      const float amax = abs_max(x + g0, gran, &non_finite);
+      s = non_finite ? std::numeric_limits<float>::quiet_NaN() : amax / top;
+      scales_out[g0 / gran] = s;
+    }
+    if (groups && !(s > 0.0f)) {
+      std::memset(dst + g0, 0, gran);
+    } else {
+      quantize<FORMAT>(x + g0, gran, s, dst + g0);
+    }
+  }
+}
+
 }  // namespace

@@ -1,5 +1,5 @@
 // The `cpu` backend's kernels: paged attention that reads K/V in place from the pages, store_kv,
-// gather_kv and copy_pages.
+// gather_kv and copy_pages, and the MLA latent ops store_latent and mla_attention (mla_*.h).
 //
 // Built on first use by build.py with the system C++ compiler (-O3 -march=native, OpenMP when the
 // compiler has it) into a shared library cached on disk, and called through ctypes: no torch
@@ -43,6 +43,8 @@
 //   attention.h         flash_attention: the work items on the threads, the merge of split ranges
 //   fp8_quantize.h      fp32 to FP8 codes, per-granule amax
 //   cache_ops.h         store_kv, gather_kv, copy_pages, the value check of a step
+//   mla_store.h         store_latent: MLA rows [latent; rope] into a latent pool (FP8: quantize_row)
+//   mla_attention.h     mla_attention: absorbed MLA attention, dense or sparse, its items and merge
 // This file: the extern "C" entries kernels.py calls.
 #include <cstdint>
 #include <cstring>
@@ -50,6 +52,8 @@
 #include "args.h"
 #include "attention.h"
 #include "cache_ops.h"
+#include "mla_attention.h"
+#include "mla_store.h"
 
 extern "C" {
 
@@ -116,6 +120,24 @@ void pkv_gather_kv(const void* packed) {
 }
 
 void pkv_copy_pages(const void* packed) { run_copy_pages(unpack_args<PkvCopyPagesArgs>(packed)); }
+
+int pkv_store_latent(const void* packed) {
+  const auto a = unpack_args<PkvStoreLatentArgs>(packed);
+  if (const int bad = step_bounds(a.cache_lengths, a.offsets, a.batch, a.rows, a.page_size * a.table_width)) {
+    return bad;
+  }
+  run_store_latent(a);
+  return 0;
+}
+
+int pkv_mla_attention(const void* packed) {
+  const auto a = unpack_args<PkvMlaAttentionArgs>(packed);
+  if (const int bad = step_bounds(a.cache_lengths, a.offsets, a.batch, a.q_rows, a.page_size * a.table_width)) {
+    return bad;
+  }
+  run_mla_attention(a);
+  return 0;
+}
 
 int pkv_step_ok(const void* packed) { return run_step_ok(unpack_args<PkvStepOkArgs>(packed)); }
 

@@ -443,6 +443,14 @@ inline float load_scalar(const typename Storage<DT>::T* p) {
   }
 }
 
+// dst[0, n) = the fp32 values of the n elements at p (fp32, bf16 or fp16), exactly.
+template <int DT>
+inline void widen(const typename Storage<DT>::T* p, int64_t n, float* dst) {
+  int64_t d = 0;
+  for (; d + W <= n; d += W) store_f32(dst + d, load<DT>(p + d));
+  for (; d < n; ++d) dst[d] = load_scalar<DT>(p + d);
+}
+
 // Where column d of a query row or accumulator lives: d itself, or for BF16_PAIRS the slot that
 // load2 gives element d of its 2W-element group.
 template <int DT>

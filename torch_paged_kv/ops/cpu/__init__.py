@@ -1,4 +1,4 @@
-"""CPU backend: every op as a compiled C++ kernel that reads K/V in place from the pages.
+"""CPU backend: every op (the MLA latent ops too) as a compiled C++ kernel that reads K/V in place from the pages.
 
 The C++ sources live in `native/` (`kernels.cpp`, compiled on first use with the system C++ compiler
 and cached on disk by `native/build.py`); each op is one ctypes call (`kernels.py`), its argument
@@ -14,7 +14,7 @@ from ...native import build
 from ..records import GatherKVArgs
 from . import kernels
 
-_OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages")
+_OPS = ("store_kv", "flash_attention", "gather_kv", "copy_pages", "store_latent", "mla_attention")
 
 
 def unavailable_reason(device: torch.device) -> str | None:

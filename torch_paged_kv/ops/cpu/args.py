@@ -123,12 +123,58 @@ class StepOkStruct(ctypes.Structure):
     ]
 
 
+class StoreLatentStruct(ctypes.Structure):
+    _fields_ = [
+        ("src_dtype", _INT),
+        ("latent", _PTR),
+        ("latent_stride_row", _INT),
+        ("rope", _PTR),
+        ("rope_stride_row", _INT),
+        ("rows", _INT),
+        ("rank", _INT),
+        ("rope_dim", _INT),
+        *_POOL,
+        *_STEP,
+        ("threads", _INT),
+    ]
+
+
+class MlaAttentionStruct(ctypes.Structure):
+    _fields_ = [
+        ("dtype", _INT),
+        ("q_nope", _PTR),
+        ("q_nope_stride_row", _INT),
+        ("q_nope_stride_head", _INT),
+        ("q_rope", _PTR),
+        ("q_rope_stride_row", _INT),
+        ("q_rope_stride_head", _INT),
+        ("q_rows", _INT),
+        ("q_heads", _INT),
+        ("rank", _INT),
+        ("rope_dim", _INT),
+        ("out", _PTR),
+        *_POOL,
+        *_STEP,
+        ("scale", _FLOAT),
+        ("causal", _INT),
+        ("key_positions", _PTR),
+        ("top_k", _INT),
+        ("sinks", _PTR),
+        ("min_split", _INT),
+        ("want_items", _INT),
+        ("min_work", _INT),
+        ("threads", _INT),
+    ]
+
+
 STRUCTURES: dict[str, type[ctypes.Structure]] = {
     "store_kv": StoreKvStruct,
     "flash_attention": FlashAttentionStruct,
     "gather_kv": GatherKvStruct,
     "copy_pages": CopyPagesStruct,
     "step_ok": StepOkStruct,
+    "store_latent": StoreLatentStruct,
+    "mla_attention": MlaAttentionStruct,
 }
 """entry (`pkv_<name>`) -> its argument Structure (args.h's PKV_ARG_STRUCTS)."""
 
@@ -220,7 +266,10 @@ SIGNATURES = {  # name -> (argument types, result type): what `kernels.load` dec
     "pkv_bf16_dot": ([], ctypes.c_int),
     "pkv_fp8_byte_tables": ([], ctypes.c_int),
     "pkv_args_layout": ([], ctypes.c_char_p),
-    **{f"pkv_{name}": ([ctypes.c_char_p], ctypes.c_int) for name in ("flash_attention", "store_kv", "step_ok")},
+    **{
+        f"pkv_{name}": ([ctypes.c_char_p], ctypes.c_int)
+        for name in ("flash_attention", "store_kv", "step_ok", "store_latent", "mla_attention")
+    },
     **{f"pkv_{name}": ([ctypes.c_char_p], None) for name in ("gather_kv", "copy_pages")},
 }
 """The library's functions the `cpu` backend calls: probes of the build, and one entry per struct of

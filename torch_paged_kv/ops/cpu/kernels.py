@@ -18,7 +18,14 @@ import ctypes
 import torch
 
 from ...native import build
-from ..records import CopyPagesArgs, FlashAttentionArgs, GatherKVArgs, StoreKVArgs
+from ..records import (
+    CopyPagesArgs,
+    FlashAttentionArgs,
+    GatherKVArgs,
+    MLAAttentionArgs,
+    StoreKVArgs,
+    StoreLatentArgs,
+)
 from .args import PACKERS, SIGNATURES, check_layout
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -79,7 +86,9 @@ def step_ok(
     )  # fmt: skip
 
 
-def _pool_and_step(a: StoreKVArgs | FlashAttentionArgs | GatherKVArgs) -> tuple[int, ...]:
+def _pool_and_step(
+    a: StoreKVArgs | FlashAttentionArgs | GatherKVArgs | StoreLatentArgs | MLAAttentionArgs,
+) -> tuple[int, ...]:
     """args.h's pool fields, then its step fields, from an op's record: blocks, its shape but the
     planes, the layer, the FP8 format code (0: not FP8), the scales and their groups per token and kv
     head (0: a static pair); cache_lengths, the table (row stride, usable columns), offsets, batch."""
@@ -215,6 +224,52 @@ def copy_pages(a: CopyPagesArgs) -> None:
         )  # fmt: skip
 
 
-_STORE_KV, _FLASH_ATTENTION, _GATHER_KV, _COPY_PAGES, _STEP_OK = (
-    PACKERS[name] for name in ("store_kv", "flash_attention", "gather_kv", "copy_pages", "step_ok")
+def store_latent(a: StoreLatentArgs) -> None:
+    """MLA rows `[latent; rope]` into their slots; an FP8 pool (with `scales`) quantizes the latent by
+    the reference's rule, bit for bit, and keeps the rope as bf16 (converted here, as the reference does)."""
+    latent, rope = a.latent, a.k_rope
+    if a.scales is not None and rope.dtype != torch.bfloat16:
+        rope = rope.to(torch.bfloat16)
+    if latent.stride(1) != 1:
+        latent = latent.contiguous()
+    if rope.stride(1) != 1:
+        rope = rope.contiguous()
+    total = latent.shape[0]
+    bad = (_lib or load()).pkv_store_latent(
+        _STORE_LATENT.pack(
+            DTYPE_CODES[latent.dtype], latent.data_ptr(), latent.stride(0), rope.data_ptr(), rope.stride(0), total,
+            latent.shape[1], rope.shape[1], *_pool_and_step(a), torch.get_num_threads(),
+        )
+    )  # fmt: skip
+    _raise_out_of_bounds(bad, "latent", total)
+
+
+def mla_attention(a: MLAAttentionArgs) -> torch.Tensor:
+    """Absorbed MLA attention (dense or sparse, sinks) in fp32, out in q_nope's dtype, contiguous."""
+    q_nope, q_rope, positions, sinks = a.q_nope, a.q_rope, a.key_positions, a.sinks
+    out = q_nope.new_empty(q_nope.shape)
+    total = q_nope.shape[0]
+    if total == 0:
+        return out
+    if q_nope.stride(2) != 1:
+        q_nope = q_nope.contiguous()
+    if q_rope.stride(2) != 1:
+        q_rope = q_rope.contiguous()
+    ns, rs = q_nope.stride(), q_rope.stride()
+    status = (_lib or load()).pkv_mla_attention(
+        _MLA_ATTENTION.pack(
+            DTYPE_CODES[q_nope.dtype], q_nope.data_ptr(), ns[0], ns[1], q_rope.data_ptr(), rs[0], rs[1], total,
+            q_nope.shape[1], q_nope.shape[2], q_rope.shape[2], out.data_ptr(), *_pool_and_step(a), a.softmax_scale,
+            a.causal, 0 if positions is None else positions.data_ptr(), 0 if positions is None else positions.shape[1],
+            0 if sinks is None else sinks.data_ptr(), MIN_SPLIT_KEYS, WANT_ITEMS, MIN_WORK_PER_THREAD,
+            torch.get_num_threads(),
+        )
+    )  # fmt: skip
+    _raise_out_of_bounds(status, "q_nope", total)
+    return out
+
+
+_STORE_KV, _FLASH_ATTENTION, _GATHER_KV, _COPY_PAGES, _STEP_OK, _STORE_LATENT, _MLA_ATTENTION = (
+    PACKERS[name]
+    for name in ("store_kv", "flash_attention", "gather_kv", "copy_pages", "step_ok", "store_latent", "mla_attention")
 )
