@@ -399,7 +399,8 @@ def test_default_attention_gets_contiguous_kv():
 
 def test_switching_to_paged_kv_is_checked_at_the_next_step():
     """A cache built under the default attention checks the paged-only refusals when the model
-    switches to `paged_kv`, at the next step's first layer (nothing stored)."""
+    switches to `paged_kv`, at the next step, before its first layer stores anything (here when the
+    step's mask is made, before the pool exists)."""
     bidirectional = dataclasses.replace(
         family("Gemma3 (text)"), name="Gemma3 (text, bidirectional)", overrides={"use_bidirectional_attention": True}
     )
@@ -412,7 +413,7 @@ def test_switching_to_paged_kv_is_checked_at_the_next_step():
         refused = pytest.raises(ValueError, match="^config.use_bidirectional_attention: True makes the attention")
         with refused, torch.no_grad():
             model(ids, **{cache_kwarg(model): cache})
-        assert not cache.collection.cache_lengths.any() and int(cache.get_seq_length()) == 0
+        assert not matrix.stored([cache])
     finally:
         matrix.set_attention(model, default_attn)
 
