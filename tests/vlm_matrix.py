@@ -170,6 +170,11 @@ SIGLIP = dict(
 CLIP = dict(SIGLIP, image_size=8)
 OVERLAY = "bidirectional image blocks (`token_type_ids`: a mask overlay)"
 MROPE = "M-RoPE: 3-D positions of the image tokens (images of 4 and 8 tokens in a batch: rope_deltas per row)"
+QWEN3_VISION = dict(
+    QWEN_VISION, depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_position_embeddings=16,
+    deepstack_visual_indexes=[0],
+)  # fmt: skip
+QWEN3_ROPE = dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True)
 
 GEMMA4 = dict(
     text_config=dict(
@@ -292,18 +297,8 @@ FAMILIES: tuple[VisionFamily, ...] = (
         "Qwen3VLConfig",
         "Qwen3VLForConditionalGeneration",
         dict(
-            text_config=dict(
-                TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True)
-            ),
-            vision_config=dict(
-                QWEN_VISION,
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                out_hidden_size=64,
-                num_position_embeddings=16,
-                deepstack_visual_indexes=[0],
-            ),
+            text_config=dict(TEXT, rope_parameters=QWEN3_ROPE),
+            vision_config=QWEN3_VISION,
             **QWEN_IDS,
         ),
         QWEN_IMAGES,
@@ -319,17 +314,9 @@ FAMILIES: tuple[VisionFamily, ...] = (
                 num_experts=4,
                 num_experts_per_tok=2,
                 moe_intermediate_size=32,
-                rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], mrope_interleaved=True),
+                rope_parameters=QWEN3_ROPE,
             ),
-            vision_config=dict(
-                QWEN_VISION,
-                depth=2,
-                hidden_size=32,
-                intermediate_size=64,
-                out_hidden_size=64,
-                num_position_embeddings=16,
-                deepstack_visual_indexes=[0],
-            ),
+            vision_config=QWEN3_VISION,
             **QWEN_IDS,
         ),
         QWEN_IMAGES,
