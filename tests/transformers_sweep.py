@@ -336,19 +336,19 @@ def classify(outcomes) -> str:
     return "REFUSED" if any(o.startswith("refused") for o in outcomes) else "EXACT"
 
 
-def _child(model_type: str, queue) -> None:
+def _child(sweep_fn, model_type: str, queue) -> None:
     try:
-        queue.put(sweep_one(model_type))
+        queue.put(sweep_fn(model_type))
     except BaseException as e:  # the sweep's own failure: report it as the line
         queue.put(dict(cls="CRASHED", why=f"sweep: {type(e).__name__}: {e}"[:300]))
 
 
 def column_summary(result: dict[str, Any], column: str) -> str:
     """A column's outcome over the modes: one word if the modes agree."""
-    outcomes = [result["cells"][(column, m)] for m in MODES]
-    if len(set(outcomes)) == 1:
-        return outcomes[0]
-    return "; ".join(f"{m}: {o}" for m, o in zip(MODES, outcomes, strict=True))
+    cells = {m: o for (c, m), o in result["cells"].items() if c == column}
+    if len(set(cells.values())) == 1:
+        return next(iter(cells.values()))
+    return "; ".join(f"{m}: {o}" for m, o in cells.items())
 
 
 def line(model_type: str, result: dict[str, Any], markdown: bool) -> str:
@@ -362,6 +362,40 @@ def line(model_type: str, result: dict[str, Any], markdown: bool) -> str:
     if markdown:
         return f"| {model_type} | {result['cls']} | {columns[0].replace('|', '/')} | {columns[1].replace('|', '/')} |"
     return f"{model_type:26} {result['cls']:20} {detail}"
+
+
+def run_all(types: list[str], sweep_fn, timeout: float, jobs: int, markdown: bool) -> Counter:
+    """`sweep_fn(model_type)` for each type in a forked child (`jobs` at once, `timeout` seconds each),
+    printing each type's line as it ends; the count of each class."""
+    context = multiprocessing.get_context("fork")
+    pending, running, counts = list(types), [], Counter()
+    while pending or running:
+        while pending and len(running) < jobs:
+            model_type = pending.pop(0)
+            queue = context.Queue()
+            process = context.Process(target=_child, args=(sweep_fn, model_type, queue), daemon=True)
+            process.start()
+            running.append((model_type, process, queue, time.monotonic()))
+        time.sleep(0.2)
+        for entry in list(running):
+            model_type, process, queue, started = entry
+            result = None
+            alive = process.is_alive()
+            try:
+                result = queue.get(timeout=0 if alive else 2)
+            except Exception:  # queue.Empty: nothing yet
+                if not alive:
+                    result = dict(cls="CRASHED", why=f"process died (exit code {process.exitcode})")
+                elif time.monotonic() - started > timeout:
+                    result = dict(cls="CRASHED", why=f"timeout after {timeout:.0f}s")
+            if result is None:
+                continue
+            process.kill()
+            process.join()
+            running.remove(entry)
+            counts[result["cls"]] += 1
+            print(line(model_type, result, markdown), flush=True)
+    return counts
 
 
 def main() -> int:
@@ -387,34 +421,7 @@ def main() -> int:
     if args.markdown:
         print("| model type | class | default attention + `PagedCache` | `paged_kv` + `PagedCache` |")
         print("|---|---|---|---|")
-    context = multiprocessing.get_context("fork")
-    pending, running, counts = list(types), [], Counter()
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            model_type = pending.pop(0)
-            queue = context.Queue()
-            process = context.Process(target=_child, args=(model_type, queue), daemon=True)
-            process.start()
-            running.append((model_type, process, queue, time.monotonic()))
-        time.sleep(0.2)
-        for entry in list(running):
-            model_type, process, queue, started = entry
-            result = None
-            alive = process.is_alive()
-            try:
-                result = queue.get(timeout=0 if alive else 2)
-            except Exception:  # queue.Empty: nothing yet
-                if not alive:
-                    result = dict(cls="CRASHED", why=f"process died (exit code {process.exitcode})")
-                elif time.monotonic() - started > args.timeout:
-                    result = dict(cls="CRASHED", why=f"timeout after {args.timeout:.0f}s")
-            if result is None:
-                continue
-            process.kill()
-            process.join()
-            running.remove(entry)
-            counts[result["cls"]] += 1
-            print(line(model_type, result, args.markdown), flush=True)
+    counts = run_all(types, sweep_one, args.timeout, args.jobs, args.markdown)
     print("counts: " + ", ".join(f"{c} {counts[c]}" for c in CLASSES))
     return 1 if any(counts[c] for c in ("WRONG", "CRASHED-AFTER-START", "CRASHED")) else 0
 

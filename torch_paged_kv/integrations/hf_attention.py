@@ -31,9 +31,9 @@ from .hf_layer import PendingKV, token_rows
 from .hf_support import (
     attention_chunk_size,
     check_attention_call,
+    check_mask_config,
     check_unapplied_kwargs,
     indexed_layers,
-    on_attention_interface,
 )
 
 
@@ -54,18 +54,8 @@ def paged_kv_mask(
     would change them every step (transformers < 5.18 passes the slice on as is).
     """
     config = kwargs.get("config")
-    if config is not None and not torch.compiler.is_compiling() and not on_attention_interface(config):
-        raise ValueError(
-            f"config.model_type: {config.model_type!r} models do not call transformers' attention interface, "
-            "so attn_implementation='paged_kv' would change their masks but not their attention; use the model's "
-            "default attention"
-        )
-    bidirectional = getattr(config, "use_bidirectional_attention", None)
-    if bidirectional and bidirectional != "vision":
-        raise ValueError(
-            f"config.use_bidirectional_attention: {bidirectional!r} makes the attention non-causal; paged_kv "
-            "attends causally only"
-        )
+    if config is not None:
+        check_mask_config(config)
     if mask_function is not None and "causal_mask_function" not in mask_parts(mask_function):
         # a mask with no causal part: a vision tower's, an encoder's, a cross-attention's (no cache, over
         # the call's own keys): transformers' own, for `hf_uncached`
@@ -153,8 +143,7 @@ def paged_kv_attention(
     indices = kwargs.pop("indices", None)  # a sparse-attention layer's top-k columns [batch, new, k]
     sinks = kwargs.pop("s_aux", None)  # per-head sink logits (GPT-OSS, HY-V4)
     check_unapplied_kwargs(module, kwargs)
-    causal = kwargs.pop("is_causal", None)  # (as transformers' sdpa: the call's, else the module's)
-    causal = getattr(module, "is_causal", True) if causal is None else causal
+    causal = _is_causal(module, kwargs.pop("is_causal", None), attention_mask, query.shape[2])
     if not causal and not isinstance(pending, (PendingKV, hf_mla.PendingLatent)):
         # no cache, not causal (a vision tower, an adapter's pooling): sdpa under the model's own mask
         assert isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
@@ -227,6 +216,19 @@ def paged_kv_attention(
     if real is not None:
         out = q.new_zeros(batch * new, num_heads, out.shape[-1]).index_copy_(0, real, out)
     return out.view(batch, new, num_heads, out.shape[-1]), None
+
+
+def _is_causal(module: torch.nn.Module, call: bool | None, attention_mask: torch.Tensor | None, new: int) -> bool:
+    """Whether the call attends causally: as transformers' sdpa, the call's `is_causal`, else the module's.
+    A causal module may pass False where its mask carries causality (Moonshine, for SDPA's sake, whenever
+    it has a mask or one query): `paged_kv_mask`'s causal mask (`[batch, 1, new, 1]`) leaves causality to
+    the attention, and one query sees the same keys either way, so the call stays causal there."""
+    module_causal = getattr(module, "is_causal", True)
+    if call is None:
+        return module_causal
+    if call or not module_causal:
+        return bool(call)
+    return new == 1 or (attention_mask is not None and attention_mask.shape[-1] == 1)
 
 
 def _overlay(module: torch.nn.Module, attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache, LinearAttentionLayer
 
 from ..collection import PagedKVCacheCollection
 from ..layer_groups import LayerGroups
@@ -63,6 +63,8 @@ from .hf_support import (
     attention_layers,
     cache_groups,
     check_config,
+    decoder_config,
+    has_cross_attention,
     indexed_layers,
     serves_indexed_speculative,
     state_layers,
@@ -97,6 +99,24 @@ def _no_cache_layer() -> DummyLayer | LinearAttentionLayer:
     return DummyLayer()
 
 
+def _check_cross_attention(config: PreTrainedConfig, encoder_decoder: bool) -> None:
+    """Refuse an encoder-decoder config for a bare cache, and `encoder_decoder` for any other (see the
+    `encoder_decoder` argument)."""
+    if has_cross_attention(config) and not encoder_decoder:
+        field = "is_encoder_decoder" if getattr(config, "is_encoder_decoder", False) else "add_cross_attention"
+        raise ValueError(
+            f"config.{field}: the model's decoder layers also attend to the encoder's states, which transformers "
+            "caches beside the self-attention K/V in an EncoderDecoderCache; a bare PagedCache would be handed "
+            "both. Use PagedCache.for_encoder_decoder(config, max_batch_size, max_cache_len, ...) (or pass "
+            "encoder_decoder=True and wrap the cache in EncoderDecoderCache yourself)"
+        )
+    if encoder_decoder and not has_cross_attention(config):
+        raise ValueError(
+            f"encoder_decoder: True, but {type(config).__name__} is not an encoder-decoder config "
+            "(config.is_encoder_decoder is False)"
+        )
+
+
 class PagedCache(Cache):
     """A `transformers.Cache` over paged KV pools; pass it as `generate(..., cache=cache)` (transformers
     >= 5.24; `past_key_values=cache` before: `cache_kwarg(model)` says which).
@@ -121,6 +141,10 @@ class PagedCache(Cache):
             prefill_chunk_size=...)`). It sizes the pools of sliding-window groups: a row holds its
             window plus one step's tokens there. None (the default): `max_cache_len`, a whole prompt
             in one step, so those pools are as large as the others. A longer step raises `ValueError`.
+        encoder_decoder: True for the decoder's self-attention cache of an encoder-decoder model (T5,
+            BART, Whisper, ...), wrapped in transformers' `EncoderDecoderCache` beside a cache for the
+            cross-attention (`PagedCache.for_encoder_decoder` builds both). Such a config is refused
+            without it: a bare cache would be handed the cross-attention's K/V too.
 
     Each group's pool has room for every row at its longest (`max_batch_size` rows of `max_cache_len`
     tokens; a sliding-window group: of its window and `max_step_tokens`); pages are taken as rows grow
@@ -143,8 +167,11 @@ class PagedCache(Cache):
         quantization_granularity: int | None = None,
         static_scales: tuple[float, float] | None = None,
         max_step_tokens: int | None = None,
+        encoder_decoder: bool = False,
     ) -> None:
-        self.config = config.get_text_config(decoder=True)
+        self.config = decoder_config(config)
+        self._attention_config = config if encoder_decoder else self.config  # (the decoder view may be a copy)
+        _check_cross_attention(config, encoder_decoder)
         cfg = self.config
         self.cached_layers, self.attention_layers = attention_layers(cfg)
         self.shared_layers = frozenset(self.attention_layers) - frozenset(self.cached_layers)  # reuse others' K/V
@@ -316,14 +343,19 @@ class PagedCache(Cache):
         layer asks twice. A new attention implementation is checked (`check_config`) before anything
         of the step is stored."""
         self._check_config()
-        self._attends_from_pages = self.config._attn_implementation == ATTN_IMPLEMENTATION
+        self._attends_from_pages = self.attn_implementation == ATTN_IMPLEMENTATION
 
     def _check_config(self) -> None:
         """`hf_support.check_config` for the config's attention implementation, once per implementation."""
-        attn = self.config._attn_implementation
+        attn = self.attn_implementation
         if attn != self._checked_attention:
             check_config(self.config, paged=attn == ATTN_IMPLEMENTATION)
             self._checked_attention = attn
+
+    @property
+    def attn_implementation(self) -> str | None:
+        """The model's attention implementation (`config._attn_implementation`), as it is now."""
+        return self._attention_config._attn_implementation
 
     @property
     def attends_from_pages(self) -> bool:
@@ -404,6 +436,16 @@ class PagedCache(Cache):
         length). In a sliding-window group the columns below the window read as zeros (the null page,
         unchecked: the model's own sliding mask hides them, as it does for transformers' own caches)."""
         return self._live().gather(plan, pool_layer, self.max_cache_len, dtype)
+
+    def held_kv(self, pool_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """K/V that cached layer `pool_layer` holds for the rows in use, between steps: copies gathered to
+        `[rows, kv_heads, max_cache_len, head_dim]` (a `StaticCache` layer's shape; zeros past each row's
+        length), or None before the first step and for MLA caches."""
+        pool = self.pool
+        if pool is None or self.rows == 0 or self.is_mla:
+            return None
+        keys, values = pool.gather(pool.held_plan(self.rows, pool_layer), pool_layer, self.max_cache_len, pool.dtype)
+        return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
     def layer_done(self, layer_idx: int, batch: int) -> None:
         """After model layer `layer_idx` is done with the step: the last layer that reads the pages
@@ -522,6 +564,18 @@ class PagedCache(Cache):
         layers a step wrote (a model's "shared" indexed layers reuse another layer's top-k and write none)."""
         keys = {i: self.indexed_layer(i).saved_keys(self.rows, columns) for i in self.indexed_layers}
         return {i: k for i, k in keys.items() if k is not None}
+
+    @classmethod
+    def for_encoder_decoder(
+        cls, config: PreTrainedConfig, max_batch_size: int, max_cache_len: int, **options: Any
+    ) -> EncoderDecoderCache:
+        """The cache of an encoder-decoder model (T5, BART, Whisper, ...): transformers' `EncoderDecoderCache`
+        of a `PagedCache` for the decoder's self-attention (`max_cache_len`: decoder tokens; `options` as
+        the constructor's) and a `DynamicCache` for the cross-attention (the encoder's K/V, computed once
+        per generation). Pass it as `generate(..., cache=...)`; `.self_attention_cache` is the paged part
+        (`save` it; `PagedCache.load(path, config, encoder_decoder=True)` resumes it)."""
+        paged = cls(config, max_batch_size, max_cache_len, encoder_decoder=True, **options)
+        return EncoderDecoderCache(paged, DynamicCache(config=paged.config))
 
     # -- checkpoints (hf_checkpoint.py) ------------------------------------------------------
     def save(self, path: str | os.PathLike[str], **options: Any) -> None:

@@ -203,7 +203,7 @@ def load_paged_cache(
         raise ValueError(
             f"config: the cache was filled under {filled_under}, which stores "
             f"{'real tokens only' if state['real_tokens_only'] else 'padding too'}; "
-            f"this config uses attn_implementation={cache.config._attn_implementation!r}"
+            f"this config uses attn_implementation={cache.attn_implementation!r}"
         )
     per_row = info.pages_per_row()
     for g, group in enumerate(info.groups):

@@ -100,6 +100,28 @@ class PagedLayer(CacheLayerMixin):
         cache.layer_done(self.layer_idx, batch)
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
 
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """A copy of the K this layer holds, read from the pages (`PagedCache.held_kv`), for code that
+        reads a cache layer's tensors between steps (Whisper's `generate` returning its cache per row).
+        Writing into it does not change the cache."""
+        held = self.cache.held_kv(self.pool_layer)
+        return None if held is None else held[0]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        _refuse_assignment(value, "keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """A copy of the V this layer holds (see `keys`)."""
+        held = self.cache.held_kv(self.pool_layer)
+        return None if held is None else held[1]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        _refuse_assignment(value, "values")
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """K/V always span `max_cache_len` columns (what `update` returns)."""
         return self.cache.max_cache_len, 0
@@ -114,6 +136,12 @@ class PagedLayer(CacheLayerMixin):
         return self.cache.max_cache_len
 
     get_max_cache_shape = get_max_length  # the abstract name before transformers 5.13
+
+
+def _refuse_assignment(value: torch.Tensor | None, name: str) -> None:
+    """`CacheLayerMixin` sets `keys` and `values` to None; a tensor set there would never reach the pages."""
+    if value is not None:
+        raise ValueError(f"{name}: a PagedCache layer's K/V live in its pages; store them through update()")
 
 
 def token_rows(states: torch.Tensor) -> torch.Tensor:

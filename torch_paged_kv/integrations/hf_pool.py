@@ -102,6 +102,19 @@ class CachePool:
         )  # fmt: skip
         return GroupStepPlan(plans, self.groups.layer_map)
 
+    def held_plan(self, batch: int, pool_layer: int) -> GroupStepPlan:
+        """A plan of no new tokens over the first `batch` rows, to read what they hold between steps; its
+        call at `pool_layer` checks it."""
+        steps = self.groups.step_tensors(batch)
+        no_tokens = torch.zeros(batch + 1, dtype=torch.int32, device=self.device)
+        group, local = self.groups.layer_map[pool_layer]
+        plans = tuple(
+            StepPlan(c.blocks, StepTensors(step.cache_lengths, step.lookup_table, no_tokens), c.scales,
+                     first_layer=local if g == group else 0)
+            for g, (c, step) in enumerate(zip(self.groups.collections, steps, strict=True))
+        )  # fmt: skip
+        return GroupStepPlan(plans, self.groups.layer_map)
+
     def gather(
         self, plan: GroupStepPlan, pool_layer: int, columns: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,12 @@ that the model's attention does not apply, once a row can outgrow it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from typing import Any
 
+import torch
 from torch import Tensor
 
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -63,6 +65,8 @@ OWN_CACHE_USE_MODEL_TYPES = {
     "git": "widens a padded batch's mask over image tokens it never cached, aligned by the count of keys",
     "prophetnet": "builds its n-gram attention bias for as many keys as the cache returns",
     "dory": "copies the cache's layers for its recurrent loops (or reads their `keys` and `values`)",
+    "led": "builds no mask for a one-token step, so its decode steps attend to every key column the cache returns",
+    "fsmt": "attends with its own code and masks, made for the tokens so far, over every key column the cache returns",
 }
 """Model types whose own code assumes transformers' `DynamicCache`: its layers, or keys that are exactly
 the tokens so far, where `PagedCache`'s layers are views of one pool returning `max_cache_len` columns."""
@@ -88,6 +92,11 @@ OLD_MASK_MODEL_TYPES = {
 """Model types whose code in transformers older than the version named does not follow a compileable
 cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers; found by the sweep
 on 5.5.4, 5.17, 5.18.0, 5.19.0 and 5.20.2; each bound is the oldest version the sweep found exact)."""
+PAGED_UNSERVED_MODEL_TYPES = {
+    "t5gemma2_decoder": "attends over its self-attention and cross-attention keys in one call (one mask over both)",
+}
+"""Model types (of the config a cache serves) whose attention `paged_kv` cannot apply, though they are on
+transformers' attention interface: refused under `paged_kv` only (found by the encoder-decoder sweep)."""
 DOUBLE_SLIDING_KV_HEADS_MODEL_TYPES = ("mimo_v2_flash",)
 """Model types whose sliding-window layers have twice `config.num_key_value_heads` K/V heads."""
 WINDOW_UNUSED_MODEL_TYPES = ("moshi",)
@@ -175,6 +184,26 @@ def _per_layer(config: Any, name: str, layers: list[int]) -> dict[int, Any]:
     if not glob or not types:
         return dict.fromkeys(layers, value)
     return {i: value if types[i] == "sliding_attention" else glob for i in layers}
+
+
+def decoder_config(config: Any) -> Any:
+    """The config of the layers a cache serves: `config.get_text_config(decoder=True)` (a composite
+    model's text config; a flat encoder-decoder config's decoder view, `decoder_layers` and
+    `decoder_attention_heads` as its `num_hidden_layers` and `num_attention_heads`), with the T5 family's
+    `num_decoder_layers` as its layer count, which that view does not map."""
+    text = config.get_text_config(decoder=True)
+    layers = getattr(config, "num_decoder_layers", None)
+    if not isinstance(layers, int) or layers == text.num_hidden_layers:
+        return text
+    text = copy.copy(text)  # (never the model's own config)
+    text.num_hidden_layers = layers
+    return text
+
+
+def has_cross_attention(config: Any) -> bool:
+    """Whether the model's decoder layers also attend to an encoder's states (an encoder-decoder model, or
+    a decoder given `add_cross_attention`): transformers then caches both in an `EncoderDecoderCache`."""
+    return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
 
 
 def attention_layers(config: Any) -> tuple[list[int], list[int]]:
@@ -295,21 +324,11 @@ def check_config(config: Any, paged: bool) -> None:
         )
     if not paged:
         return
-    if not on_attention_interface(config):
-        raise ValueError(
-            f"config.model_type: {model_type!r} models do not call transformers' attention interface, so "
-            "attn_implementation='paged_kv' cannot reach them; use PagedCache with the model's default attention"
-        )
+    check_mask_config(config)
     if not types and getattr(config, "attention_chunk_size", None):
         raise ValueError(
             f"config.layer_types: missing, so which layers attend within chunks of {config.attention_chunk_size} "
             "tokens (config.attention_chunk_size) is unknown; paged_kv needs it per layer"
-        )
-    bidirectional = getattr(config, "use_bidirectional_attention", None)
-    if bidirectional and bidirectional != "vision":
-        raise ValueError(
-            f"config.use_bidirectional_attention: {bidirectional!r} makes the attention non-causal; paged_kv "
-            "attends causally only"
         )
     if is_mla(config) and model_type not in MLA_MODEL_TYPES + SPARSE_MLA_MODEL_TYPES:
         raise ValueError(
@@ -416,6 +435,29 @@ def check_unapplied_kwargs(module: Any, kwargs: dict[str, Any]) -> None:
         raise ValueError(
             f"attn_implementation: {type(module).__name__} passes the attention {unapplied}, which paged_kv does "
             "not apply; use the model's default attention"
+        )
+
+
+def check_mask_config(config: Any) -> None:
+    """When a mask is made under `paged_kv` (before the step's first layer): refuse a model whose attention
+    `paged_kv` would not reach or apply (a config that named `paged_kv` after the cache was built included)."""
+    if not torch.compiler.is_compiling() and not on_attention_interface(config):
+        raise ValueError(
+            f"config.model_type: {config.model_type!r} models do not call transformers' attention interface, "
+            "so attn_implementation='paged_kv' would change their masks but not their attention; use the model's "
+            "default attention"
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type in PAGED_UNSERVED_MODEL_TYPES:
+        raise ValueError(
+            f"config.model_type: {model_type!r} {PAGED_UNSERVED_MODEL_TYPES[model_type]}; use PagedCache with the "
+            "model's default attention"
+        )
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if bidirectional and bidirectional != "vision":
+        raise ValueError(
+            f"config.use_bidirectional_attention: {bidirectional!r} makes the attention non-causal; paged_kv "
+            "attends causally only"
         )
 
 
