@@ -110,8 +110,6 @@ struct Scratch {
 
 thread_local Scratch tls_scratch;
 
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
 // A tree step's position of new token t of sequence b, as a query and as a key: cached + its depth - 1
 // (depth: the bits of its mask, itself and its ancestors; a mask that also names later tokens, which
 // the checks take, puts it past its place in the step, cached + t).

@@ -1,49 +1,40 @@
-// attention.h: flash_attention: the work items (sequences, kv heads, token blocks, key ranges split
-// where there are too few items for the threads), run on the threads, and the merge of split ranges.
+// attention.h: flash_attention: the work items (sequences, kv heads, token blocks, their key ranges),
+// split and run on the threads by work_split.h, and the merge of split ranges.
 // Part of kernels.cpp's one translation unit (see there); everything is in its anonymous namespace.
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "args.h"
 #include "attend_item.h"
 #include "parallel.h"
+#include "work_split.h"
 
 namespace {
 
-struct Task {  // the rows of an Item whose key range is split over `parts` items, from slot `first_part`
-  int32_t b, h0, h1, q0, nq;
-  int64_t first_part, parts;
-};
-
-thread_local Floats tls_partials;
-thread_local Floats tls_merged_row;  // merge_task's accumulator
-thread_local std::vector<Item> tls_spans, tls_items;
-thread_local std::vector<Task> tls_tasks;
-thread_local std::vector<std::atomic<int64_t>> tls_remaining;
+thread_local Floats tls_merged_row;  // the merges' accumulator (merge_task, mla_merge)
 
 template <int DT>
-void merge_task(const AttnArgs& a, const Task& task, const float* partials, int64_t part_stride) {
+void merge_task(const AttnArgs& a, const SplitTask<Item>& task, const float* partials, int64_t part_stride) {
   using T = typename Storage<scalar_dtype<DT>()>::T;  // of the output
   const int64_t D = a.geo.head_dim, group = a.q_heads / a.geo.kv_heads;
-  const int64_t per_head = static_cast<int64_t>(task.nq) * group, rows = (task.h1 - task.h0) * per_head;
+  const Item& it = task.span;
+  const int64_t per_head = static_cast<int64_t>(it.nq) * group, rows = (it.h1 - it.h0) * per_head;
   const RowMap map{group, per_head};
-  const Item it{task.b, task.h0, task.h1, task.q0, task.nq, 0, 0, -1, -1};
   Floats& acc = tls_merged_row;
   if (static_cast<int64_t>(acc.size()) < D) acc.resize(D);
   T* obase = static_cast<T*>(a.out);
-  const int64_t row0 = a.offsets[task.b] + task.q0;
+  const int64_t row0 = a.offsets[it.b] + it.q0;
   for (int64_t r = 0; r < rows; ++r) {
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < task.parts; ++s) {
-      m = std::max(m, partials[(task.first_part + s) * part_stride + rows * D + r]);
+      m = std::max(m, partials[(task.first + s) * part_stride + rows * D + r]);
     }
     std::fill(acc.begin(), acc.begin() + D, 0.0f);
     float l = 0.0f;
     for (int64_t s = 0; s < task.parts; ++s) {
-      const float* src = partials + (task.first_part + s) * part_stride;
+      const float* src = partials + (task.first + s) * part_stride;
       const float ls = src[rows * D + rows + r];
       if (ls == 0.0f) continue;
       const float w = std::exp(src[rows * D + r] - m);
@@ -67,7 +58,8 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
   // An item: about ROWS_PER_ITEM query rows. A decode row block (one token) spans every kv head,
   // so one item reads whole token rows of the pages (contiguous); prefill blocks take one head.
   const int64_t tokens_per_item = std::max<int64_t>(1, ROWS_PER_ITEM / group);
-  std::vector<Item>& spans = tls_spans;  // reused: no allocation per call
+  WorkSplit<Item>& w = thread_work_split<Item>();
+  std::vector<Item>& spans = w.spans;
   spans.clear();
   // Items in the order sequence, kv head, token block: two threads then write different pages of
   // the output. Ordered by token block, both wrote the same 4 KiB pages (a token's row holds every
@@ -100,49 +92,9 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
     }
   }
   const int threads = thread_count(nthreads, work * a.geo.head_dim, static_cast<double>(tune.min_work));
-  // Split long key ranges when there are too few items to keep every thread busy.
-  const int64_t min_split = std::max<int64_t>(tune.min_split, 1);
-  // Several items per thread: a thread the OS takes away mid-call (other work on the machine) then
-  // holds up only a small share, which the others pick up (dynamic schedule).
-  const int64_t want = tune.want_items > 0 ? tune.want_items : threads > 1 ? 8 * threads : 1;
-  const int64_t n_spans = static_cast<int64_t>(spans.size());
-  std::vector<Item>& items = tls_items;
-  std::vector<Task>& tasks = tls_tasks;
-  items.clear();
-  tasks.clear();
-  int64_t parts = 0, max_rows = 0;
-  for (const Item& sp : spans) {
-    const int64_t keys = std::max<int64_t>(sp.k1 - sp.k0, 0);
-    int64_t splits = 1;
-    if (n_spans < want && keys >= 2 * min_split) {
-      splits = std::min<int64_t>((want + n_spans - 1) / n_spans, keys / min_split);
-    }
-    max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(sp.h1 - sp.h0) * sp.nq * group);
-    if (splits <= 1) {
-      items.push_back(sp);
-      continue;
-    }
-    const int64_t chunk = round_up((keys + splits - 1) / splits, 16);
-    Task task{sp.b, sp.h0, sp.h1, sp.q0, sp.nq, parts, 0};
-    const int64_t task_index = static_cast<int64_t>(tasks.size());
-    for (int64_t k = sp.k0; k < sp.k1; k += chunk) {
-      items.push_back({sp.b, sp.h0, sp.h1, sp.q0, sp.nq, k, std::min(sp.k1, k + chunk), parts++, task_index});
-      task.parts++;
-    }
-    tasks.push_back(task);
-  }
-  const int64_t part_stride = max_rows * (a.geo.head_dim + 2);
-  Floats& partials = tls_partials;
-  if (parts > 0 && static_cast<int64_t>(partials.size()) < parts * part_stride) partials.resize(parts * part_stride);
-  float* pp = partials.data();
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  // A split task is merged by the thread that finishes its last part: one parallel loop, no
-  // barrier between the parts and the merges (each barrier waits for the slowest thread).
-  std::vector<std::atomic<int64_t>>& remaining = tls_remaining;
-  if (remaining.size() < tasks.size()) remaining = std::vector<std::atomic<int64_t>>(tasks.size());
-  for (size_t t = 0; t < tasks.size(); ++t) remaining[t].store(tasks[t].parts, std::memory_order_relaxed);
-  parallel_for<true>(n_items, threads, [&](int64_t i) {
-    const Item& it = items[i];
+  split_spans(w, tune.min_split, tune.want_items, threads, 16, a.geo.head_dim,
+              [&](const Item& sp) { return static_cast<int64_t>(sp.h1 - sp.h0) * sp.nq * group; });
+  auto attend = [&](const Item& it, float* pp, int64_t part_stride) {
     if constexpr (bf16_dot<DT>() && is_fp8<DT>()) {  // prefill-shaped: codes staged as bf16, keys-major bf16 tiles
       if (static_cast<int64_t>(it.nq) * group >= keys_major_rows<BF16_PAIRS>()) {
         attend_item<BF16_PAIRS>(a, it, pp, part_stride);
@@ -158,9 +110,9 @@ void flash_attention(const AttnArgs& a, const Tuning& tune, int nthreads) {
     } else {
       attend_item<DT>(a, it, pp, part_stride);
     }
-    if (it.part >= 0 && remaining[it.task].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      merge_task<DT>(a, tasks[it.task], pp, part_stride);
-    }
+  };
+  run_items(w, threads, attend, [&](const SplitTask<Item>& task, const float* pp, int64_t part_stride) {
+    merge_task<DT>(a, task, pp, part_stride);
   });
 }
 

@@ -38,6 +38,8 @@
 //   tiles_rows.h        dot-product micro-kernels (decode-shaped items)
 //   tiles_keys_major.h  keys-major micro-kernels and their softmax (prefill-shaped items)
 //   parallel.h          thread count and the parallel loop
+//   work_split.h        the attention kernels' work split: key ranges split into parts where there
+//                       are too few items, the items run on the threads, the parts merged
 //   attend_item.h       one work item: its query rows, then per key block scores, mask, online
 //                       softmax and P V
 //   attention.h         flash_attention: the work items on the threads, the merge of split ranges

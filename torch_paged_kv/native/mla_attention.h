@@ -11,17 +11,16 @@
 // tiles): small GEMMs whose M is the item's rows (padded to whole 4-row tiles). With AVX512-BF16,
 // bf16 queries over bf16 rows or FP8 latents of one scale per token take the scores as bf16 dot
 // products instead (mla_scores_dot: the rows also staged as bf16 values). Key ranges are split over
-// items when there are too few items for the threads (decode), each part's unnormalised rows merged
-// by the thread that finishes a task's last part (as flash_attention does).
+// items when there are too few items for the threads (decode), and the parts merged (work_split.h).
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "args.h"
 #include "attention.h"
 #include "parallel.h"
+#include "work_split.h"
 
 namespace {
 
@@ -353,10 +352,11 @@ void mla_item(const MlaCall& c, const MlaItem& it, float* partials, int64_t part
   }
 }
 
-// The parts of a split item (`span`, parts first .. first + parts - 1) merged into out.
-void mla_merge(const MlaCall& c, const MlaItem& span, int64_t first, int64_t parts, const float* partials,
-               int64_t part_stride) {
+// The parts of a split item merged into out.
+void mla_merge(const MlaCall& c, const SplitTask<MlaItem>& task, const float* partials, int64_t part_stride) {
   const PkvMlaAttentionArgs& a = *c.in;
+  const MlaItem& span = task.span;
+  const int64_t first = task.first, parts = task.parts;
   const int64_t rows = static_cast<int64_t>(span.nt) * span.nh, Rp = c.Rp;
   Floats& acc = tls_merged_row;
   if (static_cast<int64_t>(acc.size()) < Rp) acc.resize(Rp);
@@ -387,16 +387,6 @@ void mla_merge(const MlaCall& c, const MlaItem& span, int64_t first, int64_t par
     }
   }
 }
-
-struct MlaTask {  // a split item: its span and its parts
-  MlaItem span;
-  int64_t first, parts;
-};
-
-thread_local std::vector<MlaItem> tls_mla_spans, tls_mla_items;
-thread_local std::vector<MlaTask> tls_mla_tasks;
-thread_local std::vector<std::atomic<int64_t>> tls_mla_remaining;
-thread_local Floats tls_mla_partials;
 
 void run_mla_attention(const PkvMlaAttentionArgs& a) {
   MlaCall c;
@@ -431,7 +421,8 @@ void run_mla_attention(const PkvMlaAttentionArgs& a) {
   // Items of about MLA_ROWS rows: every head of a few tokens, or (many heads) blocks of heads of one token.
   const int64_t head_blocks = (H + MLA_ROWS - 1) / MLA_ROWS, per_block = (H + head_blocks - 1) / head_blocks;
   const int64_t tokens = sparse ? 1 : std::max<int64_t>(1, MLA_ROWS / H);
-  std::vector<MlaItem>& spans = tls_mla_spans;
+  WorkSplit<MlaItem>& w = thread_work_split<MlaItem>();
+  std::vector<MlaItem>& spans = w.spans;
   spans.clear();
   double work = 0;
   for (int64_t b = 0; b < a.batch; ++b) {
@@ -447,44 +438,8 @@ void run_mla_attention(const PkvMlaAttentionArgs& a) {
     }
   }
   const int threads = thread_count(static_cast<int>(a.threads), work, static_cast<double>(a.min_work));
-  const int64_t min_split = std::max<int64_t>(a.min_split, 1);
-  const int64_t want = a.want_items > 0 ? a.want_items : threads > 1 ? 8 * threads : 1;
-  const int64_t n_spans = static_cast<int64_t>(spans.size());
-  std::vector<MlaItem>& items = tls_mla_items;
-  std::vector<MlaTask>& tasks = tls_mla_tasks;
-  items.clear();
-  tasks.clear();
-  int64_t parts = 0, max_rows = 0;
-  for (const MlaItem& sp : spans) {
-    const int64_t keys = sp.k1 - sp.k0;
-    int64_t splits = 1;
-    if (n_spans < want && keys >= 2 * min_split) {
-      splits = std::min<int64_t>((want + n_spans - 1) / n_spans, keys / min_split);
-    }
-    if (splits <= 1) {
-      items.push_back(sp);
-      continue;
-    }
-    max_rows = std::max<int64_t>(max_rows, static_cast<int64_t>(sp.nt) * sp.nh);
-    const int64_t chunk = round_up((keys + splits - 1) / splits, MLA_KEYS);
-    MlaTask task{sp, parts, 0};
-    for (int64_t k = sp.k0; k < sp.k1; k += chunk) {
-      MlaItem part = sp;
-      part.k0 = k;
-      part.k1 = std::min(sp.k1, k + chunk);
-      part.part = parts++;
-      part.task = static_cast<int64_t>(tasks.size());
-      items.push_back(part);
-      task.parts++;
-    }
-    tasks.push_back(task);
-  }
-  const int64_t part_stride = max_rows * (c.Rp + 2);
-  Floats& partials = tls_mla_partials;
-  if (parts > 0 && static_cast<int64_t>(partials.size()) < parts * part_stride) partials.resize(parts * part_stride);
-  std::vector<std::atomic<int64_t>>& remaining = tls_mla_remaining;
-  if (remaining.size() < tasks.size()) remaining = std::vector<std::atomic<int64_t>>(tasks.size());
-  for (size_t t = 0; t < tasks.size(); ++t) remaining[t].store(tasks[t].parts, std::memory_order_relaxed);
+  split_spans(w, a.min_split, a.want_items, threads, MLA_KEYS, c.Rp,
+              [](const MlaItem& sp) { return static_cast<int64_t>(sp.nt) * sp.nh; });
   switch (a.fp8 ? (a.fp8 == E4M3FN ? FP8_E4M3FN : FP8_E5M2) : static_cast<int>(a.dtype)) {
     case FP8_E4M3FN: c.stage = stage_row<FP8_E4M3FN>; break;
     case FP8_E5M2: c.stage = stage_row<FP8_E5M2>; break;
@@ -492,15 +447,11 @@ void run_mla_attention(const PkvMlaAttentionArgs& a) {
     case BF16: c.stage = stage_row<BF16>; break;
     default: c.stage = stage_row<F16>; break;
   }
-  float* pp = partials.data();
-  parallel_for<true>(static_cast<int64_t>(items.size()), threads, [&](int64_t i) {
-    const MlaItem& it = items[i];
-    mla_item(c, it, pp, part_stride);
-    if (it.part >= 0 && remaining[it.task].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      const MlaTask& task = tasks[it.task];
-      mla_merge(c, task.span, task.first, task.parts, pp, part_stride);
-    }
-  });
+  run_items(
+      w, threads, [&](const MlaItem& it, float* pp, int64_t part_stride) { mla_item(c, it, pp, part_stride); },
+      [&](const SplitTask<MlaItem>& task, const float* pp, int64_t part_stride) {
+        mla_merge(c, task, pp, part_stride);
+      });
 }
 
 }  // namespace

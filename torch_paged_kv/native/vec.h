@@ -83,6 +83,8 @@ struct LineAligned {
 };
 using Floats = std::vector<float, LineAligned<float>>;
 
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 // exp(x) for x <= 0 (its callers': scores minus their max), about 2 ulp (Cephes' polynomial); 0
 // below -87.3, so exp(-inf) = 0 and no subnormal comes out (FMAs that take one run far slower);
 // NaN stays NaN. With AVX-512, `vscalefps` applies the power of two instead of the integer steps
