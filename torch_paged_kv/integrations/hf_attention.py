@@ -205,10 +205,12 @@ def paged_kv_attention(
             k, v = token_rows(pending.key), token_rows(pending.value)
             plan.store_kv(k if real is None else k[real], v if real is None else v[real], layer.pool_layer)
         if overlay is None:
+            # a window the call does not pass is its layer group's: the model's mask applied it (Kyutai's, made
+            # by generate from config.sliding_window), and the group gave back the pages outside it
+            window = sliding_window or cache.layer_windows[layer.pool_layer] or -1
             out = plan.flash_attention(
-                q, layer.pool_layer, scale, True, sliding_window or -1, softcap or 0.0, sinks,
-                attention_chunk_size(module),
-            )  # fmt: skip
+                q, layer.pool_layer, scale, True, window, softcap or 0.0, sinks, attention_chunk_size(module)
+            )
         else:
             out = _overlaid_attention(cache.gather(plan, layer.pool_layer, query.dtype), query, overlay, mask, scale)
             out = out if real is None else out[real]

@@ -187,6 +187,10 @@ class PagedCache(Cache):
             self.group_shapes.append(shape)
             self.group_layers.append(members)
         self.is_mla = self.group_shapes[0].is_mla
+        window_of = {
+            i: s.sliding_window for s, ls in zip(self.group_shapes, self.group_layers, strict=True) for i in ls
+        }
+        self.layer_windows = [window_of[i] for i in self.cached_layers]  # per pool layer: its group's window
         self.num_kv_heads, self.head_dim = self.group_shapes[0].num_kv_heads, self.group_shapes[0].head_dim  # the
         # config's; a one-group cache takes the keys' at the first step (a model may differ: Falcon's multi_query)
         self.page_size = page_size

@@ -94,6 +94,9 @@ cache's `max_cache_len` key columns (wrong tokens or a crash inside transformers
 on 5.5.4, 5.17, 5.18.0, 5.19.0 and 5.20.2; each bound is the oldest version the sweep found exact)."""
 PAGED_UNSERVED_MODEL_TYPES = {
     "t5gemma2_decoder": "attends over its self-attention and cross-attention keys in one call (one mask over both)",
+    "voxtral_realtime_encoder": "caches its streaming audio encoder's K/V in a DynamicCache of its own, which "
+    "paged_kv cannot attend from (set paged_kv on the text model only: "
+    "attn_implementation={'text_config': 'paged_kv', 'audio_config': 'sdpa'})",
 }
 """Model types (of the config a cache serves) whose attention `paged_kv` cannot apply, though they are on
 transformers' attention interface: refused under `paged_kv` only (found by the encoder-decoder sweep)."""
