@@ -119,6 +119,22 @@ VIBEVOICE_TOKENIZER = dict(
     hidden_size=8, num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1], kernel_size=3, initializer_range=0.2
 )
 SHORTER = "the second row's audio shorter (padded frames masked in the encoder, fewer tokens)"
+NEMOTRON_AUDIO = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+)
+NEMOTRON_ASR = dict(NEMOTRON_AUDIO, num_mel_bins=8, subsampling_factor=4)
+
+
+def frames_last(rows: int, g: torch.Generator) -> dict[str, Any]:
+    """`mel(8, 16, 12, "input_features_mask")` with the frames before the mel bins (`[rows, 16, 8]`)."""
+    features = mel(8, 16, 12, "input_features_mask")(rows, g)
+    return {**features, "input_features": features["input_features"].transpose(1, 2)}
 
 
 def family(name: str, config: str, model: str, kwargs: dict[str, Any], audio: Images, **more: Any) -> VisionFamily:
@@ -354,6 +370,48 @@ FAMILIES: tuple[VisionFamily, ...] = (
         Images(pixels=waveform(16, 12, "padding_mask", sample=False), **blocks(4, 3, bounds=True)),
         notes="convolutional acoustic and semantic tokenizers of the waveform (`sample=False`: no noise); default "
         "attention `eager` (transformers cannot set `sdpa` on the whole model: its tokenizers have none); " + SHORTER,
+    ),
+    family(
+        "Nemotron-3.5-Transcribe",
+        "Nemotron3_5TranscribeConfig",
+        "Nemotron3_5TranscribeForConditionalGeneration",
+        dict(
+            text_config=dict(
+                TEXT,
+                model_type="nemotron_h",
+                num_hidden_layers=4,
+                layer_types=["linear_attention", "full_attention", "moe", "full_attention"],
+                mamba_num_heads=4,
+                mamba_head_dim=16,
+                ssm_state_size=8,
+                n_groups=1,
+                conv_kernel=4,
+                expand=1,
+                chunk_size=8,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                moe_shared_expert_intermediate_size=32,
+                use_mamba_kernels=False,
+            ),
+            audio_config=dict(
+                asr_config=NEMOTRON_ASR,
+                diarization_config=dict(
+                    audio_config=NEMOTRON_ASR,
+                    head_config=dict(hidden_size=16, num_speakers=2, audio_hidden_size=32, subsampling_factor=4),
+                    streaming_config=dict(num_speakers=2, subsampling_factor=4),
+                    chunk_length=8,
+                    chunk_right_context=2,
+                    chunk_left_context=2,
+                ),
+            ),
+            word_timestamp_config=dict(NEMOTRON_AUDIO, vocab_size=16, blank_token_id=15),
+            audio_token_id=AUDIO,
+        ),
+        Images(pixels=frames_last, **blocks(4, 3)),
+        notes="speech encoder (rotary positions, 4 frames stacked per token) beside a diarization model whose "
+        "speaker activities are added to its outputs; hybrid Nemotron-H text model (a Mamba layer's states "
+        "beside the pages, an MoE layer); " + SHORTER,
     ),
 )
 
