@@ -112,8 +112,9 @@ CONFORMER = dict(
 )
 CONFORMER_AUDIO = Images(pixels=lambda rows, g: {"input_features": torch.randn(rows, 8, 8, generator=g)}, **blocks(4))
 CONFORMER_NOTE = (
-    "Conformer encoder (its own attention, Shaw's relative positions: not on the attention interface, so "
-    "`paged_kv` there is set on the config as a config naming it is), Q-Former projector over windows of 4 frames"
+    "Conformer encoder with its own attention code (Shaw's relative positions; off the attention interface, so "
+    "`set_attn_implementation` declines `paged_kv` on a loaded model: set at load time, or on the config), Q-Former "
+    "projector over windows of 4 frames"
 )
 VIBEVOICE_TOKENIZER = dict(
     hidden_size=8, num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1], kernel_size=3, initializer_range=0.2
@@ -369,7 +370,8 @@ FAMILIES: tuple[VisionFamily, ...] = (
         ),
         Images(pixels=waveform(16, 12, "padding_mask", sample=False), **blocks(4, 3, bounds=True)),
         notes="convolutional acoustic and semantic tokenizers of the waveform (`sample=False`: no noise); default "
-        "attention `eager` (transformers cannot set `sdpa` on the whole model: its tokenizers have none); " + SHORTER,
+        "attention `eager` (transformers cannot set `sdpa` on the whole model: its tokenizers have none); the second "
+        "row's audio shorter (fewer tokens)",
     ),
     family(
         "Nemotron-3.5-Transcribe",
