@@ -79,6 +79,7 @@ class VisionFamily:
     paged_kv: Outcome = EXACT
     notes: str = ""
     reference: str = "DynamicCache"  # the oracle: transformers' "DynamicCache", or "StaticCache" (see its notes)
+    modality: str = "image"  # what `images` holds, as failures name it (the audio matrix's families: "audio")
 
     def expected(self, column: str) -> Outcome:
         return getattr(self, column)
@@ -713,10 +714,11 @@ def image_reaches(family: VisionFamily) -> str | None:
                     warnings.simplefilter("ignore")
                     logits.append(unmasked(model(**inputs).logits[:, -1]))
             except Exception as e:  # the family's config or inputs are wrong
-                _image_checks[family.name] = f"image check failed: {e!r}"[:300]
+                _image_checks[family.name] = f"{family.modality} check failed: {e!r}"[:300]
                 return _image_checks[family.name]
         change = (logits[0] - logits[1]).abs().max().item() / logits[0].abs().max().item()
-        _image_checks[family.name] = None if change > IMAGE_EFFECT else f"image ignored (logits change {change:.1e})"
+        ignored = f"{family.modality} ignored (logits change {change:.1e})"
+        _image_checks[family.name] = None if change > IMAGE_EFFECT else ignored
     return _image_checks[family.name]
 
 
@@ -775,38 +777,42 @@ def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> lis
         set_attention(model, default_attn)
 
 
-def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[VisionFamily, str, str]]:
-    chosen = [f for f in FAMILIES if families is None or f.name in families]
+def all_cells(families=None, columns=COLUMNS, modes=MODES, among=None) -> list[tuple[VisionFamily, str, str]]:
+    """The cells of `families` (names; None: all) of `among` (default: `FAMILIES`)."""
+    chosen = [f for f in (FAMILIES if among is None else among) if families is None or f.name in families]
     return [(f, c, m) for f in chosen for c in columns for m in modes]
 
 
 # -- the docs table --------------------------------------------------------------------------------
-def markdown_table() -> str:
-    """The "Vision-language models" table of docs/transformers.md, from the declarations above."""
+def markdown_table(families: tuple[VisionFamily, ...] | None = None) -> str:
+    """The "Vision-language models" table of docs/transformers.md (of `families`: another matrix's), from the
+    declarations."""
     lines = [
         "| family | transformers model | default attention + `PagedCache` | `paged_kv` + `PagedCache` | notes |",
         "|---|---|---|---|---|",
     ]
-    for f in FAMILIES:
+    for f in FAMILIES if families is None else families:
         cells = [matrix._table_cell(f.expected(c)) for c in COLUMNS]
         lines.append(f"| {f.name} | `{f.model}` | {cells[0]} | {cells[1]} | {f.notes} |")
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(families: tuple[VisionFamily, ...] | None = None, doc: str | None = None) -> int:
+    """The command line of this matrix, or of another one's `families` (its module docstring: `doc`)."""
+    families = FAMILIES if families is None else families
+    parser = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
     parser.add_argument("--family", action="append", help="family name (repeatable); default: all")
     parser.add_argument("--mode", action="append", choices=MODES)
     parser.add_argument("--column", action="append", choices=COLUMNS)
     parser.add_argument("--markdown", action="store_true", help="print the docs table and exit")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_table(), end="")
+        print(markdown_table(families), end="")
         return 0
     import torch_paged_kv.integrations.transformers  # noqa: F401  (registers paged_kv)
 
     torch.set_num_threads(1)
-    cells = [(f, c, m) for f, c, m in all_cells(args.family, args.column or COLUMNS, args.mode or MODES)]
+    cells = [(f, c, m) for f, c, m in all_cells(args.family, args.column or COLUMNS, args.mode or MODES, families)]
     cells = [cell for cell in cells if cell[0].available()]
     failures = 0
     for family, column, mode in cells:
