@@ -183,14 +183,13 @@ class PagedCache(Cache):
         self.max_step_tokens = max_step_tokens
         self.group_shapes: list[CacheShape] = []
         self.group_layers: list[list[int]] = []
+        self.layer_windows: list[int | None] = [None] * len(self.cached_layers)  # per pool layer: its group's
         for shape, members in cache_groups(cfg, self.cached_layers, max_cache_len):
             self.group_shapes.append(shape)
             self.group_layers.append(members)
+            for j in members:
+                self.layer_windows[j] = shape.sliding_window
         self.is_mla = self.group_shapes[0].is_mla
-        window_of = {
-            i: s.sliding_window for s, ls in zip(self.group_shapes, self.group_layers, strict=True) for i in ls
-        }
-        self.layer_windows = [window_of[i] for i in self.cached_layers]  # per pool layer: its group's window
         self.num_kv_heads, self.head_dim = self.group_shapes[0].num_kv_heads, self.group_shapes[0].head_dim  # the
         # config's; a one-group cache takes the keys' at the first step (a model may differ: Falcon's multi_query)
         self.page_size = page_size
