@@ -24,4 +24,5 @@ fi
 PYTHONPATH="$PWD" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_model_families.py tests/test_speculative_hf.py tests/test_hf_groups.py \
     tests/test_transformers.py tests/test_transformers_checkpoint.py tests/test_hf_states.py \
-    tests/test_hf_state_checkpoint.py tests/test_hf_indexed.py tests/test_hf_encoder_decoder.py "$@"
+    tests/test_hf_state_checkpoint.py tests/test_hf_indexed.py tests/test_hf_encoder_decoder.py \
+    tests/test_hf_streamed_audio.py "$@"

@@ -36,6 +36,7 @@ def _kyutai() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
         residual_kernel_size=3, codebook_size=16, codebook_dim=8, num_quantizers=2,
         vector_quantization_hidden_dimension=8, upsample_groups=16, num_hidden_layers=1, intermediate_size=32,
         num_attention_heads=2, num_key_value_heads=2, head_dim=8, sliding_window=16, sampling_rate=64,
+        model_type="mimi",  # (transformers < 5.24 builds the codec config from the dict by it)
     )  # fmt: skip
     config = transformers.KyutaiSpeechToTextConfig(
         codebook_vocab_size=17, vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
