@@ -16,7 +16,6 @@ each with `PagedCache.for_encoder_decoder`) run three modes: greedy (2 rows of 7
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -122,29 +121,20 @@ def own_cache() -> Any:
     return EncoderDecoderCache(DynamicCache(), DynamicCache())
 
 
-def cell(model: torch.nn.Module, column: str, mode: matrix.Mode, reference: list[matrix.Generated]) -> str:
-    """One cell's outcome, as `transformers_sweep.cell`'s."""
+def run_paged(model: torch.nn.Module, column: str, mode: matrix.Mode, caches: list) -> list[matrix.Generated]:
+    """The mode's `generate` over `PagedCache.for_encoder_decoder` (its paged part appended to `caches`) under
+    the column's attention; the model's attention restored afterwards."""
     from torch_paged_kv.integrations.transformers import PagedCache
 
-    caches: list[Any] = []
     default_attn = model.config._attn_implementation
     rows = len(mode.lengths) * max(mode.beams, model.generation_config.num_beams or 1)  # (FSMT: 5 beams)
     try:
         matrix.set_attention(model, default_attn if column == "default" else "paged_kv")
         cache = PagedCache.for_encoder_decoder(model.config, rows, 32, page_size=mode.page_size)
         caches.append(cache.self_attention_cache)
-        got = generate(model, cache, mode)
-    except Exception as e:
-        where = sweep._origin(e)
-        if matrix.stored(caches):
-            return f"CRASHED-AFTER-START: {type(e).__name__}: {e} [{where}]"[:400]
-        if isinstance(e, ValueError) and matrix.refusal(e, caches).startswith("refused"):
-            return matrix.refusal(e, caches)
-        return f"CRASHED: {type(e).__name__}: {e} [{where}]"[:400]
+        return generate(model, cache, mode)
     finally:
         matrix.set_attention(model, default_attn)
-    outcome = matrix.compare(got, reference)
-    return outcome if outcome == matrix.EXACT else f"WRONG: {outcome}"
 
 
 def sweep_one(model_type: str) -> dict[str, Any]:
@@ -158,33 +148,17 @@ def sweep_one(model_type: str) -> dict[str, Any]:
         inputs(model, MODES["greedy"])
     except Exception as e:
         return dict(cls="SKIPPED-UNBUILDABLE", why=f"build: {type(e).__name__}: {e}"[:300])
-    default_attn = model.config._attn_implementation
-    references = {}
-    for attn in dict.fromkeys((default_attn, "eager")):
-        for mode_name, mode in MODES.items():
-            try:
-                matrix.set_attention(model, attn)
-                references[attn, mode_name] = generate(model, own_cache(), mode)
-            except Exception as e:
-                why = f"own cache, {attn}, {mode_name}: {type(e).__name__}: {e} [{sweep._origin(e)}]"
-                return dict(cls="SKIPPED-UNBUILDABLE", why=why[:300])
-            finally:
-                matrix.set_attention(model, default_attn)
-    reference_attn = {"default": default_attn, "paged_kv": "eager"}
-    cells = {
-        (column, name): cell(model, column, mode, references[reference_attn[column], name])
-        for column in matrix.COLUMNS
-        for name, mode in MODES.items()
-    }
-    return dict(cls=sweep.classify(cells.values()), cells=cells, attn=default_attn, seconds=time.perf_counter() - start)
+    return sweep.run_cells(
+        model,
+        list(MODES),
+        lambda mode: generate(model, own_cache(), MODES[mode]),
+        lambda column, mode, caches: run_paged(model, column, MODES[mode], caches),
+        start,
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these model types only")
-    parser.add_argument("--markdown", action="store_true", help="one markdown table row per model")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model (default 300)")
-    parser.add_argument("--jobs", type=int, default=1, help="models run at once (default 1)")
+    parser = sweep.argument_parser(__doc__)
     args = parser.parse_args()
     import transformers
 

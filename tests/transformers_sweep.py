@@ -35,6 +35,7 @@ import time
 import traceback
 import warnings
 from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -267,11 +268,12 @@ class Unbuildable(Exception):
     """The tiny model cannot be built or cannot generate with its own cache."""
 
 
-def cell(model: torch.nn.Module, column: str, mode_name: str, reference) -> str:
-    """One cell's outcome: "exact", "refused (config.x)", or the defect ("WRONG: ...", "CRASHED...")."""
+def judge(run_paged: Callable[[list], list[matrix.Generated]], reference: list[matrix.Generated]) -> str:
+    """One cell's outcome: "exact", "refused (config.x)", or the defect ("WRONG: ...", "CRASHED..."), of
+    `run_paged(caches)` (which appends each `PagedCache` it builds to `caches`) against `reference`."""
     caches: list[Any] = []
     try:
-        got = matrix.run_paged(model, column, matrix.MODE_SPECS[mode_name], caches)
+        got = run_paged(caches)
     except Exception as e:
         where = _origin(e)
         if matrix.stored(caches):
@@ -281,6 +283,37 @@ def cell(model: torch.nn.Module, column: str, mode_name: str, reference) -> str:
         return f"CRASHED: {type(e).__name__}: {e} [{where}]"[:400]
     outcome = matrix.compare(got, reference)
     return outcome if outcome == matrix.EXACT else f"WRONG: {outcome}"
+
+
+def run_cells(
+    model: torch.nn.Module,
+    modes: Sequence[str],
+    run_reference: Callable[[str], list[matrix.Generated]],
+    run_paged: Callable[[str, str, list], list[matrix.Generated]],
+    start: float,
+) -> dict[str, Any]:
+    """The model's class and every cell's outcome: `run_reference(mode)` under the model's default attention
+    and under `eager` (the paged_kv column's oracle, as in the matrix), then `run_paged(column, mode, caches)`
+    judged against the column's reference. SKIPPED-UNBUILDABLE where a reference fails."""
+    default_attn = model.config._attn_implementation
+    references = {}
+    for attn in dict.fromkeys((default_attn, "eager")):
+        for mode in modes:
+            try:
+                matrix.set_attention(model, attn)
+                references[attn, mode] = run_reference(mode)
+            except Exception as e:
+                why = f"own cache, {attn}, {mode}: {type(e).__name__}: {e} [{_origin(e)}]"
+                return dict(cls="SKIPPED-UNBUILDABLE", why=why[:300])
+            finally:
+                matrix.set_attention(model, default_attn)
+    reference_attn = {"default": default_attn, "paged_kv": "eager"}
+    cells = {
+        (column, mode): judge(functools.partial(run_paged, column, mode), references[reference_attn[column], mode])
+        for column in matrix.COLUMNS
+        for mode in modes
+    }
+    return dict(cls=classify(cells.values()), cells=cells, attn=default_attn, seconds=time.perf_counter() - start)
 
 
 def _origin(error: Exception) -> str:
@@ -302,29 +335,18 @@ def sweep_one(model_type: str) -> dict[str, Any]:
         model = build(model_type)
     except Exception as e:
         return dict(cls="SKIPPED-UNBUILDABLE", why=f"build: {type(e).__name__}: {e}"[:300])
-    default_attn = model.config._attn_implementation
     family = matrix_families().get(model_type)
     static = family is not None and family.reference == "StaticCache"  # (top-k sparse attention: the matrix's)
-    references = {}  # (attention, mode) -> tokens over the model's own cache (or the family's StaticCache)
-    for attn in dict.fromkeys((default_attn, "eager")):  # the paged_kv column against eager, as the matrix
-        for mode_name in MODES:
-            spec = matrix.MODE_SPECS[mode_name]
-            try:
-                matrix.set_attention(model, attn)
-                own_cache = functools.partial(matrix.reference_cache, family, model, spec) if static else lambda: None
-                references[attn, mode_name] = matrix.run(model, own_cache, spec)
-            except Exception as e:
-                why = f"own cache, {attn}, {mode_name}: {type(e).__name__}: {e} [{_origin(e)}]"
-                return dict(cls="SKIPPED-UNBUILDABLE", why=why[:300])
-            finally:
-                matrix.set_attention(model, default_attn)
-    reference_attn = {"default": default_attn, "paged_kv": "eager"}
-    cells = {
-        (column, mode): cell(model, column, mode, references[reference_attn[column], mode])
-        for column in matrix.COLUMNS
-        for mode in MODES
-    }
-    return dict(cls=classify(cells.values()), cells=cells, attn=default_attn, seconds=time.perf_counter() - start)
+
+    def run_reference(mode: str) -> list[matrix.Generated]:  # over the model's own cache (or StaticCache)
+        spec = matrix.MODE_SPECS[mode]
+        own_cache = functools.partial(matrix.reference_cache, family, model, spec) if static else lambda: None
+        return matrix.run(model, own_cache, spec)
+
+    def run_paged(column: str, mode: str, caches: list) -> list[matrix.Generated]:
+        return matrix.run_paged(model, column, matrix.MODE_SPECS[mode], caches)
+
+    return run_cells(model, MODES, run_reference, run_paged, start)
 
 
 def classify(outcomes) -> str:
@@ -398,14 +420,20 @@ def run_all(types: list[str], sweep_fn, timeout: float, jobs: int, markdown: boo
     return counts
 
 
-def main() -> int:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def argument_parser(doc: str | None) -> argparse.ArgumentParser:
+    """A sweep's command line: `--only`, `--markdown`, `--timeout`, `--jobs`."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
     parser.add_argument("--only", nargs="+", metavar="MODEL_TYPE", help="these model types only")
     parser.add_argument("--markdown", action="store_true", help="one markdown table row per model")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model (default 300)")
     parser.add_argument("--jobs", type=int, default=1, help="models run at once (default 1)")
+    return parser
+
+
+def main() -> int:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argument_parser(__doc__)
     args = parser.parse_args()
     types = args.only or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     unknown = [t for t in types if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
