@@ -43,6 +43,17 @@ _backport_triton_interpreter_index()
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """torch on one thread for the test (tiny models: threads only add synchronisation, and spin for long on
+    a busy machine); the count before it restored after. Modules use it with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def force_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], None]:
     """`force_backend(name)` makes every op call of this test run backend `name` (None: the default
     order again), through `TORCH_PAGED_KV_BACKEND`; the setting ends with the test."""

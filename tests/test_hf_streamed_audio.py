@@ -22,12 +22,7 @@ for _name in ("KyutaiSpeechToTextConfig", "VoxtralRealtimeConfig"):
         pytest.skip(f"transformers {transformers.__version__} has no {_name}", allow_module_level=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models
 
 
 def _kyutai() -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

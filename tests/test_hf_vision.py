@@ -34,13 +34,7 @@ CI_FAMILIES = (*OVERLAYS, "Qwen2-VL", "LLaVA")
 CELLS = vm.all_cells(CI_FAMILIES, modes=("greedy", "batch")) + vm.all_cells(("Qwen2-VL",), modes=("continue",))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: threads only add synchronisation (and spin for long on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models
 
 
 def family(name: str) -> vm.VisionFamily:

@@ -43,13 +43,7 @@ needs_mla_kwargs = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: threads only add synchronisation (and spin for long on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models
 
 
 @pytest.mark.parametrize(
