@@ -739,8 +739,10 @@ def ci_cells() -> list[tuple[Family, str, str]]:
     return all_cells(modes=("greedy",)) + all_cells(ALL_MODES_FAMILIES, modes=MODES[1:])
 
 
-def all_cells(families=None, columns=COLUMNS, modes=MODES) -> list[tuple[Family, str, str]]:
-    chosen = [f for f in FAMILIES if families is None or f.name in families]
+def all_cells(families=None, columns=COLUMNS, modes=MODES, among=None) -> list[tuple[Any, str, str]]:
+    """The cells of `families` (names; None: all) of `among` (default: `FAMILIES`; the VLM and audio
+    matrices pass theirs)."""
+    chosen = [f for f in (FAMILIES if among is None else among) if families is None or f.name in families]
     return [(f, c, m) for f in chosen for c in columns for m in modes]
 
 
@@ -766,29 +768,41 @@ def _table_cell(outcome: Outcome, older: Sequence[tuple[str, Outcome]] = ()) -> 
     return text + "".join(f"; {when}: {_table_cell(o)}" for when, o in older)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(
+    doc: str,
+    modes: Sequence[str],
+    table: Callable[[], str],
+    cells: Callable[[Any, Sequence[str], Sequence[str]], list[tuple[Any, str, str]]],
+    run: Callable[[Any, str, str], CellResult],
+) -> int:
+    """A matrix's command line (`--family`, `--mode`, `--column`, `--markdown`): `table()` printed, or the
+    chosen `cells(families, columns, modes)` run (`run`) and judged; exit status 1 on any undeclared."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--family", action="append", help="family name (repeatable); default: all")
-    parser.add_argument("--mode", action="append", choices=MODES)
+    parser.add_argument("--mode", action="append", choices=modes)
     parser.add_argument("--column", action="append", choices=COLUMNS)
     parser.add_argument("--markdown", action="store_true", help="print the docs table and exit")
     args = parser.parse_args()
     if args.markdown:
-        print(markdown_table(), end="")
+        print(table(), end="")
         return 0
     import torch_paged_kv.integrations.transformers  # noqa: F401  (registers paged_kv)
 
-    cells = all_cells(args.family, args.column or COLUMNS, args.mode or MODES)
-    failures = 0
     torch.set_num_threads(1)  # tiny models: threads only add synchronisation (and spin on a busy machine)
-    cells = [(f, c, m) for f, c, m in cells if f.available()]
-    for family, column, mode in cells:
-        result = run_cell(family, column, mode)
+    chosen = [cell for cell in cells(args.family, args.column or COLUMNS, args.mode or modes) if cell[0].available()]
+    width = max((len(f.name) for f, _, _ in chosen), default=0)
+    failures = 0
+    for family, column, mode in chosen:
+        result = run(family, column, mode)
         failures += not result.ok
         flag = "ok  " if result.ok else "FAIL"
-        print(f"{flag} {family.name:34} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s)", flush=True)
-    print(f"{len(cells) - failures} of {len(cells)} cells as declared")
+        print(f"{flag} {family.name:{width}} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s)", flush=True)
+    print(f"{len(chosen) - failures} of {len(chosen)} cells as declared")
     return 1 if failures else 0
+
+
+def main() -> int:
+    return command_line(__doc__ or "", MODES, markdown_table, all_cells, run_cell)
 
 
 if __name__ == "__main__":

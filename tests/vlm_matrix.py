@@ -22,7 +22,6 @@ pixels), else every cell of it fails.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -778,9 +777,8 @@ def run_paged(family, model, column: str, mode: VisionMode, caches: list) -> lis
 
 
 def all_cells(families=None, columns=COLUMNS, modes=MODES, among=None) -> list[tuple[VisionFamily, str, str]]:
-    """The cells of `families` (names; None: all) of `among` (default: `FAMILIES`)."""
-    chosen = [f for f in (FAMILIES if among is None else among) if families is None or f.name in families]
-    return [(f, c, m) for f in chosen for c in columns for m in modes]
+    """The cells of `families` (names; None: all) of `among` (default: this matrix's `FAMILIES`)."""
+    return matrix.all_cells(families, columns, modes, FAMILIES if among is None else among)
 
 
 # -- the docs table --------------------------------------------------------------------------------
@@ -800,28 +798,13 @@ def markdown_table(families: tuple[VisionFamily, ...] | None = None) -> str:
 def main(families: tuple[VisionFamily, ...] | None = None, doc: str | None = None) -> int:
     """The command line of this matrix, or of another one's `families` (its module docstring: `doc`)."""
     families = FAMILIES if families is None else families
-    parser = argparse.ArgumentParser(description=(doc or __doc__).splitlines()[0])
-    parser.add_argument("--family", action="append", help="family name (repeatable); default: all")
-    parser.add_argument("--mode", action="append", choices=MODES)
-    parser.add_argument("--column", action="append", choices=COLUMNS)
-    parser.add_argument("--markdown", action="store_true", help="print the docs table and exit")
-    args = parser.parse_args()
-    if args.markdown:
-        print(markdown_table(families), end="")
-        return 0
-    import torch_paged_kv.integrations.transformers  # noqa: F401  (registers paged_kv)
-
-    torch.set_num_threads(1)
-    cells = [(f, c, m) for f, c, m in all_cells(args.family, args.column or COLUMNS, args.mode or MODES, families)]
-    cells = [cell for cell in cells if cell[0].available()]
-    failures = 0
-    for family, column, mode in cells:
-        result = run_cell(family, column, mode)
-        failures += not result.ok
-        flag = "ok  " if result.ok else "FAIL"
-        print(f"{flag} {family.name:20} {column:8} {mode:8} {result.got} ({result.seconds:.1f}s)", flush=True)
-    print(f"{len(cells) - failures} of {len(cells)} cells as declared")
-    return 1 if failures else 0
+    return matrix.command_line(
+        doc or __doc__ or "",
+        MODES,
+        lambda: markdown_table(families),
+        lambda names, columns, modes: all_cells(names, columns, modes, families),
+        run_cell,
+    )
 
 
 if __name__ == "__main__":
