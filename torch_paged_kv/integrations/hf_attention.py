@@ -207,7 +207,7 @@ def paged_kv_attention(
         if overlay is None:
             # a window the call does not pass is its layer group's: the model's mask applied it (Kyutai's, made
             # by generate from config.sliding_window), and the group gave back the pages outside it
-            window = sliding_window or cache.layer_windows[layer.pool_layer] or -1
+            window = sliding_window or cache.layer_window(layer.pool_layer) or -1
             out = plan.flash_attention(
                 q, layer.pool_layer, scale, True, window, softcap or 0.0, sinks, attention_chunk_size(module)
             )

@@ -63,8 +63,8 @@ from .hf_support import (
     attention_layers,
     cache_groups,
     check_config,
+    check_cross_attention,
     decoder_config,
-    has_cross_attention,
     indexed_layers,
     serves_indexed_speculative,
     state_layers,
@@ -97,24 +97,6 @@ def _no_cache_layer() -> DummyLayer | LinearAttentionLayer:
     except ImportError:
         return LinearAttentionLayer()
     return DummyLayer()
-
-
-def _check_cross_attention(config: PreTrainedConfig, encoder_decoder: bool) -> None:
-    """Refuse an encoder-decoder config for a bare cache, and `encoder_decoder` for any other (see the
-    `encoder_decoder` argument)."""
-    if has_cross_attention(config) and not encoder_decoder:
-        field = "is_encoder_decoder" if getattr(config, "is_encoder_decoder", False) else "add_cross_attention"
-        raise ValueError(
-            f"config.{field}: the model's decoder layers also attend to the encoder's states, which transformers "
-            "caches beside the self-attention K/V in an EncoderDecoderCache; a bare PagedCache would be handed "
-            "both. Use PagedCache.for_encoder_decoder(config, max_batch_size, max_cache_len, ...) (or pass "
-            "encoder_decoder=True and wrap the cache in EncoderDecoderCache yourself)"
-        )
-    if encoder_decoder and not has_cross_attention(config):
-        raise ValueError(
-            f"encoder_decoder: True, but {type(config).__name__} is not an encoder-decoder config "
-            "(config.is_encoder_decoder is False)"
-        )
 
 
 class PagedCache(Cache):
@@ -171,7 +153,7 @@ class PagedCache(Cache):
     ) -> None:
         self.config = decoder_config(config)
         self._attention_config = config if encoder_decoder else self.config  # (the decoder view may be a copy)
-        _check_cross_attention(config, encoder_decoder)
+        check_cross_attention(config, encoder_decoder)
         cfg = self.config
         self.cached_layers, self.attention_layers = attention_layers(cfg)
         self.shared_layers = frozenset(self.attention_layers) - frozenset(self.cached_layers)  # reuse others' K/V
@@ -183,12 +165,9 @@ class PagedCache(Cache):
         self.max_step_tokens = max_step_tokens
         self.group_shapes: list[CacheShape] = []
         self.group_layers: list[list[int]] = []
-        self.layer_windows: list[int | None] = [None] * len(self.cached_layers)  # per pool layer: its group's
         for shape, members in cache_groups(cfg, self.cached_layers, max_cache_len):
             self.group_shapes.append(shape)
             self.group_layers.append(members)
-            for j in members:
-                self.layer_windows[j] = shape.sliding_window
         self.is_mla = self.group_shapes[0].is_mla
         self.num_kv_heads, self.head_dim = self.group_shapes[0].num_kv_heads, self.group_shapes[0].head_dim  # the
         # config's; a one-group cache takes the keys' at the first step (a model may differ: Falcon's multi_query)
@@ -449,6 +428,11 @@ class PagedCache(Cache):
             return None
         keys, values = pool.gather(pool.held_plan(self.rows, pool_layer), pool_layer, self.max_cache_len, pool.dtype)
         return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+
+    def layer_window(self, pool_layer: int) -> int | None:
+        """The sliding window of cached layer `pool_layer`'s group (it gives back the pages outside it), or None."""
+        groups = self._live().groups
+        return groups.collections[groups.layer_map[pool_layer][0]].params.sliding_window
 
     def layer_done(self, layer_idx: int, batch: int) -> None:
         """After model layer `layer_idx` is done with the step: the last layer that reads the pages

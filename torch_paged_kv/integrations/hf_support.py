@@ -209,6 +209,24 @@ def has_cross_attention(config: Any) -> bool:
     return bool(getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False))
 
 
+def check_cross_attention(config: Any, encoder_decoder: bool) -> None:
+    """Refuse an encoder-decoder config for a bare `PagedCache`, and `encoder_decoder` for any other (see
+    `PagedCache`'s `encoder_decoder` argument)."""
+    if has_cross_attention(config) and not encoder_decoder:
+        field = "is_encoder_decoder" if getattr(config, "is_encoder_decoder", False) else "add_cross_attention"
+        raise ValueError(
+            f"config.{field}: the model's decoder layers also attend to the encoder's states, which transformers "
+            "caches beside the self-attention K/V in an EncoderDecoderCache; a bare PagedCache would be handed "
+            "both. Use PagedCache.for_encoder_decoder(config, max_batch_size, max_cache_len, ...) (or pass "
+            "encoder_decoder=True and wrap the cache in EncoderDecoderCache yourself)"
+        )
+    if encoder_decoder and not has_cross_attention(config):
+        raise ValueError(
+            f"encoder_decoder: True, but {type(config).__name__} is not an encoder-decoder config "
+            "(config.is_encoder_decoder is False)"
+        )
+
+
 def attention_layers(config: Any) -> tuple[list[int], list[int]]:
     """(layers that keep their own K/V, layers with attention), as model layer indices, by
     transformers' rule: a layer that reuses another's K/V (`kv_sharing_modes[i] == "reuse"`) attends
